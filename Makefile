@@ -1,0 +1,32 @@
+# Klique's commands. `make demo` runs it, `make test` tests it; both install what they need first.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+EXTRAS := server,embedded,agent,dev
+
+.PHONY: demo test lint install lock clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml requirements/constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c requirements/constraints.txt -e '.[$(EXTRAS)]'
+	touch $@
+
+demo: install
+	$(BIN)/klique up --demo
+
+test: install
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy .
+
+lock:
+	$(BIN)/python -m pip freeze --exclude-editable | grep -v '^-e' > requirements/constraints.txt
+
+clean:
+	rm -rf $(VENV) .klique

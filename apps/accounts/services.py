@@ -1,0 +1,277 @@
+"""Writes to accounts: users, service accounts, groups, projects and API tokens.
+
+Every function runs in the schema of the tenant it is given; callers pass the tenant explicitly.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from apps.accounts.models import ApiToken, Group, Project, ProjectMembership, Role, User
+from apps.accounts.tokens import hash_token, new_token, parse_prefix
+from apps.core.errors import Conflict, InvalidInput
+from apps.core.events import publish_event
+
+if TYPE_CHECKING:
+    from tenants.models import Tenant
+
+# last_used_at is a convenience for people auditing their tokens; writing it on every request would put
+# a row update on the hot path, so it is refreshed at most this often.
+LAST_USED_RESOLUTION = timedelta(minutes=1)
+
+
+class TokenRejected(Exception):
+    """A presented token cannot be used; the message tells its holder why and what to do."""
+
+
+@dataclass(frozen=True)
+class IssuedToken:
+    token: ApiToken
+    secret: str  # the whole token; it exists only in this object and in the response that shows it once
+
+
+def _token_expiry(expires_in_days: int | None) -> datetime:
+    days = settings.KLIQUE_TOKEN_DEFAULT_DAYS if expires_in_days is None else expires_in_days
+    if not 1 <= days <= settings.KLIQUE_TOKEN_MAX_DAYS:
+        raise InvalidInput(
+            f"A token lives between 1 and {settings.KLIQUE_TOKEN_MAX_DAYS} days; {days} was asked for.",
+            field="expires_in_days",
+        )
+    return timezone.now() + timedelta(days=days)
+
+
+@transaction.atomic
+def token_create(*, tenant: Tenant, user: User, name: str, expires_in_days: int | None = None) -> IssuedToken:
+    """Issue a token for `user` in `tenant`. The returned secret is the only copy there will ever be."""
+    from tenants.services import token_route_register
+
+    if not user.is_active:
+        raise InvalidInput(
+            f"{user.username} is deactivated; reactivate the account before issuing it a token."
+        )
+    secret, prefix = new_token()
+    token = ApiToken.objects.create(
+        user=user,
+        name=name,
+        prefix=prefix,
+        secret_hash=hash_token(secret),
+        expires_at=_token_expiry(expires_in_days),
+    )
+    token_route_register(tenant=tenant, prefix=prefix, secret_hash=token.secret_hash)
+    return IssuedToken(token=token, secret=secret)
+
+
+def token_revoke(*, token: ApiToken) -> ApiToken:
+    """Revoke at once: authentication reads the row on every request, so no process keeps using it."""
+    if token.revoked_at is None:
+        token.revoked_at = timezone.now()
+        token.save(update_fields=["revoked_at"])
+    return token
+
+
+def token_authenticate(*, tenant: Tenant, presented: str) -> tuple[User, ApiToken]:
+    """The user a bearer token stands for in `tenant`, or TokenRejected saying why not."""
+    from tenants.selectors import token_route_tenant
+
+    prefix = parse_prefix(presented)
+    if prefix is None:
+        raise TokenRejected(
+            "Malformed token: expected 'Authorization: Bearer klq_<8 characters>_<32 characters>'. "
+            "Copy the whole token as it was shown when it was created."
+        )
+    presented_hash = hash_token(presented)
+    token = ApiToken.objects.select_related("user").filter(prefix=prefix).first()
+    if token is None or not hmac.compare_digest(token.secret_hash, presented_hash):
+        owner = token_route_tenant(prefix=prefix, secret_hash=presented_hash)
+        if owner is not None and owner.pk != tenant.pk:
+            raise TokenRejected(
+                "This token belongs to another tenant. Send it to that tenant's own address, "
+                f"or create a token for {tenant.slug} there."
+            )
+        raise TokenRejected("Invalid token: no such token exists here. Create one with POST /api/v1/tokens/.")
+    now = timezone.now()
+    if token.revoked_at is not None:
+        raise TokenRejected(
+            f"Token klq_{prefix} was revoked on {token.revoked_at:%Y-%m-%d %H:%M} UTC. Create a new one."
+        )
+    if token.expires_at <= now:
+        raise TokenRejected(
+            f"Token klq_{prefix} expired on {token.expires_at:%Y-%m-%d %H:%M} UTC. Create a new one."
+        )
+    if not token.user.is_active:
+        raise TokenRejected(
+            f"The account {token.user.username} is deactivated. Ask a tenant admin to restore it."
+        )
+    if token.last_used_at is None or now - token.last_used_at > LAST_USED_RESOLUTION:
+        ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
+    return token.user, token
+
+
+@transaction.atomic
+def token_purge_expired(*, older_than: timedelta = timedelta(days=30)) -> int:
+    """Delete tokens that expired or were revoked more than `older_than` ago; returns how many."""
+    from tenants.services import token_route_forget
+
+    cutoff = timezone.now() - older_than
+    stale = ApiToken.objects.filter(expires_at__lt=cutoff) | ApiToken.objects.filter(revoked_at__lt=cutoff)
+    prefixes = list(stale.values_list("prefix", flat=True))
+    token_route_forget(prefixes=prefixes)
+    ApiToken.objects.filter(prefix__in=prefixes).delete()
+    return len(prefixes)
+
+
+def _check_role(role: str) -> Role:
+    try:
+        return Role(role)
+    except ValueError:
+        raise InvalidInput(
+            f"Unknown role {role!r}; use one of {', '.join(Role.values)}.", field="role"
+        ) from None
+
+
+@transaction.atomic
+def user_create(
+    *, tenant: Tenant, username: str, email: str = "", role: str = Role.MEMBER, password: str | None = None
+) -> User:
+    """Add a person to `tenant`. Without a password they sign in through single sign-on or a token."""
+    if User.objects.filter(username__iexact=username).exists():
+        raise Conflict(f"A user named {username!r} already exists in this tenant.", field="username")
+    user = User(username=username, email=email, role=_check_role(role))
+    if password:
+        user.set_password(password)
+    else:
+        user.set_unusable_password()
+    user.save()
+    publish_event(tenant=tenant, kind="user.created", data={"id": str(user.pk), "username": user.username})
+    return user
+
+
+@transaction.atomic
+def user_update(
+    *,
+    tenant: Tenant,
+    user: User,
+    role: str | None = None,
+    is_active: bool | None = None,
+    email: str | None = None,
+) -> User:
+    if role is not None:
+        user.role = _check_role(role)
+    if is_active is not None:
+        user.is_active = is_active
+    if email is not None:
+        user.email = email
+    if user.role != Role.ADMIN or not user.is_active:
+        _keep_one_admin(excluding=user)
+    user.save()
+    publish_event(tenant=tenant, kind="user.updated", data={"id": str(user.pk), "role": user.role})
+    return user
+
+
+def _keep_one_admin(*, excluding: User) -> None:
+    """Refuse a change that would leave the tenant without an active admin to manage it."""
+    was_admin = User.objects.filter(pk=excluding.pk, role=Role.ADMIN, is_active=True).exists()
+    others = User.objects.filter(role=Role.ADMIN, is_active=True, kind=User.Kind.PERSON).exclude(
+        pk=excluding.pk
+    )
+    if was_admin and not others.exists():
+        raise InvalidInput(
+            f"{excluding.username} is the tenant's last active admin; make someone else an admin first."
+        )
+
+
+@transaction.atomic
+def service_account_create(
+    *, tenant: Tenant, name: str, role: str = Role.MEMBER, description: str = ""
+) -> User:
+    """A non-person account for automation and CI; it acts only through the tokens issued to it."""
+    if User.objects.filter(username__iexact=name).exists():
+        raise Conflict(f"An account named {name!r} already exists in this tenant.", field="name")
+    account = User(username=name, role=_check_role(role), kind=User.Kind.SERVICE, description=description)
+    account.set_unusable_password()
+    account.save()
+    publish_event(tenant=tenant, kind="service_account.created", data={"id": str(account.pk), "name": name})
+    return account
+
+
+@transaction.atomic
+def group_save(
+    *,
+    tenant: Tenant,
+    group: Group | None = None,
+    name: str | None = None,
+    description: str | None = None,
+    members: list[User] | None = None,
+) -> Group:
+    """Create a group (group=None) or change one."""
+    group = group or Group()
+    if name is not None:
+        group.name = name
+    if description is not None:
+        group.description = description
+    try:
+        with transaction.atomic():
+            group.save()
+    except IntegrityError:
+        raise Conflict(f"A group named {group.name!r} already exists.", field="name") from None
+    if members is not None:
+        group.members.set(members)
+    publish_event(tenant=tenant, kind="group.saved", data={"id": str(group.pk), "name": group.name})
+    return group
+
+
+@transaction.atomic
+def project_save(
+    *,
+    tenant: Tenant,
+    project: Project | None = None,
+    name: str | None = None,
+    description: str | None = None,
+    admin: User | None = None,
+) -> Project:
+    """Create a project (project=None, with its first admin) or change one."""
+    creating = project is None
+    project = project or Project()
+    if name is not None:
+        project.name = name
+    if description is not None:
+        project.description = description
+    try:
+        with transaction.atomic():
+            project.save()
+    except IntegrityError:
+        raise Conflict(f"A project named {project.name!r} already exists.", field="name") from None
+    if creating and admin is not None:
+        ProjectMembership.objects.create(project=project, user=admin, role=Role.ADMIN)
+    publish_event(tenant=tenant, kind="project.saved", data={"id": str(project.pk), "name": project.name})
+    return project
+
+
+@transaction.atomic
+def project_member_set(*, tenant: Tenant, project: Project, user: User, role: str) -> ProjectMembership:
+    """Add `user` to `project` with `role`, or change the role they have there."""
+    membership, _ = ProjectMembership.objects.update_or_create(
+        project=project, user=user, defaults={"role": _check_role(role)}
+    )
+    publish_event(
+        tenant=tenant,
+        kind="project.member_set",
+        data={"project": str(project.pk), "user": str(user.pk), "role": membership.role},
+    )
+    return membership
+
+
+@transaction.atomic
+def project_member_remove(*, tenant: Tenant, membership: ProjectMembership) -> None:
+    project, user = membership.project, membership.user
+    membership.delete()
+    publish_event(
+        tenant=tenant, kind="project.member_removed", data={"project": str(project.pk), "user": str(user.pk)}
+    )

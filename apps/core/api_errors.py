@@ -1,0 +1,51 @@
+"""The one shape every API error takes.
+
+Every error body is `{"detail": "<a sentence saying what was wrong and what to do>"}`, plus `"errors"`
+(field -> messages) for invalid input, so a person reading curl output and a program alike can act on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.http import Http404
+from rest_framework import exceptions
+from rest_framework.response import Response
+from rest_framework.views import exception_handler as drf_exception_handler
+
+from apps.core.errors import KliqueError
+
+
+def _flatten(errors: Any, path: str = "") -> list[str]:
+    if isinstance(errors, dict):
+        return [
+            line
+            for key, value in errors.items()
+            for line in _flatten(value, f"{path}{key}." if key != "non_field_errors" else path)
+        ]
+    if isinstance(errors, list):
+        return [line for item in errors for line in _flatten(item, path)]
+    label = path.rstrip(".")
+    return [f"{label}: {errors}" if label else str(errors)]
+
+
+def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
+    if isinstance(exc, KliqueError):
+        body: dict[str, Any] = {"detail": exc.message}
+        if exc.field:
+            body["errors"] = {exc.field: [exc.message]}
+        return Response(body, status=int(exc.status_code))
+    if isinstance(exc, Http404):
+        exc = exceptions.NotFound("Not found. It may not exist, or it may belong to another tenant.")
+    elif isinstance(exc, DjangoPermissionDenied):
+        exc = exceptions.PermissionDenied()
+    response = drf_exception_handler(exc, context)
+    if response is None:
+        return None
+    if isinstance(exc, exceptions.ValidationError):
+        lines = _flatten(exc.detail)
+        response.data = {"detail": "Invalid input: " + "; ".join(lines), "errors": exc.detail}
+    elif isinstance(response.data, dict) and "detail" in response.data:
+        response.data = {"detail": str(response.data["detail"])}
+    return response

@@ -1,0 +1,11 @@
+"""Websocket routes. Each consumer resolves its tenant from the Host header (see apps.core.consumers)."""
+
+from __future__ import annotations
+
+from django.urls import path
+
+from apps.core.consumers import EventsConsumer
+
+websocket_urlpatterns = [
+    path("ws/v1/events/", EventsConsumer.as_asgi()),
+]

@@ -1,0 +1,183 @@
+"""Settings shared by every deployment. Values that differ between deployments come from `config.env`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dj_database_url
+
+from config import env
+
+BASE_DIR = Path(__file__).resolve().parent.parent.parent
+
+SECRET_KEY = env.text("SECRET_KEY", "klique-insecure-development-key-change-me-in-production")
+DEBUG = env.flag("DEBUG", default=False)
+
+# Tenants are reached at <slug>.<base domain>; the base domain itself serves the provider (public schema).
+KLIQUE_BASE_DOMAIN = (env.text("KLIQUE_BASE_DOMAIN", "localhost") or "localhost").lower()
+ALLOWED_HOSTS = [KLIQUE_BASE_DOMAIN, f".{KLIQUE_BASE_DOMAIN}", *env.words("KLIQUE_EXTRA_HOSTS")]
+KLIQUE_DATA_DIR = env.data_dir()
+# Lifetime of a new API token when the request names none, and the longest one may ask for.
+KLIQUE_TOKEN_DEFAULT_DAYS = env.integer("KLIQUE_TOKEN_DEFAULT_DAYS", default=90, minimum=1)
+KLIQUE_TOKEN_MAX_DAYS = env.integer("KLIQUE_TOKEN_MAX_DAYS", default=365, minimum=1)
+
+SHARED_APPS = [
+    "django_tenants",
+    "tenants",
+    "django.contrib.contenttypes",
+    "django.contrib.auth",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
+    "channels",
+    "apps.core",
+    # Users live in both: provider admins in the public schema, each tenant's people in its own schema.
+    "apps.accounts",
+]
+TENANT_APPS = [
+    "django.contrib.contenttypes",
+    "django.contrib.auth",
+    "django.contrib.sessions",
+    "apps.accounts",
+]
+INSTALLED_APPS = list(SHARED_APPS) + [app for app in TENANT_APPS if app not in SHARED_APPS]
+
+TENANT_MODEL = "tenants.Tenant"
+TENANT_DOMAIN_MODEL = "tenants.Domain"
+PUBLIC_SCHEMA_NAME = "public"
+ROOT_URLCONF = "config.urls"
+PUBLIC_SCHEMA_URLCONF = "config.urls_public"
+AUTH_USER_MODEL = "accounts.User"
+
+MIDDLEWARE = [
+    "apps.core.middleware.RequestContextMiddleware",
+    "apps.core.middleware.ProbeMiddleware",
+    "tenants.middleware.TenantMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "frontend" / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+ASGI_APPLICATION = "config.asgi.application"
+
+
+def database_settings(url: str) -> dict[str, object]:
+    database = dj_database_url.parse(url, conn_max_age=60, conn_health_checks=True)
+    database["ENGINE"] = "django_tenants.postgresql_backend"
+    return dict(database)
+
+
+DATABASES = {"default": database_settings(env.database_url())}
+DATABASE_ROUTERS = ["django_tenants.routers.TenantSyncRouter"]
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+REDIS_URL = env.redis_url()
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL], "prefix": "klique:channels:"},
+    },
+}
+
+CELERY_BROKER_URL = env.celery_broker_url(REDIS_URL)
+CELERY_RESULT_BACKEND = CELERY_BROKER_URL
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+# A task is acknowledged only when it has finished, so a killed worker's task is delivered again.
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_RESULT_EXPIRES = 3600
+CELERY_BEAT_SCHEDULE_FILENAME = str(KLIQUE_DATA_DIR / "celerybeat-schedule")
+CELERY_BEAT_SCHEDULE = {
+    "purge-expired-tokens": {
+        "task": "tenants.for_each_tenant",
+        "schedule": 3600.0,
+        "args": ("accounts.token_purge_expired",),
+    },
+}
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "apps.accounts.authentication.BearerTokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 100,
+    "EXCEPTION_HANDLER": "apps.core.api_errors.exception_handler",
+    "UNAUTHENTICATED_USER": None,
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Klique API",
+    "DESCRIPTION": "One queue model over every place GPUs live.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "COMPONENT_SPLIT_REQUEST": True,
+}
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator", "OPTIONS": {"min_length": 12}},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "/static/"
+STATIC_ROOT = KLIQUE_DATA_DIR / "static"
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
+}
+
+SESSION_COOKIE_HTTPONLY = True
+CSRF_COOKIE_HTTPONLY = False
+
+LOG_FORMAT = env.text("KLIQUE_LOG_FORMAT", "json")
+LOG_LEVEL = (env.text("KLIQUE_LOG_LEVEL", "INFO") or "INFO").upper()
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "json": {"()": "config.logging.JsonFormatter"},
+        "text": {"()": "config.logging.TextFormatter"},
+    },
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT},
+    },
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
+    "loggers": {
+        "django.server": {"level": "WARNING"},
+        "uvicorn.access": {"level": "WARNING"},
+    },
+}

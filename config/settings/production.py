@@ -1,0 +1,15 @@
+"""A real deployment: every secret comes from the environment and nothing insecure is defaulted."""
+
+from __future__ import annotations
+
+from config import env
+from config.settings.base import *
+
+SECRET_KEY = env.required_text(
+    "SECRET_KEY", "Generate one with `python -c 'import secrets; print(secrets.token_urlsafe(50))'`."
+)
+DEBUG = False
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SESSION_COOKIE_SECURE = True
+CSRF_COOKIE_SECURE = True
+SECURE_CONTENT_TYPE_NOSNIFF = True

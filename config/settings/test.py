@@ -1,0 +1,20 @@
+"""The test suite: real PostgreSQL and Redis, on 127.0.0.1 when they listen there, else embedded ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from klique.embedded import ensure_services
+
+# Before the base layer reads DATABASE_URL and REDIS_URL: fill them in from what this machine offers.
+TEST_SERVICES = ensure_services(
+    Path(__file__).resolve().parent.parent.parent / ".klique" / "test", prefer_local=True
+)
+
+from config.settings.base import *  # noqa: E402 -- must follow ensure_services, which sets the environment
+
+KLIQUE_BASE_DOMAIN = "klique.test"
+ALLOWED_HOSTS = [KLIQUE_BASE_DOMAIN, f".{KLIQUE_BASE_DOMAIN}"]
+WHITENOISE_USE_FINDERS = True
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # speed; no test relies on hash cost
+CELERY_BEAT_SCHEDULE = {}

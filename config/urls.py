@@ -1,0 +1,17 @@
+"""URLs of a tenant's domain (<tenant>.<base domain>)."""
+
+from __future__ import annotations
+
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from apps.accounts.urls import urlpatterns as accounts_urlpatterns
+from tenants.urls import tenant_urlpatterns
+
+api_v1 = [*tenant_urlpatterns, *accounts_urlpatterns]
+
+urlpatterns = [
+    path("api/v1/", include(api_v1)),
+    path("api/schema/", SpectacularAPIView.as_view(urlconf="config.urls"), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+]

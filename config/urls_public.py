@@ -1,0 +1,17 @@
+"""URLs of the provider's own domain (the base domain, public schema)."""
+
+from __future__ import annotations
+
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from apps.accounts.urls import identity_urlpatterns
+from tenants.urls import provider_urlpatterns
+
+api_v1 = [*provider_urlpatterns, *identity_urlpatterns]
+
+urlpatterns = [
+    path("api/v1/", include(api_v1)),
+    path("api/schema/", SpectacularAPIView.as_view(urlconf="config.urls_public"), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+]

@@ -1,0 +1,275 @@
+"""The `klique` command: the control plane's processes (web, worker, beat, up) and the provider's tools.
+
+The server subcommands start Django in child processes; this module itself imports no Django, so the
+same command works where only the SDK and agent are installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from klique.embedded import EmbeddedServiceError, ensure_services
+from klique.preflight import PreflightError, check_database, check_redis
+
+DEFAULT_SETTINGS = "config.settings.local"
+
+
+class ProcessSet:
+    """Child processes started in their own sessions, so that this process alone decides how they stop."""
+
+    def __init__(self) -> None:
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, argv: Sequence[str]) -> None:
+        self.children[name] = subprocess.Popen(list(argv), start_new_session=True)
+
+    def first_exited(self) -> str | None:
+        return next((name for name, child in self.children.items() if child.poll() is not None), None)
+
+    def stop(self, grace_seconds: float = 20) -> None:
+        for child in self.children.values():
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_seconds
+        for child in self.children.values():
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                child.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+def _server_environment() -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", DEFAULT_SETTINGS)
+
+
+def _manage_argv(*arguments: str) -> list[str]:
+    return [sys.executable, "-m", "django", *arguments]
+
+
+def _web_argv(host: str, port: int, workers: int = 1) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "config.asgi:application",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+        "--no-access-log",
+        "--lifespan",
+        "off",
+        "--proxy-headers",
+    ]
+
+
+def _worker_argv(concurrency: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "config",
+        "worker",
+        "--loglevel",
+        "INFO",
+        "--concurrency",
+        str(concurrency),
+        "--hostname",
+        "klique@%h",
+    ]
+
+
+def _beat_argv(data_dir: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "config",
+        "beat",
+        "--loglevel",
+        "INFO",
+        "--schedule",
+        str(data_dir / "celerybeat-schedule"),
+    ]
+
+
+def _preflight() -> None:
+    check_database()
+    check_redis()
+
+
+def _exec(argv: list[str]) -> int:
+    _server_environment()
+    _preflight()
+    os.execv(argv[0], argv)
+    return 0  # not reached
+
+
+def _wait_until_ready(url: str, children: ProcessSet, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (exited := children.first_exited()) is not None:
+            raise PreflightError(f"The {exited} process exited while starting; its output above says why.")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise PreflightError(f"The web process did not become ready at {url} within {timeout:.0f} s.")
+
+
+def _banner(demo: dict[str, Any] | None, port: int) -> str:
+    lines = ["", "Klique is up. Press Ctrl-C to stop.", ""]
+    base = f"http://localhost:{port}"
+    lines.append(f"  Provider API:  {base}/api/v1/provider/tenants/   docs: {base}/api/docs/")
+    if demo:
+        tenant_url = f"http://{demo['tenant_address']}:{port}"
+        lines += [
+            f"  Demo tenant:   {tenant_url}/api/v1/   (admin: {demo['admin']})",
+            f"  Admin token:   {demo['admin_token']}",
+            f"  Provider token: {demo['provider_token']}",
+            "",
+            "  Try:",
+            f"    curl -H 'Authorization: Bearer {demo['admin_token']}' {tenant_url}/api/v1/tenant/",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def command_up(args: argparse.Namespace) -> int:
+    """Run everything on one machine: embedded services where none is configured, then web, worker, beat."""
+    _server_environment()
+    data_dir = Path(args.data_dir or os.environ.get("KLIQUE_DATA_DIR", ".klique")).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["KLIQUE_DATA_DIR"] = str(data_dir)
+    services = ensure_services(data_dir, prefer_local=False)
+    children = ProcessSet()
+    stopping = False
+
+    def request_stop(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    try:
+        if services.started:
+            print(f"Started embedded {' and '.join(services.started)} in {data_dir}", flush=True)
+        _preflight()
+        subprocess.run(_manage_argv("migrate_schemas", "--noinput", "-v", "0"), check=True)
+        demo = None
+        if args.demo:
+            output = subprocess.run(
+                _manage_argv("demo_setup"), check=True, capture_output=True, text=True
+            ).stdout
+            demo = json.loads(output.strip().splitlines()[-1])
+        children.start("web", _web_argv(args.host, args.port))
+        children.start("worker", _worker_argv(args.concurrency))
+        children.start("beat", _beat_argv(data_dir))
+        _wait_until_ready(f"http://127.0.0.1:{args.port}/readyz", children)
+        print(_banner(demo, args.port), flush=True)
+        while not stopping:
+            if (exited := children.first_exited()) is not None:
+                print(f"The {exited} process stopped; stopping the others.", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(0.2)
+        print("Stopping Klique...", flush=True)
+        return 0
+    except (PreflightError, EmbeddedServiceError) as error:
+        print(f"klique up: {error}", file=sys.stderr)
+        return 2
+    except subprocess.CalledProcessError as error:
+        detail = (error.stderr or "").strip().splitlines()[-1:] if isinstance(error.stderr, str) else []
+        print(
+            f"klique up: setting up failed ({' '.join(map(str, error.cmd[3:]))}). {' '.join(detail)}",
+            file=sys.stderr,
+        )
+        return 2
+    finally:
+        children.stop()
+        services.stop()
+
+
+def command_manage(arguments: list[str]) -> int:
+    _server_environment()
+    try:
+        _preflight()
+    except PreflightError as error:
+        print(f"klique: {error}", file=sys.stderr)
+        return 2
+    return subprocess.call(_manage_argv(*arguments))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="klique", description="Klique: one queue model over every GPU.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("up", help="run the whole control plane on this machine")
+    up.add_argument("--demo", action="store_true", help="also create the demo tenant and print a token")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--concurrency", type=int, default=2, help="Celery worker processes")
+    up.add_argument("--data-dir", default=None, help="where embedded services keep data (default .klique)")
+    web = commands.add_parser("web", help="serve HTTP and websockets (ASGI)")
+    web.add_argument("--host", default="127.0.0.1")
+    web.add_argument("--port", type=int, default=8000)
+    web.add_argument("--workers", type=int, default=1)
+    worker = commands.add_parser("worker", help="run a Celery worker")
+    worker.add_argument("--concurrency", type=int, default=2)
+    commands.add_parser("beat", help="run Celery beat (periodic work)")
+    commands.add_parser("migrate", help="migrate the public schema and every tenant schema")
+    for name, help_text in (
+        ("tenant", "create, list, suspend, resume, delete tenants"),
+        ("provider-admin", "create a provider admin and print a token"),
+        ("manage", "run any Django management command"),
+    ):
+        passthrough = commands.add_parser(name, help=help_text, add_help=False)
+        passthrough.add_argument("arguments", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _beat(args: argparse.Namespace) -> int:
+    data_dir = Path(os.environ.get("KLIQUE_DATA_DIR", ".klique")).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return _exec(_beat_argv(data_dir))
+
+
+COMMANDS: dict[str, Any] = {
+    "up": command_up,
+    "web": lambda args: _exec(_web_argv(args.host, args.port, args.workers)),
+    "worker": lambda args: _exec(_worker_argv(args.concurrency)),
+    "beat": _beat,
+    "migrate": lambda args: command_manage(["migrate_schemas", "--noinput"]),
+    "tenant": lambda args: command_manage(["tenant", *args.arguments]),
+    "provider-admin": lambda args: command_manage(["provider_admin", *args.arguments]),
+    "manage": lambda args: command_manage(args.arguments),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(COMMANDS[args.command](args))
+    except PreflightError as error:
+        print(f"klique: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""The public schema's own tables: tenants, their domains, and where each API token lives."""
+
+from __future__ import annotations
+
+from django.db import models
+from django_tenants.models import DomainMixin, TenantMixin
+
+
+class Tenant(TenantMixin):
+    class Status(models.TextChoices):
+        ACTIVE = "active"
+        SUSPENDED = "suspended"
+
+    slug = models.SlugField(max_length=40, unique=True)
+    name = models.CharField(max_length=200)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACTIVE)
+    suspended_reason = models.TextField(blank=True)
+    suspended_at = models.DateTimeField(null=True, blank=True)
+    # The provider's cap on the tenant's GPUs in use at once, in whole GPUs; null means no cap.
+    gpu_share = models.PositiveIntegerField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    auto_create_schema = True
+    auto_drop_schema = True
+
+    class Meta:
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return self.slug
+
+    @property
+    def is_suspended(self) -> bool:
+        return self.status == self.Status.SUSPENDED
+
+
+class Domain(DomainMixin):
+    def __str__(self) -> str:
+        return self.domain
+
+
+class TokenRoute(models.Model):
+    """Which schema holds the token with this prefix.
+
+    Tokens live in their tenant's schema; this index lets a request that presents a token at the wrong
+    tenant's domain be told so, instead of a bare "invalid token". The hash is kept so that only the holder
+    of the real token learns where it belongs.
+    """
+
+    prefix = models.CharField(max_length=16, primary_key=True)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="token_routes")
+    secret_hash = models.CharField(max_length=64)
+
+    def __str__(self) -> str:
+        return self.prefix
