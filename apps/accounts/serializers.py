@@ -53,7 +53,9 @@ class ServiceAccountPatch(serializers.Serializer[User]):
 
 
 class GroupOut(serializers.ModelSerializer[Group]):
-    members: serializers.PrimaryKeyRelatedField[User] = serializers.PrimaryKeyRelatedField(many=True, read_only=True)
+    members: serializers.PrimaryKeyRelatedField[User] = serializers.PrimaryKeyRelatedField(
+        many=True, read_only=True
+    )
 
     class Meta:
         model = Group

@@ -178,6 +178,8 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
     "loggers": {
         "django.server": {"level": "WARNING"},
+        # 4xx responses are in the access log already, with their request id; keep 5xx reports only.
+        "django.request": {"level": "ERROR"},
         "uvicorn.access": {"level": "WARNING"},
     },
 }

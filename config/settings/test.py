@@ -16,5 +16,6 @@ from config.settings.base import *  # noqa: E402 -- must follow ensure_services,
 KLIQUE_BASE_DOMAIN = "klique.test"
 ALLOWED_HOSTS = [KLIQUE_BASE_DOMAIN, f".{KLIQUE_BASE_DOMAIN}"]
 WHITENOISE_USE_FINDERS = True
+STATIC_ROOT = None  # served from the apps by WhiteNoise; collectstatic is for production
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # speed; no test relies on hash cost
 CELERY_BEAT_SCHEDULE = {}

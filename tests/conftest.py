@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+from rest_framework.test import APIClient
+
+from tests.world import HOST_A, HOST_B, HOST_PROVIDER, World, build_world
+
+HOSTS = {"a": HOST_A, "b": HOST_B, "provider": HOST_PROVIDER}
+
+
+@pytest.fixture(scope="session")
+def world(django_db_setup: None, django_db_blocker: pytest.FixtureRequest) -> World:
+    """Two tenants, their people and objects, committed once for the whole session."""
+    with django_db_blocker.unblock():  # type: ignore[attr-defined]
+        return build_world()
+
+
+@pytest.fixture
+def api(world: World, db: None) -> Iterator[Callable[..., APIClient]]:
+    """`api("alice")` is a client for alice at her tenant's address; `api("alice", host="b")` elsewhere."""
+    home = {"root": "provider", "paula": "provider", "charlie": "b"}
+
+    def client(persona: str | None = None, *, host: str | None = None) -> APIClient:
+        where = host or (home.get(persona, "a") if persona else "a")
+        api_client = APIClient(HTTP_HOST=HOSTS[where])
+        if persona is not None:
+            api_client.credentials(HTTP_AUTHORIZATION=f"Bearer {world.tokens[persona]}")
+        return api_client
+
+    yield client

@@ -1,0 +1,100 @@
+"""The test world: two tenants and the people in them, made once per test session.
+
+Personas (as in STYLE.md):
+- alice: admin of tenant A (acme); first admin, made with the tenant.
+- bob: member of A, and a member (not an admin) of project apollo.
+- dave: viewer of A.
+- carol: member of A and admin of project apollo.
+- charlie: admin of tenant B (globex); he must never see A's objects.
+- paula: a public-schema user who is not a provider admin (a viewer).
+- root: provider admin.
+
+Each test runs inside a transaction that is rolled back, so tests may change this world freely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django_tenants.utils import get_public_schema_name, schema_context
+
+from apps.accounts.models import Role, User
+from apps.accounts.services import (
+    group_save,
+    project_member_set,
+    project_save,
+    service_account_create,
+    token_create,
+    user_create,
+)
+from tenants.models import Tenant
+from tenants.services import public_tenant_ensure, tenant_create
+
+BASE = "klique.test"
+HOST_A = f"acme.{BASE}"
+HOST_B = f"globex.{BASE}"
+HOST_PROVIDER = BASE
+
+
+@dataclass(frozen=True)
+class World:
+    tenant_a: Tenant
+    tenant_b: Tenant
+    public: Tenant
+    tokens: dict[str, str]  # persona -> bearer token
+    users: dict[str, str]  # persona -> user id (in their own schema)
+    project_a: str
+    group_a: str
+    service_account_a: str
+    token_ids: dict[str, str]  # persona -> id of the token in `tokens`
+    project_b: str
+
+
+def build_world() -> World:
+    public = public_tenant_ensure()
+    tokens: dict[str, str] = {}
+    token_ids: dict[str, str] = {}
+    users: dict[str, str] = {}
+    with schema_context(get_public_schema_name()):
+        for name, role in (("root", Role.ADMIN), ("paula", Role.VIEWER)):
+            person = User.objects.create(username=name, role=role)
+            users[name] = str(person.pk)
+            issued = token_create(tenant=public, user=person, name="test")
+            tokens[name], token_ids[name] = issued.secret, str(issued.token.pk)
+
+    created_a = tenant_create(slug="acme", name="Acme", admin_username="alice", admin_email="alice@acme.test")
+    created_b = tenant_create(slug="globex", name="Globex", admin_username="charlie", gpu_share=16)
+    tenant_a, tenant_b = created_a.tenant, created_b.tenant
+    tokens["alice"], tokens["charlie"] = created_a.admin_token, created_b.admin_token
+
+    with schema_context(tenant_a.schema_name):
+        alice = User.objects.get(username="alice")
+        users["alice"] = str(alice.pk)
+        for name, role in (("bob", Role.MEMBER), ("dave", Role.VIEWER), ("carol", Role.MEMBER)):
+            person = user_create(tenant=tenant_a, username=name, email=f"{name}@acme.test", role=role)
+            users[name] = str(person.pk)
+            issued = token_create(tenant=tenant_a, user=person, name="test")
+            tokens[name], token_ids[name] = issued.secret, str(issued.token.pk)
+        bob = User.objects.get(username="bob")
+        carol = User.objects.get(username="carol")
+        project = project_save(tenant=tenant_a, name="apollo", description="Moonshot", admin=alice)
+        project_member_set(tenant=tenant_a, project=project, user=bob, role=Role.MEMBER)
+        project_member_set(tenant=tenant_a, project=project, user=carol, role=Role.ADMIN)
+        group = group_save(tenant=tenant_a, name="research", members=[alice, bob])
+        robot = service_account_create(tenant=tenant_a, name="ci-bot", description="CI")
+    with schema_context(tenant_b.schema_name):
+        charlie = User.objects.get(username="charlie")
+        users["charlie"] = str(charlie.pk)
+        project_b = project_save(tenant=tenant_b, name="hermes", admin=charlie)
+    return World(
+        tenant_a=tenant_a,
+        tenant_b=tenant_b,
+        public=public,
+        tokens=tokens,
+        users=users,
+        project_a=str(project.pk),
+        group_a=str(group.pk),
+        service_account_a=str(robot.pk),
+        token_ids=token_ids,
+        project_b=str(project_b.pk),
+    )
