@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from rest_framework.test import APIClient
@@ -18,7 +18,7 @@ def world(django_db_setup: None, django_db_blocker: pytest.FixtureRequest) -> Wo
 
 
 @pytest.fixture
-def api(world: World, db: None) -> Iterator[Callable[..., APIClient]]:
+def api(world: World, db: None) -> Callable[..., APIClient]:
     """`api("alice")` is a client for alice at her tenant's address; `api("alice", host="b")` elsewhere."""
     home = {"root": "provider", "paula": "provider", "charlie": "b"}
 
@@ -29,4 +29,4 @@ def api(world: World, db: None) -> Iterator[Callable[..., APIClient]]:
             api_client.credentials(HTTP_AUTHORIZATION=f"Bearer {world.tokens[persona]}")
         return api_client
 
-    yield client
+    return client
