@@ -19,3 +19,6 @@ WHITENOISE_USE_FINDERS = True
 STATIC_ROOT = None  # served from the apps by WhiteNoise; collectstatic is for production
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # speed; no test relies on hash cost
 CELERY_BEAT_SCHEDULE = {}
+# Threads that serve websockets in tests must let go of their connections, or the test database
+# cannot be dropped at the end of the run.
+DATABASES["default"]["CONN_MAX_AGE"] = 0

@@ -1,0 +1,98 @@
+"""The events websocket: tenant from Host, user from a bearer token, and only that tenant's events."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.db import connections
+from django_tenants.utils import schema_context
+
+from apps.accounts.models import Project
+from apps.accounts.services import project_save
+from config.asgi import application
+from tests.world import HOST_A, World
+
+
+@pytest.fixture(autouse=True)
+def _close_consumer_connections() -> Iterator[None]:
+    """Consumers query from asgiref's long-lived worker thread; close its connection after each test."""
+    yield
+    asyncio.run(sync_to_async(connections.close_all)())
+
+
+def communicator(host: str, token: str | None) -> WebsocketCommunicator:
+    headers = [(b"host", host.encode())]
+    if token:
+        headers.append((b"authorization", f"Bearer {token}".encode()))
+    return WebsocketCommunicator(application, "/ws/v1/events/", headers=headers)
+
+
+def save_project_and_commit(world: World, schema: str, name: str) -> None:
+    """Runs in the consumer's database thread, outside the test's transaction, so it really commits."""
+    tenant = world.tenant_a if schema == "acme" else world.tenant_b
+    with schema_context(schema):
+        project_save(tenant=tenant, name=name)
+
+
+def delete_projects(names: list[str]) -> None:
+    for schema in ("acme", "globex"):
+        with schema_context(schema):
+            Project.objects.filter(name__in=names).delete()
+
+
+def test_a_user_receives_their_tenant_s_events_and_no_other(world: World, db: None) -> None:
+    names = [f"ws-b-{uuid.uuid4().hex[:6]}", f"ws-a-{uuid.uuid4().hex[:6]}"]
+
+    async def scenario() -> list[dict[str, Any]]:
+        client = communicator(HOST_A, world.tokens["bob"])
+        connected, _ = await client.connect()
+        assert connected
+        received = [await client.receive_json_from(timeout=5)]
+        try:
+            await database_sync_to_async(save_project_and_commit)(world, "globex", names[0])
+            await database_sync_to_async(save_project_and_commit)(world, "acme", names[1])
+            received.append(await client.receive_json_from(timeout=5))
+            assert await client.receive_nothing(timeout=0.3)
+        finally:
+            await database_sync_to_async(delete_projects)(names)
+            await client.disconnect()
+        return received
+
+    welcome, event = asyncio.run(scenario())
+    assert welcome == {"type": "welcome", "tenant": "acme", "user": "bob"}
+    assert event["type"] == "event"
+    assert event["kind"] == "project.saved"
+    assert event["data"]["name"] == names[1]
+
+
+@pytest.mark.parametrize(
+    ("host", "persona", "code", "fragment"),
+    [
+        (HOST_A, None, 4401, "Authorization: Bearer"),
+        (HOST_A, "charlie", 4401, "belongs to another tenant"),
+        ("nowhere.klique.test", "bob", 4404, "No tenant is served"),
+    ],
+)
+def test_refused_connections_say_why(
+    world: World, db: None, host: str, persona: str | None, code: int, fragment: str
+) -> None:
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
+        client = communicator(host, world.tokens[persona] if persona else None)
+        connected, _ = await client.connect()
+        assert connected
+        error = await client.receive_json_from(timeout=5)
+        closed = await client.receive_output(timeout=5)
+        await client.wait()
+        return error, closed
+
+    error, closed = asyncio.run(scenario())
+    assert error["type"] == "error"
+    assert fragment in error["detail"]
+    assert closed == {"type": "websocket.close", "code": code}
