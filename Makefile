@@ -26,7 +26,8 @@ lint: install
 	$(BIN)/mypy .
 
 lock:
-	$(BIN)/python -m pip freeze --exclude-editable | grep -v '^-e' > requirements/constraints.txt
+	{ echo '# Pinned versions of everything Klique installs; `make lock` regenerates this from the virtual environment.'; \
+	  $(BIN)/python -m pip freeze --exclude-editable | grep -v '^-e'; } > requirements/constraints.txt
 
 clean:
 	rm -rf $(VENV) .klique

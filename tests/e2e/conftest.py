@@ -1,0 +1,131 @@
+"""Real Klique processes for end-to-end tests: `klique up` as a subprocess, read like a person would."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from klique.embedded import LOCAL_POSTGRES, LOCAL_REDIS, port_open
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def clean_environment(**overrides: str) -> dict[str, str]:
+    environment = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in {"DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE", "KLIQUE_DATA_DIR"}
+    }
+    environment.update(overrides)
+    environment["PYTHONUNBUFFERED"] = "1"
+    return environment
+
+
+@dataclass
+class Running:
+    """A `klique up` process and what it printed."""
+
+    process: subprocess.Popen[str]
+    port: int
+    lines: list[str] = field(default_factory=list)
+    _queue: queue.Queue[str] = field(default_factory=queue.Queue)
+
+    def start_reader(self) -> None:
+        def pump() -> None:
+            assert self.process.stdout is not None
+            for line in self.process.stdout:
+                self._queue.put(line)
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def wait_for(self, pattern: str, timeout: float = 180) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                if self.process.poll() is not None:
+                    break
+                continue
+            self.lines.append(line)
+            if match := re.search(pattern, line):
+                return match
+        tail = "".join(self.lines[-40:])
+        raise AssertionError(f"`klique up` never printed {pattern!r}; it printed:\n{tail}")
+
+    def interrupt(self, timeout: float = 60) -> int:
+        """Ctrl-C, as a person at the terminal would; returns the exit code."""
+        self.process.send_signal(signal.SIGINT)
+        try:
+            return self.process.wait(timeout=timeout)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+
+
+def start_up(environment: dict[str, str], data_dir: Path) -> Running:
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "klique.cli",
+            "up",
+            "--demo",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+            "--concurrency",
+            "1",
+        ],
+        cwd=ROOT,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    running = Running(process=process, port=port)
+    running.start_reader()
+    return running
+
+
+@pytest.fixture
+def fresh_database() -> Iterator[str]:
+    """An empty database on the machine's PostgreSQL, dropped afterwards."""
+    if not port_open(*LOCAL_POSTGRES):
+        pytest.skip("no PostgreSQL on 127.0.0.1:5432; the embedded variant of this test still runs")
+    name = f"klique_e2e_{uuid.uuid4().hex[:8]}"
+    admin_url = f"postgresql://postgres@{LOCAL_POSTGRES[0]}:{LOCAL_POSTGRES[1]}/postgres"
+    with psycopg.connect(admin_url, autocommit=True) as connection:
+        connection.execute(f'CREATE DATABASE "{name}"')
+    yield f"postgres://postgres@{LOCAL_POSTGRES[0]}:{LOCAL_POSTGRES[1]}/{name}"
+    with psycopg.connect(admin_url, autocommit=True) as connection:
+        connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def redis_url() -> str:
+    if not port_open(*LOCAL_REDIS):
+        pytest.skip("no Redis on 127.0.0.1:6379; the embedded variant of this test still runs")
+    return f"redis://{LOCAL_REDIS[0]}:{LOCAL_REDIS[1]}/10"

@@ -1,0 +1,155 @@
+"""`klique up --demo` as a newcomer runs it: configured services, embedded ones, Ctrl-C, and a rerun."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import websockets
+from celery import Celery
+
+from tests.e2e.conftest import ROOT, Running, clean_environment, free_port, start_up
+
+pytestmark = pytest.mark.e2e
+
+BANNER_CURL = r"curl -H 'Authorization: Bearer (klq_\S+)' (http://\S+)"
+
+
+def demo_curl(running: Running) -> tuple[str, str, dict[str, Any]]:
+    """Wait for the banner, run the curl it prints, exactly as printed; return token, url and the JSON."""
+    match = running.wait_for(BANNER_CURL)
+    token, url = match[1], match[2]
+    command = match[0]
+    output = subprocess.run(
+        [*shlex.split(command), "--silent", "--fail-with-body"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    return token, url, json.loads(output)
+
+
+def call(
+    running: Running, method: str, path: str, token: str, host: str = "demo.localhost", **kwargs: Any
+) -> Any:
+    return httpx.request(
+        method,
+        f"http://127.0.0.1:{running.port}{path}",
+        headers={"Host": f"{host}:{running.port}", "Authorization": f"Bearer {token}"},
+        timeout=30,
+        **kwargs,
+    )
+
+
+async def first_event(port: int, token: str, create_project: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    async with websockets.connect(
+        f"ws://demo.localhost:{port}/ws/v1/events/",
+        host="127.0.0.1",
+        port=port,
+        additional_headers={"Authorization": f"Bearer {token}"},
+    ) as stream:
+        welcome = json.loads(await asyncio.wait_for(stream.recv(), 10))
+        await asyncio.to_thread(create_project)
+        event = json.loads(await asyncio.wait_for(stream.recv(), 10))
+        return welcome, event
+
+
+def test_up_with_configured_services(fresh_database: str, redis_url: str, tmp_path: Path) -> None:
+    environment = clean_environment(DATABASE_URL=fresh_database, REDIS_URL=redis_url)
+    running = start_up(environment, tmp_path / "data")
+    second_web = None
+    try:
+        token, url, tenant = demo_curl(running)
+        assert url == f"http://demo.localhost:{running.port}/api/v1/tenant/"
+        assert tenant["slug"] == "demo"
+        assert tenant["domains"] == ["demo.localhost"]
+
+        # Websockets through the real ASGI server: an event arrives when a project is made.
+        welcome, event = asyncio.run(
+            first_event(
+                running.port,
+                token,
+                lambda: call(running, "POST", "/api/v1/projects/", token, json={"name": "e2e-project"}),
+            )
+        )
+        assert welcome == {"type": "welcome", "tenant": "demo", "user": "alice"}
+        assert (event["kind"], event["data"]["name"]) == ("project.saved", "e2e-project")
+
+        # The Celery worker runs tenant tasks in the schema named in the message.
+        celery = Celery(broker=redis_url, backend=redis_url)
+        assert celery.send_task("accounts.token_purge_expired", args=("demo",)).get(timeout=60) == 0
+        assert (
+            celery.send_task("tenants.for_each_tenant", args=("accounts.token_purge_expired",)).get(
+                timeout=60
+            )
+            == 1
+        )
+
+        # Revocation reaches every process at once: a second web process refuses a token revoked in the first.
+        second_port = free_port()
+        second_web = subprocess.Popen(
+            [sys.executable, "-m", "klique.cli", "web", "--port", str(second_port)],
+            cwd=ROOT,
+            env=environment,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        second = Running(process=second_web, port=second_port)  # type: ignore[arg-type]
+        issued = call(running, "POST", "/api/v1/tokens/", token, json={"name": "roaming"}).json()
+        for _ in range(100):
+            try:
+                if call(second, "GET", "/api/v1/me/", issued["token"]).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            asyncio.run(asyncio.sleep(0.2))
+        assert call(second, "GET", "/api/v1/me/", issued["token"]).status_code == 200
+        assert call(running, "DELETE", f"/api/v1/tokens/{issued['id']}/", token).status_code == 204
+        refused = call(second, "GET", "/api/v1/me/", issued["token"])
+        assert refused.status_code == 401
+        assert "revoked" in refused.json()["detail"]
+    finally:
+        if second_web is not None:
+            second_web.terminate()
+            second_web.wait(timeout=30)
+        exit_code = running.interrupt()
+    assert exit_code == 0, "".join(running.lines[-30:])
+
+    # A second run reuses what the first made.
+    again = start_up(environment, tmp_path / "data")
+    try:
+        _, _, tenant_again = demo_curl(again)
+        assert tenant_again["created_at"] == tenant["created_at"]
+    finally:
+        assert again.interrupt() == 0
+
+
+def test_up_on_embedded_postgres_and_redis(tmp_path: Path) -> None:
+    """No DATABASE_URL, no REDIS_URL: both come from Python packages into the data folder."""
+    data_dir = tmp_path / "data"
+    running = start_up(clean_environment(), data_dir)
+    try:
+        running.wait_for(r"Started embedded PostgreSQL and Redis")
+        _, _, tenant = demo_curl(running)
+        assert tenant["slug"] == "demo"
+        ready = httpx.get(f"http://127.0.0.1:{running.port}/readyz", timeout=10).json()
+        assert ready["status"] == "ready"
+    finally:
+        exit_code = running.interrupt()
+    assert exit_code == 0, "".join(running.lines[-30:])
+    assert (data_dir / "postgres" / "PG_VERSION").exists()
+
+    again = start_up(clean_environment(), data_dir)
+    try:
+        _, _, tenant_again = demo_curl(again)
+        assert tenant_again["created_at"] == tenant["created_at"]
+    finally:
+        assert again.interrupt() == 0
