@@ -59,7 +59,11 @@ def _manage_argv(*arguments: str) -> list[str]:
     return [sys.executable, "-m", "django", *arguments]
 
 
+WEB_POOL_SIZE = "10"  # PostgreSQL connections shared by one web process's request threads
+
+
 def _web_argv(host: str, port: int, workers: int = 1) -> list[str]:
+    os.environ.setdefault("KLIQUE_DB_POOL_SIZE", WEB_POOL_SIZE)
     return [
         sys.executable,
         "-m",

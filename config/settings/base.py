@@ -83,13 +83,26 @@ TEMPLATES = [
 ASGI_APPLICATION = "config.asgi.application"
 
 
-def database_settings(url: str) -> dict[str, object]:
-    database = dj_database_url.parse(url, conn_max_age=60, conn_health_checks=True)
+def database_settings(url: str, *, pool_size: int) -> dict[str, object]:
+    """Connection settings. Under ASGI, Django runs each request's sync code in a thread of its own, so
+    per-thread persistent connections would mean a new PostgreSQL connection per request; the web process
+    therefore shares a psycopg pool (pool_size > 0). Celery's prefork children keep plain persistent
+    connections: a pool's threads do not survive fork."""
+    database = dict(dj_database_url.parse(url, conn_max_age=60, conn_health_checks=True))
     database["ENGINE"] = "django_tenants.postgresql_backend"
-    return dict(database)
+    if pool_size:
+        database["CONN_MAX_AGE"] = 0
+        database["CONN_HEALTH_CHECKS"] = False
+        options = dict(database.get("OPTIONS") or {})  # type: ignore[call-overload]
+        options["pool"] = {"min_size": 1, "max_size": pool_size, "timeout": 10}
+        database["OPTIONS"] = options
+    return database
 
 
-DATABASES = {"default": database_settings(env.database_url())}
+# `klique web` sets KLIQUE_DB_POOL_SIZE; other processes connect without a pool.
+DATABASES = {
+    "default": database_settings(env.database_url(), pool_size=env.integer("KLIQUE_DB_POOL_SIZE", default=0))
+}
 DATABASE_ROUTERS = ["django_tenants.routers.TenantSyncRouter"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
