@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -99,3 +100,41 @@ def test_sdk_and_cli_import_no_django() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT, check=False
     )
     assert result.stdout.strip() == "False", result.stderr
+
+
+def test_agent_extra_installs_without_django(tmp_path: Path) -> None:
+    """What `pip install 'klique[agent]'` would install, resolved against the registry."""
+    report = tmp_path / "report.json"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--report",
+            str(report),
+            f"{ROOT}[agent]",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    names = {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
+    assert {"klique", "websockets", "httpx"} <= names
+    assert not names & {"django", "djangorestframework", "django-tenants", "celery", "psycopg"}
+
+
+def test_up_names_the_unreachable_database(tmp_path: Path) -> None:
+    result = run_klique(
+        "up",
+        "--data-dir",
+        str(tmp_path),
+        DATABASE_URL="postgres://klique@127.0.0.1:1/klique",
+        REDIS_URL="redis://127.0.0.1:6379/13",
+    )
+    assert result.returncode == 2
+    assert "Cannot reach PostgreSQL at 127.0.0.1:1" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -123,6 +123,8 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_RESULT_EXPIRES = 3600
+# Workers log through Django's LOGGING, so their lines are JSON with the tenant a task runs for.
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BEAT_SCHEDULE_FILENAME = str(KLIQUE_DATA_DIR / "celerybeat-schedule")
 CELERY_BEAT_SCHEDULE = {
     "purge-expired-tokens": {

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from django_tenants.utils import schema_context
 from rest_framework.test import APIClient
 
+from tests.factories import UserFactory
 from tests.world import World
 
 
@@ -69,7 +71,21 @@ def test_duplicate_names_are_conflicts_with_a_reason(api: Callable[..., APIClien
 
 
 def test_lists_are_paginated(api: Callable[..., APIClient], world: World) -> None:
-    page = api("alice").get("/api/v1/users/?limit=2").json()
-    assert page["count"] == 4
-    assert len(page["results"]) == 2
-    assert page["next"] is not None
+    with schema_context("acme"):
+        UserFactory.create_batch(3)
+    first = api("alice").get("/api/v1/users/?limit=5").json()
+    assert first["count"] == 7
+    assert len(first["results"]) == 5
+    rest = api("alice").get(first["next"].replace("http://acme.klique.test", "")).json()
+    assert len(rest["results"]) == 2
+    assert {u["id"] for u in first["results"]}.isdisjoint(u["id"] for u in rest["results"])
+
+
+def test_project_members_see_only_their_tenant_s_people(api: Callable[..., APIClient], world: World) -> None:
+    with schema_context("globex"):
+        outsider = UserFactory.create()
+    response = api("carol").post(
+        f"/api/v1/projects/{world.project_a}/members/", {"user": str(outsider.pk)}, format="json"
+    )
+    assert response.status_code == 400
+    assert "in this tenant" in response.json()["detail"]
