@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,7 +64,10 @@ class Services:
 
 def start_postgres(data_dir: Path, database: str) -> tuple[object, str]:
     try:
-        from pgserver.postgres_server import get_server
+        with warnings.catch_warnings():
+            # pgserver asks platformdirs for a runtime folder it does not use here; the warning is noise.
+            warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
+            from pgserver.postgres_server import get_server
     except ImportError:
         raise EmbeddedServiceError(
             "DATABASE_URL is not set and the embedded PostgreSQL is not installed. "

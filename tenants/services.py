@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 from django_tenants.utils import get_public_schema_name, schema_context
 
@@ -126,6 +126,9 @@ def tenant_delete(*, tenant: Tenant) -> None:
     if tenant.schema_name == get_public_schema_name():
         raise InvalidInput("The provider's own public tenant cannot be deleted.")
     with schema_context(get_public_schema_name()), transaction.atomic():
+        # Deferred foreign-key checks from earlier writes in this transaction would block DROP SCHEMA.
+        with connection.cursor() as cursor:
+            cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
         tenant.delete()
 
 

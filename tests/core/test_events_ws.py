@@ -96,3 +96,16 @@ def test_refused_connections_say_why(
     assert error["type"] == "error"
     assert fragment in error["detail"]
     assert closed == {"type": "websocket.close", "code": code}
+
+
+def test_a_suspended_tenant_s_websocket_is_refused_with_the_reason(world: World, db: None) -> None:
+    from apps.core.consumers import WebsocketRejected, resolve_identity
+    from tenants.services import tenant_suspend
+
+    tenant_suspend(tenant=world.tenant_a, reason="Maintenance of the billing system.")
+    scope = {
+        "headers": [(b"host", HOST_A.encode()), (b"authorization", f"Bearer {world.tokens['bob']}".encode())]
+    }
+    with pytest.raises(WebsocketRejected, match="Maintenance of the billing system") as rejected:
+        resolve_identity(scope)
+    assert rejected.value.code == 4403
