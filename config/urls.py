@@ -15,3 +15,6 @@ urlpatterns = [
     path("api/schema/", SpectacularAPIView.as_view(urlconf="config.urls"), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
 ]
+
+handler404 = "apps.core.views.not_found"
+handler500 = "apps.core.views.server_error"

@@ -40,6 +40,13 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         exc = exceptions.NotFound("Not found. It may not exist, or it may belong to another tenant.")
     elif isinstance(exc, DjangoPermissionDenied):
         exc = exceptions.PermissionDenied()
+    elif isinstance(exc, exceptions.NotAuthenticated):
+        # Reword in place: DRF has already attached the WWW-Authenticate challenge to this exception.
+        exc.detail = exceptions.ErrorDetail(
+            "No credentials were sent: add 'Authorization: Bearer <token>'. Create a token with "
+            "POST /api/v1/tokens/ while signed in, or ask a tenant admin for one.",
+            code="not_authenticated",
+        )
     response = drf_exception_handler(exc, context)
     if response is None:
         return None

@@ -90,6 +90,8 @@ def database_settings(url: str, *, pool_size: int) -> dict[str, object]:
     connections: a pool's threads do not survive fork."""
     database = dict(dj_database_url.parse(url, conn_max_age=60, conn_health_checks=True))
     database["ENGINE"] = "django_tenants.postgresql_backend"
+    # A request's writes commit together or not at all; side effects wait for the commit (on_commit).
+    database["ATOMIC_REQUESTS"] = True
     if pool_size:
         database["CONN_MAX_AGE"] = 0
         database["CONN_HEALTH_CHECKS"] = False

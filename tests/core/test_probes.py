@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 from django.test import override_settings
+from django_tenants.utils import schema_context
 from rest_framework.test import APIClient
 
 from config.logging import JsonFormatter
@@ -82,3 +83,47 @@ def test_openapi_schema_and_docs_are_served(db: None, world: World) -> None:
     docs = APIClient(HTTP_HOST="acme.klique.test").get("/api/docs/")
     assert docs.status_code == 200
     assert b"swagger-ui" in docs.content
+
+
+def test_unknown_paths_and_missing_credentials_are_explained(
+    api: Callable[..., APIClient], world: World
+) -> None:
+    missing = api("alice").get("/api/v1/no-such-thing/")
+    assert missing.status_code == 404
+    assert "/api/docs/" in missing.json()["detail"]
+    anonymous = api(None).get("/api/v1/me/")
+    assert anonymous.status_code == 401
+    assert "Authorization: Bearer" in anonymous.json()["detail"]
+
+
+def test_a_failing_view_answers_json_with_the_request_id(world: World, db: None) -> None:
+    from apps.core.views import server_error
+    from config.logging import request_id_var
+
+    marker = request_id_var.set("req-500")
+    try:
+        response = server_error(APIClient().get("/healthz").wsgi_request)
+    finally:
+        request_id_var.reset(marker)
+    assert response.status_code == 500
+    assert "req-500" in json.loads(response.content)["detail"]
+
+
+def test_a_request_that_fails_midway_keeps_none_of_its_writes(
+    api: Callable[..., APIClient], world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Project creation writes the project, then the creator's membership; a failure in the second
+    write must not leave a project without an admin."""
+    from apps.accounts.models import Project, ProjectMembership
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("membership table unavailable")
+
+    monkeypatch.setattr(ProjectMembership.objects, "create", fail)
+    client = api("alice")
+    client.raise_request_exception = False
+    response = client.post("/api/v1/projects/", {"name": "half-made"}, format="json")
+    assert response.status_code == 500
+    assert "none of its changes were kept" in response.json()["detail"]
+    with schema_context("acme"):
+        assert not Project.objects.filter(name="half-made").exists()
