@@ -85,36 +85,16 @@ def _web_argv(host: str, port: int, workers: int = 1) -> list[str]:
     ]
 
 
+def _celery_argv(*arguments: str) -> list[str]:
+    return [sys.executable, "-m", "celery", "-A", "config", *arguments, "--loglevel", "INFO"]
+
+
 def _worker_argv(concurrency: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "config",
-        "worker",
-        "--loglevel",
-        "INFO",
-        "--concurrency",
-        str(concurrency),
-        "--hostname",
-        "klique@%h",
-    ]
+    return _celery_argv("worker", "--concurrency", str(concurrency), "--hostname", "klique@%h")
 
 
 def _beat_argv(data_dir: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "config",
-        "beat",
-        "--loglevel",
-        "INFO",
-        "--schedule",
-        str(data_dir / "celerybeat-schedule"),
-    ]
+    return _celery_argv("beat", "--schedule", str(data_dir / "celerybeat-schedule"))
 
 
 def _preflight() -> None:

@@ -141,8 +141,7 @@ def user_create(
     *, tenant: Tenant, username: str, email: str = "", role: str = Role.MEMBER, password: str | None = None
 ) -> User:
     """Add a person to `tenant`. Without a password they sign in through single sign-on or a token."""
-    if User.objects.filter(username__iexact=username).exists():
-        raise Conflict(f"A user named {username!r} already exists in this tenant.", field="username")
+    _ensure_username_free(username, field="username")
     user = User(username=username, email=email, role=_check_role(role))
     if password:
         user.set_password(password)
@@ -192,13 +191,26 @@ def service_account_create(
     *, tenant: Tenant, name: str, role: str = Role.MEMBER, description: str = ""
 ) -> User:
     """A non-person account for automation and CI; it acts only through the tokens issued to it."""
-    if User.objects.filter(username__iexact=name).exists():
-        raise Conflict(f"An account named {name!r} already exists in this tenant.", field="name")
+    _ensure_username_free(name, field="name")
     account = User(username=name, role=_check_role(role), kind=User.Kind.SERVICE, description=description)
     account.set_unusable_password()
     account.save()
     publish_event(tenant=tenant, kind="service_account.created", data={"id": str(account.pk), "name": name})
     return account
+
+
+def _save_named(instance: Group | Project, *, what: str) -> None:
+    """Save an object whose name is unique in the tenant, turning a clash into a Conflict."""
+    try:
+        with transaction.atomic():
+            instance.save()
+    except IntegrityError:
+        raise Conflict(f"A {what} named {instance.name!r} already exists.", field="name") from None
+
+
+def _ensure_username_free(username: str, *, field: str) -> None:
+    if User.objects.filter(username__iexact=username).exists():
+        raise Conflict(f"An account named {username!r} already exists in this tenant.", field=field)
 
 
 @transaction.atomic
@@ -216,11 +228,7 @@ def group_save(
         group.name = name
     if description is not None:
         group.description = description
-    try:
-        with transaction.atomic():
-            group.save()
-    except IntegrityError:
-        raise Conflict(f"A group named {group.name!r} already exists.", field="name") from None
+    _save_named(group, what="group")
     if members is not None:
         group.members.set(members)
     publish_event(tenant=tenant, kind="group.saved", data={"id": str(group.pk), "name": group.name})
@@ -243,11 +251,7 @@ def project_save(
         project.name = name
     if description is not None:
         project.description = description
-    try:
-        with transaction.atomic():
-            project.save()
-    except IntegrityError:
-        raise Conflict(f"A project named {project.name!r} already exists.", field="name") from None
+    _save_named(project, what="project")
     if creating and admin is not None:
         ProjectMembership.objects.create(project=project, user=admin, role=Role.ADMIN)
     publish_event(tenant=tenant, kind="project.saved", data={"id": str(project.pk), "name": project.name})
