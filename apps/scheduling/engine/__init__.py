@@ -1,0 +1,41 @@
+"""The pure scheduling engine: a snapshot of one tenant in, decisions out. No Django, no I/O."""
+
+from .cycle import schedule, task_order
+from .model import (
+    Allocation,
+    Decision,
+    Placement,
+    Policy,
+    Pool,
+    Preemption,
+    Profile,
+    Queue,
+    Reason,
+    Sharing,
+    Snapshot,
+    Task,
+)
+from .units import UNITS_PER_GPU, SizeError, describe, gpus, mig_fraction, units
+
+__all__ = [
+    "UNITS_PER_GPU",
+    "Allocation",
+    "Decision",
+    "Placement",
+    "Policy",
+    "Pool",
+    "Preemption",
+    "Profile",
+    "Queue",
+    "Reason",
+    "Sharing",
+    "SizeError",
+    "Snapshot",
+    "Task",
+    "describe",
+    "gpus",
+    "mig_fraction",
+    "schedule",
+    "task_order",
+    "units",
+]
