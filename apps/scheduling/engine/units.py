@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from fractions import Fraction
+from functools import lru_cache
 
 UNITS_PER_GPU = 840
 
@@ -36,6 +37,7 @@ def gpus(count: int) -> Fraction:
     return Fraction(count, UNITS_PER_GPU)
 
 
+@lru_cache(maxsize=4096)  # reasons name the same few sizes over and over
 def describe(count: int) -> str:
     """A size as a person reads it: "8 GPUs", "1 GPU", "0.25 GPU", "3/7 GPU"."""
     value = gpus(count)
