@@ -6,9 +6,10 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from apps.accounts.urls import urlpatterns as accounts_urlpatterns
+from apps.scheduling.urls import urlpatterns as scheduling_urlpatterns
 from tenants.urls import tenant_urlpatterns
 
-api_v1 = [*tenant_urlpatterns, *accounts_urlpatterns]
+api_v1 = [*tenant_urlpatterns, *accounts_urlpatterns, *scheduling_urlpatterns]
 
 urlpatterns = [
     path("api/v1/", include(api_v1)),

@@ -12,10 +12,11 @@ from rest_framework.test import APIClient
 
 from tests.accounts.endpoints import ENDPOINTS as ACCOUNTS
 from tests.battery import ROLE_HOLDERS, Endpoint
+from tests.scheduling.endpoints import ENDPOINTS as SCHEDULING
 from tests.tenants.endpoints import ENDPOINTS as TENANTS
 from tests.world import World
 
-ENDPOINTS: list[Endpoint] = [*ACCOUNTS, *TENANTS]
+ENDPOINTS: list[Endpoint] = [*ACCOUNTS, *TENANTS, *SCHEDULING]
 BY_ID = {f"{endpoint.site}:{endpoint.key}": endpoint for endpoint in ENDPOINTS}
 WRITE_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from django.utils import timezone
 from django_tenants.utils import get_public_schema_name, schema_context
 
 from apps.accounts.models import Role, User
@@ -27,8 +28,12 @@ from apps.accounts.services import (
     token_create,
     user_create,
 )
+from apps.resources.models import ComputeResource, Pool
+from apps.resources.services import draft_provision, draft_save
+from apps.scheduling.services import TaskRequest, tasks_submit
 from tenants.models import Tenant
 from tenants.services import public_tenant_ensure, tenant_create
+from tests.scheduling.config import acme_document
 
 BASE = "klique.test"
 HOST_A = f"acme.{BASE}"
@@ -44,9 +49,12 @@ class World:
     tokens: dict[str, str]  # persona -> bearer token
     users: dict[str, str]  # persona -> user id (in their own schema)
     project_a: str
-    group_a: str
+    group_a: str  # research: resource policies use it
+    group_unused: str
     service_account_a: str
     token_ids: dict[str, str]  # persona -> id of the token in `tokens`
+    compute_resource_a: str  # "Research: 4 GPUs"
+    task_a: str  # bob's queued task on it
     project_b: str
 
 
@@ -82,6 +90,17 @@ def build_world() -> World:
         project_member_set(tenant=tenant_a, project=project, user=carol, role=Role.ADMIN)
         group = group_save(tenant=tenant_a, name="research", members=[alice, bob])
         robot = service_account_create(tenant=tenant_a, name="ci-bot", description="CI")
+        group_save(tenant=tenant_a, name="dev", members=[carol])
+        unused = group_save(tenant=tenant_a, name="reading-club", members=[bob])
+        draft_save(tenant=tenant_a, user=alice, document=acme_document())
+        draft_provision(tenant=tenant_a, user=alice)
+        Pool.objects.update(last_heartbeat_at=timezone.now())
+        compute_resource = ComputeResource.objects.get(name="Research: 4 GPUs")
+        (task,) = tasks_submit(
+            tenant=tenant_a,
+            user=bob,
+            requests=[TaskRequest(compute_resource=compute_resource.name, name="first")],
+        )
     with schema_context(tenant_b.schema_name):
         charlie = User.objects.get(username="charlie")
         users["charlie"] = str(charlie.pk)
@@ -94,7 +113,10 @@ def build_world() -> World:
         users=users,
         project_a=str(project.pk),
         group_a=str(group.pk),
+        group_unused=str(unused.pk),
         service_account_a=str(robot.pk),
         token_ids=token_ids,
+        compute_resource_a=str(compute_resource.pk),
+        task_a=str(task.pk),
         project_b=str(project_b.pk),
     )

@@ -188,7 +188,9 @@ class GroupDetailView(TenantAPIView):
 
     @extend_schema(responses={204: None})
     def delete(self, request: Request, group_id: str) -> Response:
-        get_object_or_404(selectors.group_list(), pk=group_id).delete()
+        services.group_delete(
+            tenant=self.tenant, group=get_object_or_404(selectors.group_list(), pk=group_id)
+        )
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

@@ -236,6 +236,20 @@ def group_save(
 
 
 @transaction.atomic
+def group_delete(*, tenant: Tenant, group: Group) -> None:
+    """Delete a group that no resource policy uses."""
+    policies = list(group.policies.values_list("name", flat=True))
+    if policies:
+        raise Conflict(
+            f"Group {group.name} is the group of policies {', '.join(policies)}; give them another group or "
+            "remove them (and provision) first."
+        )
+    group_id = str(group.pk)
+    group.delete()
+    publish_event(tenant=tenant, kind="group.deleted", data={"id": group_id})
+
+
+@transaction.atomic
 def project_save(
     *,
     tenant: Tenant,

@@ -20,6 +20,9 @@ KLIQUE_DATA_DIR = env.data_dir()
 # Lifetime of a new API token when the request names none, and the longest one may ask for.
 KLIQUE_TOKEN_DEFAULT_DAYS = env.integer("KLIQUE_TOKEN_DEFAULT_DAYS", default=90, minimum=1)
 KLIQUE_TOKEN_MAX_DAYS = env.integer("KLIQUE_TOKEN_MAX_DAYS", default=365, minimum=1)
+# Events within this many seconds share one scheduling cycle; beat runs one per tenant every so often anyway.
+KLIQUE_CYCLE_DEBOUNCE_SECONDS = env.integer("KLIQUE_CYCLE_DEBOUNCE_MS", default=500, minimum=0) / 1000
+KLIQUE_CYCLE_SAFETY_NET_SECONDS = env.integer("KLIQUE_CYCLE_SAFETY_NET_SECONDS", default=30, minimum=1)
 
 SHARED_APPS = [
     "django_tenants",
@@ -42,6 +45,8 @@ TENANT_APPS = [
     "django.contrib.auth",
     "django.contrib.sessions",
     "apps.accounts",
+    "apps.resources",
+    "apps.scheduling",
 ]
 INSTALLED_APPS = list(SHARED_APPS) + [app for app in TENANT_APPS if app not in SHARED_APPS]
 
@@ -129,6 +134,11 @@ CELERY_RESULT_EXPIRES = 3600
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BEAT_SCHEDULE_FILENAME = str(KLIQUE_DATA_DIR / "celerybeat-schedule")
 CELERY_BEAT_SCHEDULE = {
+    "scheduling-safety-net": {
+        "task": "tenants.for_each_tenant",
+        "schedule": float(KLIQUE_CYCLE_SAFETY_NET_SECONDS),
+        "args": ("scheduling.run_cycle",),
+    },
     "purge-expired-tokens": {
         "task": "tenants.for_each_tenant",
         "schedule": 3600.0,

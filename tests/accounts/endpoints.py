@@ -133,7 +133,7 @@ ENDPOINTS = [
         "DELETE",
         "api/v1/groups/<uuid:group_id>/",
         "admin",
-        lambda w: f"/api/v1/groups/{w.group_a}/",
+        lambda w: f"/api/v1/groups/{w.group_unused}/",
         expect=204,
         names_object=True,
     ),

@@ -89,3 +89,9 @@ def test_project_members_see_only_their_tenant_s_people(api: Callable[..., APICl
     )
     assert response.status_code == 400
     assert "in this tenant" in response.json()["detail"]
+
+
+def test_a_group_that_policies_use_cannot_be_deleted(api: Callable[..., APIClient], world: World) -> None:
+    response = api("alice").delete(f"/api/v1/groups/{world.group_a}/")
+    assert response.status_code == 409
+    assert "policies research" in response.json()["detail"]

@@ -1,0 +1,229 @@
+"""The configuration API: the draft (edit, validate, provision), what is provisioned, pools and queues."""
+
+from __future__ import annotations
+
+from django.shortcuts import get_object_or_404
+from django.utils import timezone
+from drf_spectacular.utils import extend_schema, inline_serializer
+from rest_framework import serializers
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from apps.accounts.apis import TenantAPIView
+from apps.accounts.models import Role, User
+from apps.resources import services
+from apps.resources.document import to_gpus_text
+from apps.resources.models import ComputeResource, Pool
+from apps.scheduling import selectors as scheduling_selectors
+from apps.scheduling.models import ACTIVE_STATES, Task
+
+
+class DraftOut(serializers.Serializer[object]):
+    document = serializers.JSONField()
+    updated_at = serializers.DateTimeField()
+    updated_by = serializers.CharField(source="updated_by.username", allow_null=True, default=None)
+    provisioned_at = serializers.DateTimeField(allow_null=True)
+
+
+class DraftIn(serializers.Serializer[object]):
+    document = serializers.JSONField(help_text="pools, profiles and policies; see the README")
+
+
+class ReportItem(serializers.Serializer[object]):
+    where = serializers.CharField()
+    message = serializers.CharField()
+
+
+# `errors` is taken on Serializer classes, so the report's schema is built inline.
+ReportOut = inline_serializer(
+    "ValidationReport",
+    fields={
+        "ok": serializers.BooleanField(),
+        "errors": ReportItem(many=True),
+        "warnings": ReportItem(many=True),
+    },
+)
+
+
+class DraftView(TenantAPIView):
+    read_role = Role.ADMIN
+
+    @extend_schema(responses=DraftOut, summary="The configuration draft")
+    def get(self, request: Request) -> Response:
+        return Response(DraftOut(services.draft_get()).data)
+
+    @extend_schema(request=DraftIn, responses=DraftOut, summary="Replace the draft (its shape is checked)")
+    def put(self, request: Request) -> Response:
+        data = DraftIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        draft = services.draft_save(
+            tenant=self.tenant, user=self.user, document=data.validated_data["document"]
+        )
+        return Response(DraftOut(draft).data)
+
+
+class DraftValidateView(TenantAPIView):
+    @extend_schema(request=None, responses=ReportOut, summary="Check the draft: errors block provisioning")
+    def post(self, request: Request) -> Response:
+        return Response(services.draft_validate().as_dict())
+
+
+class DraftProvisionView(TenantAPIView):
+    @extend_schema(request=None, summary="Make the draft the configuration, atomically")
+    def post(self, request: Request) -> Response:
+        result = services.draft_provision(tenant=self.tenant, user=self.user)
+        return Response(
+            {
+                **result.report.as_dict(),
+                "created": result.created,
+                "deleted": result.deleted,
+                "ended_tasks": result.ended_tasks,
+            }
+        )
+
+
+class ActiveConfigurationView(TenantAPIView):
+    @extend_schema(summary="The provisioned configuration, as a document")
+    def get(self, request: Request) -> Response:
+        return Response(services.export_active())
+
+
+class PoolOut(serializers.ModelSerializer[Pool]):
+    online = serializers.SerializerMethodField()
+    used_gpus = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Pool
+        fields = [
+            "id",
+            "name",
+            "environment",
+            "capacity_gpus",
+            "gpu_class",
+            "region",
+            "sharing",
+            "cost_tier",
+            "heartbeat_timeout_seconds",
+            "last_heartbeat_at",
+            "online",
+            "used_gpus",
+        ]
+
+    def get_online(self, pool: Pool) -> bool:
+        return pool.is_online(self.context["now"])
+
+    def get_used_gpus(self, pool: Pool) -> str:
+        return to_gpus_text(self.context["used"].get(pool.pk, 0))
+
+
+class PoolListView(TenantAPIView):
+    @extend_schema(
+        responses=PoolOut(many=True), summary="Pools, with whether they are online and what is used"
+    )
+    def get(self, request: Request) -> Response:
+        used: dict[object, int] = {}
+        for pool_id, size in Task.objects.filter(state__in=ACTIVE_STATES).values_list(
+            "pool_id", "size_units"
+        ):
+            used[pool_id] = used.get(pool_id, 0) + size
+        context = {"now": timezone.now(), "used": used}
+        return self.page(Pool.objects.all(), lambda rows, many: PoolOut(rows, many=many, context=context))
+
+
+class ComputeResourceOut(serializers.ModelSerializer[ComputeResource]):
+    policy = serializers.CharField(source="policy.name")
+    group = serializers.CharField(source="policy.group.name")
+    profile = serializers.CharField(source="profile.name")
+    reservation_gpus = serializers.SerializerMethodField()
+    limit_gpus = serializers.SerializerMethodField()
+    size = serializers.SerializerMethodField()
+    queued = serializers.SerializerMethodField()
+    active = serializers.SerializerMethodField()
+    open_to_you = serializers.SerializerMethodField()
+    wait_p50_seconds = serializers.SerializerMethodField()
+    wait_p95_seconds = serializers.SerializerMethodField()
+
+    class Meta:
+        model = ComputeResource
+        fields = [
+            "id",
+            "name",
+            "policy",
+            "group",
+            "profile",
+            "queuing_priority",
+            "reservation_gpus",
+            "limit_gpus",
+            "size",
+            "queued",
+            "active",
+            "open_to_you",
+            "wait_p50_seconds",
+            "wait_p95_seconds",
+        ]
+
+    def get_reservation_gpus(self, resource: ComputeResource) -> str:
+        return to_gpus_text(resource.policy.reservation_units)
+
+    def get_limit_gpus(self, resource: ComputeResource) -> str:
+        return to_gpus_text(resource.policy.limit_units)
+
+    def get_size(self, resource: ComputeResource) -> str:
+        profile = resource.profile
+        if profile.size_from_task:
+            return (
+                f"{to_gpus_text(profile.min_units)} to {to_gpus_text(profile.max_units)} GPUs, from the task"
+            )
+        nodes = f"{profile.nodes} nodes, " if profile.nodes > 1 else ""
+        return f"{nodes}{to_gpus_text(profile.size_units)} GPUs" + (
+            f" ({profile.mig_profile})" if profile.mig_profile else ""
+        )
+
+    def _depth(self, resource: ComputeResource) -> dict[str, int]:
+        depths: dict[str, dict[str, int]] = self.context["depths"]
+        return depths.get(str(resource.pk), {"queued": 0, "active": 0})
+
+    def get_queued(self, resource: ComputeResource) -> int:
+        return self._depth(resource)["queued"]
+
+    def get_active(self, resource: ComputeResource) -> int:
+        return self._depth(resource)["active"]
+
+    def get_open_to_you(self, resource: ComputeResource) -> bool:
+        return resource.pk in self.context["open"]
+
+    def get_wait_p50_seconds(self, resource: ComputeResource) -> float | None:
+        stats = self.context["waits"].get(str(resource.pk))
+        return None if stats is None else stats.p50_seconds
+
+    def get_wait_p95_seconds(self, resource: ComputeResource) -> float | None:
+        stats = self.context["waits"].get(str(resource.pk))
+        return None if stats is None else stats.p95_seconds
+
+
+def _resource_context(user: User) -> dict[str, object]:
+    return {
+        "open": set(scheduling_selectors.compute_resources_for(user).values_list("pk", flat=True)),
+        "depths": scheduling_selectors.queue_depths(),
+        "waits": scheduling_selectors.queue_wait(by="compute_resource"),
+    }
+
+
+class ComputeResourceListView(TenantAPIView):
+    @extend_schema(
+        responses=ComputeResourceOut(many=True),
+        summary="Compute resources; open_to_you says where you may submit",
+    )
+    def get(self, request: Request) -> Response:
+        context = _resource_context(self.user)
+        return self.page(
+            scheduling_selectors.compute_resources(),
+            lambda rows, many: ComputeResourceOut(rows, many=many, context=context),
+        )
+
+
+class ComputeResourceDetailView(TenantAPIView):
+    @extend_schema(responses=ComputeResourceOut)
+    def get(self, request: Request, resource_id: str) -> Response:
+        resource = get_object_or_404(scheduling_selectors.compute_resources(), pk=resource_id)
+        return Response(ComputeResourceOut(resource, context=_resource_context(self.user)).data)

@@ -1,0 +1,271 @@
+"""Writes to the resource configuration: the draft document, validation and provisioning.
+
+Provisioning rewrites pools, profiles, policies and compute resources from the draft in one transaction:
+rows are matched by name (so a pool keeps its id and its tasks across provisions), what the draft no
+longer names is deleted, and tasks still queued on a compute resource that goes away are ended with that
+reason rather than dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from django.db import transaction
+from django.utils import timezone
+from rest_framework import serializers
+
+from apps.accounts.models import Group, User
+from apps.core.errors import InvalidInput
+from apps.core.events import publish_event
+from apps.resources.document import DocumentSerializer, Report, check, profile_size_units, to_gpus_text
+from apps.resources.models import (
+    ComputeResource,
+    ConfigurationDraft,
+    Pool,
+    ProfilePool,
+    ResourcePolicy,
+    ResourceProfile,
+    TaskSharing,
+)
+from apps.scheduling.engine import UNITS_PER_GPU
+
+if TYPE_CHECKING:
+    from tenants.models import Tenant
+
+
+@dataclass(frozen=True)
+class Provisioned:
+    report: Report
+    created: dict[str, int]
+    deleted: dict[str, int]
+    ended_tasks: int
+
+
+def export_active() -> dict[str, Any]:
+    """The provisioned configuration as a document, in the shape the draft takes."""
+    pools = [
+        {
+            "name": pool.name,
+            "environment": pool.environment,
+            "capacity_gpus": pool.capacity_gpus,
+            "gpu_class": pool.gpu_class,
+            "region": pool.region,
+            "sharing": list(pool.sharing),
+            "cost_tier": pool.cost_tier,
+            "heartbeat_timeout_seconds": pool.heartbeat_timeout_seconds,
+        }
+        for pool in Pool.objects.all()
+    ]
+    profiles = []
+    for profile in ResourceProfile.objects.prefetch_related("pool_order__pool"):
+        item: dict[str, Any] = {
+            "name": profile.name,
+            "display_name": profile.display_name,
+            "sharing": profile.sharing,
+            "pools": [
+                {"pool": entry.pool.name, "execution_priority": entry.execution_priority}
+                for entry in profile.pool_order.all()
+            ],
+            "strict_fifo": profile.strict_fifo,
+            "starvation_seconds": profile.starvation_seconds,
+        }
+        if profile.sharing == TaskSharing.MIG:
+            item["mig_profile"] = profile.mig_profile
+        elif profile.size_from_task:
+            item["min_gpus"], item["max_gpus"] = (
+                to_gpus_text(profile.min_units),
+                to_gpus_text(profile.max_units),
+            )
+        elif profile.nodes > 1:
+            item["nodes"] = profile.nodes
+            item["gpus_per_node"] = profile.size_units // (profile.nodes * UNITS_PER_GPU)
+        else:
+            item["gpus"] = to_gpus_text(profile.size_units)
+        profiles.append(item)
+    policies = [
+        {
+            "name": policy.name,
+            "group": policy.group.name,
+            "reservation_gpus": to_gpus_text(policy.reservation_units),
+            "limit_gpus": to_gpus_text(policy.limit_units),
+            "compute_resources": [
+                {
+                    "profile": resource.profile.name,
+                    "name": resource.name,
+                    "queuing_priority": resource.queuing_priority,
+                }
+                for resource in policy.compute_resources.select_related("profile")
+            ],
+        }
+        for policy in ResourcePolicy.objects.select_related("group").prefetch_related("compute_resources")
+    ]
+    return {"pools": pools, "profiles": profiles, "policies": policies}
+
+
+def draft_get() -> ConfigurationDraft:
+    """The tenant's draft; the first time, a copy of what is provisioned."""
+    draft = ConfigurationDraft.objects.first()
+    if draft is None:
+        draft = ConfigurationDraft.objects.create(document=export_active())
+    return draft
+
+
+def _parse(document: Any) -> dict[str, Any]:
+    parsed = DocumentSerializer(data=document)
+    parsed.is_valid(raise_exception=True)
+    return dict(parsed.validated_data)
+
+
+@transaction.atomic
+def draft_save(*, tenant: Tenant, user: User, document: Any) -> ConfigurationDraft:
+    """Replace the draft with `document` once its shape is valid; the report comes from draft_validate."""
+    _parse(document)
+    draft = draft_get()
+    draft.document = document
+    draft.updated_by = user
+    draft.save()
+    publish_event(tenant=tenant, kind="configuration.draft_saved", data={"by": user.username})
+    return draft
+
+
+def _report(document: dict[str, Any]) -> Report:
+    now = timezone.now()
+    online = {pool.name: pool.is_online(now) for pool in Pool.objects.all()}
+    from apps.scheduling.selectors import active_tasks_per_pool
+
+    return check(
+        document,
+        groups=set(Group.objects.values_list("name", flat=True)),
+        online=online,
+        busy_pools=active_tasks_per_pool(),
+    )
+
+
+def draft_validate() -> Report:
+    return _report(_parse(draft_get().document))
+
+
+@transaction.atomic
+def draft_provision(*, tenant: Tenant, user: User) -> Provisioned:
+    """Make the draft the configuration, atomically, or refuse with the report's errors."""
+    from apps.scheduling.services import tasks_end_for_removed_resources
+
+    draft = ConfigurationDraft.objects.select_for_update().get(pk=draft_get().pk)
+    try:
+        document = _parse(draft.document)
+    except serializers.ValidationError as error:
+        raise InvalidInput(f"The draft is malformed; save a corrected one first ({error.detail}).") from None
+    report = _report(document)
+    if not report.ok:
+        raise InvalidInput(
+            "Provisioning refused: " + " ".join(item["message"] for item in report.errors),
+        )
+    created = {"pools": 0, "profiles": 0, "policies": 0, "compute_resources": 0}
+    deleted = dict.fromkeys(created, 0)
+
+    pools: dict[str, Pool] = {}
+    for item in document["pools"]:
+        pool, made = Pool.objects.update_or_create(
+            name=item["name"],
+            defaults={
+                key: item[key]
+                for key in (
+                    "environment",
+                    "capacity_gpus",
+                    "gpu_class",
+                    "region",
+                    "sharing",
+                    "cost_tier",
+                    "heartbeat_timeout_seconds",
+                )
+            },
+        )
+        pools[pool.name] = pool
+        created["pools"] += made
+    gpu_class = {name: pool.gpu_class for name, pool in pools.items()}
+
+    profiles: dict[str, ResourceProfile] = {}
+    for item in document["profiles"]:
+        mig = item["sharing"] == TaskSharing.MIG
+        profile, made = ResourceProfile.objects.update_or_create(
+            name=item["name"],
+            defaults={
+                "display_name": item["display_name"],
+                "sharing": item["sharing"],
+                "size_from_task": item["size_from_task"],
+                "size_units": profile_size_units(item, {n: {"gpu_class": c} for n, c in gpu_class.items()})
+                if mig
+                else item["size_units"],
+                "min_units": item["min_units"],
+                "max_units": item["max_units"],
+                "nodes": item["node_count"],
+                "mig_profile": item.get("mig_profile", ""),
+                "strict_fifo": item["strict_fifo"],
+                "starvation_seconds": item["starvation_seconds"],
+            },
+        )
+        ProfilePool.objects.filter(profile=profile).delete()
+        ProfilePool.objects.bulk_create(
+            ProfilePool(
+                profile=profile,
+                pool=pools[entry["pool"]],
+                position=position,
+                execution_priority=entry["execution_priority"],
+            )
+            for position, entry in enumerate(item["pools"])
+        )
+        profiles[profile.name] = profile
+        created["profiles"] += made
+
+    groups = {group.name: group for group in Group.objects.all()}
+    keep_resources: set[str] = set()
+    keep_policies: set[str] = set()
+    for item in document["policies"]:
+        policy, made = ResourcePolicy.objects.update_or_create(
+            name=item["name"],
+            defaults={
+                "group": groups[item["group"]],
+                "reservation_units": item["reservation_units"],
+                "limit_units": item["limit_units"],
+            },
+        )
+        keep_policies.add(policy.name)
+        created["policies"] += made
+        for resource in item["compute_resources"]:
+            profile = profiles[resource["profile"]]
+            name = resource["name"] or f"{policy.group.name.title()}: {profile.display_name or profile.name}"
+            compute_resource, made = ComputeResource.objects.update_or_create(
+                policy=policy,
+                profile=profile,
+                defaults={"name": name, "queuing_priority": resource["queuing_priority"]},
+            )
+            keep_resources.add(str(compute_resource.pk))
+            created["compute_resources"] += made
+
+    removed = ComputeResource.objects.exclude(pk__in=keep_resources)
+    ended = tasks_end_for_removed_resources(resources=list(removed), actor=user)
+    deleted["compute_resources"] = removed.delete()[1].get("resources.ComputeResource", 0)
+    deleted["policies"] = (
+        ResourcePolicy.objects.exclude(name__in=keep_policies).delete()[1].get("resources.ResourcePolicy", 0)
+    )
+    deleted["profiles"] = (
+        ResourceProfile.objects.exclude(name__in=profiles).delete()[1].get("resources.ResourceProfile", 0)
+    )
+    deleted["pools"] = Pool.objects.exclude(name__in=pools).delete()[1].get("resources.Pool", 0)
+
+    draft.provisioned_at = timezone.now()
+    draft.provisioned_by = user
+    draft.save(update_fields=["provisioned_at", "provisioned_by"])
+    publish_event(tenant=tenant, kind="configuration.provisioned", data={"by": user.username})
+    from apps.scheduling.tasks import request_cycle
+
+    request_cycle(tenant)
+    return Provisioned(report=report, created=created, deleted=deleted, ended_tasks=ended)
+
+
+def pool_heartbeat(*, pool: Pool) -> Pool:
+    """Record that the pool's agent is alive (the agents' connection calls this)."""
+    pool.last_heartbeat_at = timezone.now()
+    pool.save(update_fields=["last_heartbeat_at"])
+    return pool

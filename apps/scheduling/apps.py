@@ -1,0 +1,9 @@
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class SchedulingConfig(AppConfig):
+    name = "apps.scheduling"
+    label = "scheduling"
+    default_auto_field = "django.db.models.BigAutoField"

@@ -1,0 +1,211 @@
+"""The Django side of a scheduling cycle: snapshot, engine, and every decision written in one transaction.
+
+A per-tenant PostgreSQL advisory lock, taken inside the transaction, keeps two workers from scheduling one
+tenant at once; the conditional update (`WHERE state = 'queued'`) is a second guard, so a task is placed
+at most once whatever happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from django.db import connection, transaction
+from django.utils import timezone
+
+from apps.resources.models import ComputeResource, Pool, ResourcePolicy, ResourceProfile, SharingMethod
+from apps.scheduling import engine
+from apps.scheduling.models import ACTIVE_STATES, Task, TaskEvent, TaskState
+from apps.scheduling.services import SCHEDULER
+
+if TYPE_CHECKING:
+    from tenants.models import Tenant
+
+logger = logging.getLogger(__name__)
+
+_MIG = {SharingMethod.MIG_STATIC, SharingMethod.MIG_DYNAMIC}
+
+
+@dataclass(frozen=True)
+class CycleResult:
+    ran: bool  # False: another worker holds this tenant's cycle
+    queued: int = 0
+    placed: int = 0
+    preempted: int = 0
+    milliseconds: float = 0.0
+
+
+def _lock_key(schema_name: str) -> int:
+    return zlib.crc32(f"klique-cycle:{schema_name}".encode())
+
+
+def _engine_pool(pool: Pool, now: datetime) -> engine.Pool:
+    sharing = {engine.Sharing.WHOLE}
+    if SharingMethod.FRACTION in pool.sharing:
+        sharing.add(engine.Sharing.FRACTION)
+    if _MIG & set(pool.sharing):
+        sharing.add(engine.Sharing.MIG)
+    return engine.Pool(
+        str(pool.pk),
+        pool.capacity_gpus * engine.UNITS_PER_GPU,
+        pool.is_online(now),
+        frozenset(sharing),
+        pool.name,
+    )
+
+
+def snapshot(tenant: Tenant, now: datetime) -> engine.Snapshot:
+    """The tenant's state as the engine sees it. Call inside the cycle's transaction."""
+    profiles = []
+    for profile in ResourceProfile.objects.prefetch_related("pool_order"):
+        order = list(profile.pool_order.all())
+        profiles.append(
+            engine.Profile(
+                str(profile.pk),
+                tuple(str(entry.pool_id) for entry in order),
+                {str(entry.pool_id): entry.execution_priority for entry in order},
+                profile.strict_fifo,
+                float(profile.starvation_seconds) if profile.starvation_seconds else None,
+            )
+        )
+    queued = tuple(
+        engine.Task(str(pk), str(resource), size, submitted.timestamp(), engine.Sharing(sharing), priority)
+        for pk, resource, size, submitted, sharing, priority in Task.objects.filter(
+            state=TaskState.QUEUED, compute_resource__isnull=False
+        ).values_list("pk", "compute_resource_id", "size_units", "submitted_at", "sharing", "priority")
+    )
+    running = tuple(
+        engine.Allocation(str(pk), str(resource), str(pool), size, (started or placed or now).timestamp())
+        for pk, resource, pool, size, started, placed in Task.objects.filter(
+            state__in=ACTIVE_STATES, pool__isnull=False
+        ).values_list("pk", "compute_resource_id", "pool_id", "size_units", "started_at", "placed_at")
+    )
+    return engine.Snapshot(
+        now=now.timestamp(),
+        pools=tuple(_engine_pool(pool, now) for pool in Pool.objects.all()),
+        profiles=tuple(profiles),
+        policies=tuple(
+            engine.Policy(str(pk), reservation, limit, name)
+            for pk, reservation, limit, name in ResourcePolicy.objects.values_list(
+                "pk", "reservation_units", "limit_units", "name"
+            )
+        ),
+        queues=tuple(
+            engine.Queue(str(pk), str(policy), str(profile), priority)
+            for pk, policy, profile, priority in ComputeResource.objects.values_list(
+                "pk", "policy_id", "profile_id", "queuing_priority"
+            )
+        ),
+        queued=queued,
+        running=running,
+        tenant_share=None if tenant.gpu_share is None else tenant.gpu_share * engine.UNITS_PER_GPU,
+    )
+
+
+def _apply(decision: engine.Decision, now: datetime) -> tuple[int, int]:
+    events: list[TaskEvent] = []
+    placed = 0
+    for placement in decision.placements:
+        task = Task.objects.filter(pk=placement.task, state=TaskState.QUEUED).only("queued_at").first()
+        if task is None:
+            continue
+        wait = (now - task.queued_at).total_seconds()
+        if Task.objects.filter(pk=placement.task, state=TaskState.QUEUED).update(
+            state=TaskState.PLACED,
+            pool_id=placement.pool,
+            placed_at=now,
+            wait_seconds=wait,
+            reason_code="",
+            reason="",
+        ):
+            placed += 1
+            events.append(
+                TaskEvent(
+                    task_id=placement.task,
+                    at=now,
+                    actor=SCHEDULER,
+                    from_state=TaskState.QUEUED,
+                    to_state=TaskState.PLACED,
+                    message=f"placed in pool {placement.pool}",
+                )
+            )
+    preempted = 0
+    for preemption in decision.preemptions:
+        victim = Task.objects.filter(pk=preemption.victim, state__in=ACTIVE_STATES).first()
+        if victim is None:
+            continue
+        message = (
+            f"Preempted to return borrowed capacity to guaranteed task {preemption.for_task}; "
+            "back at the front of its queue."
+        )
+        events += [
+            TaskEvent(
+                task=victim,
+                at=now,
+                actor=SCHEDULER,
+                from_state=victim.state,
+                to_state=TaskState.PREEMPTED,
+                message=message,
+            ),
+            TaskEvent(
+                task=victim,
+                at=now,
+                actor=SCHEDULER,
+                from_state=TaskState.PREEMPTED,
+                to_state=TaskState.QUEUED,
+                message="requeued at its original submit time",
+            ),
+        ]
+        # Keeps submitted_at, so it returns to the front of its queue.
+        preempted += Task.objects.filter(pk=victim.pk, state__in=ACTIVE_STATES).update(
+            state=TaskState.QUEUED,
+            pool=None,
+            queued_at=now,
+            placed_at=None,
+            started_at=None,
+            reason_code="preempted",
+            reason=message,
+        )
+    TaskEvent.objects.bulk_create(events)
+
+    waiting = Task.objects.filter(pk__in=list(decision.reasons), state=TaskState.QUEUED).only(
+        "reason_code", "reason"
+    )
+    changed = []
+    for task in waiting.iterator(chunk_size=2000):
+        reason = decision.reasons[str(task.pk)]
+        if (task.reason_code, task.reason) != (reason.code, reason.message):
+            task.reason_code, task.reason = reason.code, reason.message
+            changed.append(task)
+    Task.objects.bulk_update(changed, ["reason_code", "reason"], batch_size=2000)
+    return placed, preempted
+
+
+def run_cycle(tenant: Tenant) -> CycleResult:
+    """Schedule one tenant: lock, snapshot, decide, write. Call in the tenant's schema."""
+    started = time.perf_counter()
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [_lock_key(tenant.schema_name)])
+            (locked,) = cursor.fetchone()
+        if not locked:
+            return CycleResult(ran=False)
+        now = timezone.now()
+        state = snapshot(tenant, now)
+        decision = engine.schedule(state)
+        placed, preempted = _apply(decision, now)
+    elapsed = (time.perf_counter() - started) * 1000
+    logger.info(
+        "scheduling cycle",
+        extra={
+            "queued": len(state.queued),
+            "placed": placed,
+            "preempted": preempted,
+            "ms": round(elapsed, 1),
+        },
+    )
+    return CycleResult(True, len(state.queued), placed, preempted, elapsed)

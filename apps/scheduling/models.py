@@ -1,0 +1,85 @@
+"""Tasks and their history."""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db import models
+
+from apps.accounts.models import Project, User
+from apps.resources.models import ComputeResource, Pool, TaskSharing
+
+
+class TaskState(models.TextChoices):
+    QUEUED = "queued"
+    PLACED = "placed"  # the scheduler chose a pool; the pool's agent has not taken it yet
+    DISPATCHING = "dispatching"  # handed to the agent under a lease
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    ABORTED = "aborted"
+    PREEMPTED = "preempted"  # passes straight back to queued, at the front; kept in the history
+
+
+ACTIVE_STATES = (TaskState.PLACED, TaskState.DISPATCHING, TaskState.RUNNING)
+ENDED_STATES = (TaskState.COMPLETED, TaskState.FAILED, TaskState.ABORTED)
+
+
+class Task(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.CharField(max_length=200, blank=True)
+    compute_resource = models.ForeignKey(
+        ComputeResource, null=True, blank=True, on_delete=models.SET_NULL, related_name="tasks"
+    )
+    compute_resource_name = models.CharField(max_length=200)  # kept when the compute resource is removed
+    submitter = models.ForeignKey(User, on_delete=models.PROTECT, related_name="tasks")
+    project = models.ForeignKey(
+        Project, null=True, blank=True, on_delete=models.SET_NULL, related_name="tasks"
+    )
+    size_units = models.PositiveIntegerField()
+    nodes = models.PositiveSmallIntegerField(default=1)
+    sharing = models.CharField(max_length=16, choices=TaskSharing.choices, default=TaskSharing.WHOLE)
+    priority = models.IntegerField(default=0)
+    spec = models.JSONField(default=dict, blank=True)  # what to run; the agent renders it
+
+    state = models.CharField(
+        max_length=16, choices=TaskState.choices, default=TaskState.QUEUED, db_index=True
+    )
+    reason_code = models.CharField(max_length=40, blank=True)
+    reason = models.TextField(blank=True)
+    pool = models.ForeignKey(Pool, null=True, blank=True, on_delete=models.SET_NULL, related_name="tasks")
+    attempts = models.PositiveSmallIntegerField(default=0)
+    max_attempts = models.PositiveSmallIntegerField(default=3)
+    exit_code = models.IntegerField(null=True, blank=True)
+
+    # Order in the queue: a preempted task keeps submitted_at, and so returns to the front.
+    submitted_at = models.DateTimeField()
+    queued_at = models.DateTimeField()  # when it last entered the queue: queue wait is measured from here
+    placed_at = models.DateTimeField(null=True, blank=True)
+    wait_seconds = models.FloatField(null=True, blank=True)  # queued_at to placed_at, of the last placement
+    started_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-submitted_at"]
+        indexes = [models.Index(fields=["compute_resource", "state"]), models.Index(fields=["state", "pool"])]
+
+    def __str__(self) -> str:
+        return self.name or str(self.id)
+
+
+class TaskEvent(models.Model):
+    """One change of a task's state: who, what, when."""
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="events")
+    at = models.DateTimeField()
+    actor = models.CharField(max_length=200)  # a username, or "scheduler"
+    from_state = models.CharField(max_length=16, blank=True)
+    to_state = models.CharField(max_length=16)
+    message = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["at", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.task_id}: {self.from_state} -> {self.to_state}"

@@ -1,0 +1,106 @@
+"""Reads of tasks and queues, in the schema the caller is in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.db import connection
+from django.db.models import Count, Q, QuerySet
+from django.utils import timezone
+
+from apps.accounts.models import User
+from apps.resources.models import ComputeResource
+from apps.scheduling.models import ACTIVE_STATES, Task, TaskState
+
+
+def compute_resources() -> QuerySet[ComputeResource]:
+    """Every compute resource of the tenant: anyone in it may see the queues and how they are doing."""
+    return ComputeResource.objects.select_related("policy__group", "profile")
+
+
+def compute_resources_for(user: User) -> QuerySet[ComputeResource]:
+    """The compute resources a user may submit to: those whose policy's group the user is in."""
+    return compute_resources().filter(policy__group__members=user)
+
+
+def tasks_visible_to(user: User) -> QuerySet[Task]:
+    """Everyone in a tenant may read its tasks (viewers included); writes are checked per action."""
+    return Task.objects.select_related("compute_resource", "submitter", "pool", "project")
+
+
+def active_tasks_per_pool() -> dict[str, int]:
+    rows = Task.objects.filter(state__in=ACTIVE_STATES, pool__isnull=False).values("pool__name")
+    return {row["pool__name"]: row["count"] for row in rows.annotate(count=Count("id"))}
+
+
+@dataclass(frozen=True)
+class Why:
+    state: str
+    reason_code: str
+    reason: str
+    position: int | None  # 1 = next in its compute resource's queue
+    queued_ahead: int
+    waiting_seconds: float | None
+
+
+def why(task: Task) -> Why:
+    """Why a task waits, and where it stands in its compute resource's queue."""
+    now = timezone.now()
+    if task.state != TaskState.QUEUED:
+        return Why(task.state, task.reason_code, task.reason or f"It is {task.state}.", None, 0, None)
+    # The engine's in-queue order (engine.task_order): priority, then submit time, then id.
+    ahead = Task.objects.filter(
+        Q(priority__gt=task.priority)
+        | Q(priority=task.priority, submitted_at__lt=task.submitted_at)
+        | Q(priority=task.priority, submitted_at=task.submitted_at, id__lt=task.id),
+        compute_resource=task.compute_resource,
+        state=TaskState.QUEUED,
+    ).count()
+    reason = task.reason or "Waiting for the next scheduling cycle."
+    return Why(task.state, task.reason_code, reason, ahead + 1, ahead, (now - task.queued_at).total_seconds())
+
+
+@dataclass(frozen=True)
+class WaitStats:
+    placed: int
+    p50_seconds: float | None
+    p95_seconds: float | None
+
+
+def queue_wait(*, by: str, window: timedelta = timedelta(hours=24)) -> dict[str, WaitStats]:
+    """p50 and p95 queue wait of tasks placed within `window`, by compute resource id or group name."""
+    column = {
+        "compute_resource": "task.compute_resource_id::text",
+        "group": "grp.name",
+    }[by]
+    sql = f"""
+        SELECT {column},
+               count(*),
+               percentile_cont(0.5) WITHIN GROUP (ORDER BY task.wait_seconds),
+               percentile_cont(0.95) WITHIN GROUP (ORDER BY task.wait_seconds)
+          FROM scheduling_task task
+          JOIN resources_computeresource resource ON resource.id = task.compute_resource_id
+          JOIN resources_resourcepolicy policy ON policy.id = resource.policy_id
+          JOIN accounts_group grp ON grp.id = policy.group_id
+         WHERE task.placed_at >= %s AND task.wait_seconds IS NOT NULL
+         GROUP BY 1
+    """  # noqa: S608 -- the column comes from the fixed mapping above, never from input
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [timezone.now() - window])
+        return {key: WaitStats(count, p50, p95) for key, count, p50, p95 in cursor.fetchall()}
+
+
+def queue_depths() -> dict[str, dict[str, int]]:
+    """Queued and active task counts per compute resource id."""
+    rows = (
+        Task.objects.filter(compute_resource__isnull=False)
+        .values("compute_resource_id")
+        .annotate(
+            queued=Count("id", filter=Q(state=TaskState.QUEUED)),
+            active=Count("id", filter=Q(state__in=ACTIVE_STATES)),
+        )
+    )
+    return {
+        str(row["compute_resource_id"]): {"queued": row["queued"], "active": row["active"]} for row in rows
+    }

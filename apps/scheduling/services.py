@@ -1,0 +1,313 @@
+"""Writes to tasks: submit, cancel, state changes, retries, and the end of tasks whose queue goes away.
+
+A task that could never run (larger than every pool of its profile, above its policy's limit or the
+tenant's share, a size its profile does not take) is refused at submit with the field and the limit
+named, never left queued forever.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from apps.accounts.models import Project, User
+from apps.core.errors import InvalidInput
+from apps.core.events import publish_event
+from apps.resources.models import ComputeResource, TaskSharing
+from apps.scheduling.engine import UNITS_PER_GPU, SizeError, describe, units
+from apps.scheduling.models import ENDED_STATES, Task, TaskEvent, TaskState
+from apps.scheduling.selectors import compute_resources_for
+
+if TYPE_CHECKING:
+    from tenants.models import Tenant
+
+SCHEDULER = "scheduler"
+
+# Which state may follow which. PREEMPTED passes straight on to QUEUED (at the front of the queue).
+TRANSITIONS: dict[str, frozenset[str]] = {
+    TaskState.QUEUED: frozenset({TaskState.PLACED, TaskState.ABORTED}),
+    TaskState.PLACED: frozenset(
+        {TaskState.DISPATCHING, TaskState.QUEUED, TaskState.PREEMPTED, TaskState.ABORTED}
+    ),
+    TaskState.DISPATCHING: frozenset(
+        {TaskState.RUNNING, TaskState.QUEUED, TaskState.PREEMPTED, TaskState.ABORTED, TaskState.FAILED}
+    ),
+    TaskState.RUNNING: frozenset(
+        {TaskState.COMPLETED, TaskState.FAILED, TaskState.ABORTED, TaskState.PREEMPTED}
+    ),
+    TaskState.PREEMPTED: frozenset({TaskState.QUEUED}),
+}
+
+
+@dataclass(frozen=True)
+class TaskRequest:
+    """What a user asks for; sizes are GPUs as text ("4", "0.25") or numbers."""
+
+    compute_resource: str  # id or name
+    gpus: str | None = None
+    name: str = ""
+    project: str | None = None  # id or name
+    priority: int = 0
+    max_attempts: int = 3
+    spec: dict[str, Any] | None = None
+
+
+def _record(task: Task, *, to_state: str, actor: str, message: str, at: datetime) -> TaskEvent:
+    return TaskEvent(task=task, at=at, actor=actor, from_state=task.state, to_state=to_state, message=message)
+
+
+def transition(task: Task, *, to_state: str, actor: str, message: str = "", **fields: Any) -> Task:
+    """Move a task to `to_state` if its lifecycle allows it, recording who, what and when."""
+    if to_state not in TRANSITIONS.get(task.state, frozenset()):
+        raise InvalidInput(f"Task {task.pk} is {task.state}; it cannot become {to_state}.")
+    now = timezone.now()
+    TaskEvent.objects.create(
+        task=task, at=now, actor=actor, from_state=task.state, to_state=to_state, message=message
+    )
+    task.state = to_state
+    for name, value in fields.items():
+        setattr(task, name, value)
+    if to_state in ENDED_STATES:
+        task.ended_at = now
+    task.save()
+    return task
+
+
+def _as_uuid(reference: str) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(str(reference))
+    except ValueError:
+        return None
+
+
+def _resolve_compute_resource(user: User, reference: str) -> ComputeResource:
+    resources = compute_resources_for(user)
+    identifier = _as_uuid(reference)
+    match = (
+        resources.filter(pk=identifier).first() if identifier else resources.filter(name=reference).first()
+    )
+    if match is None:
+        raise InvalidInput(
+            f"No compute resource {reference!r} is open to {user.username}. `klique queues` (or GET "
+            "/api/v1/compute-resources/) lists the ones your groups' policies allow.",
+            field="compute_resource",
+        )
+    return match
+
+
+def _size(resource: ComputeResource, gpus: str | None, tenant: Tenant) -> int:
+    """The task's size in units, or InvalidInput naming the field and the limit it breaks."""
+    profile = resource.profile
+    if profile.size_from_task:
+        if gpus is None:
+            raise InvalidInput(
+                f"{resource.name} takes the size from the task: give gpus between "
+                f"{describe(profile.min_units)} "
+                f"and {describe(profile.max_units)}.",
+                field="gpus",
+            )
+        try:
+            size = units(gpus)
+        except SizeError as error:
+            raise InvalidInput(str(error), field="gpus") from None
+        if size <= 0:
+            raise InvalidInput(f"gpus must be more than 0; {gpus} was asked for.", field="gpus")
+        if not profile.min_units <= size <= profile.max_units:
+            raise InvalidInput(
+                f"{resource.name} runs tasks of {describe(profile.min_units)} to "
+                f"{describe(profile.max_units)}; "
+                f"{describe(size)} was asked for.",
+                field="gpus",
+            )
+        if profile.sharing == TaskSharing.WHOLE and size % UNITS_PER_GPU:
+            raise InvalidInput(
+                f"{resource.name} runs whole GPUs; {gpus} is not a whole number.", field="gpus"
+            )
+    else:
+        size = profile.size_units
+        if gpus is not None:
+            try:
+                asked = units(gpus)
+            except SizeError as error:
+                raise InvalidInput(str(error), field="gpus") from None
+            if asked != size:
+                raise InvalidInput(
+                    f"{resource.name} runs tasks of exactly {describe(size)}; "
+                    "leave gpus out or ask for that.",
+                    field="gpus",
+                )
+    _check_it_can_ever_run(resource, size, tenant)
+    return size
+
+
+def _check_it_can_ever_run(resource: ComputeResource, size: int, tenant: Tenant) -> None:
+    policy = resource.policy
+    largest = max((pool.capacity_gpus for pool in resource.profile.pools.all()), default=0) * UNITS_PER_GPU
+    if size > largest:
+        raise InvalidInput(
+            f"{describe(size)} is more than any pool of {resource.name} holds (the largest has "
+            f"{describe(largest)}).",
+            field="gpus",
+        )
+    if size > policy.limit_units:
+        raise InvalidInput(
+            f"{describe(size)} is above the limit of policy {policy.name}, {describe(policy.limit_units)}.",
+            field="gpus",
+        )
+    if tenant.gpu_share is not None and size > tenant.gpu_share * UNITS_PER_GPU:
+        raise InvalidInput(
+            f"{describe(size)} is above the tenant's GPU share of {tenant.gpu_share}; ask your provider.",
+            field="gpus",
+        )
+
+
+def _project(user: User, reference: str | None) -> Project | None:
+    if reference is None:
+        return None
+    identifier = _as_uuid(reference)
+    project = (
+        Project.objects.filter(pk=identifier) if identifier else Project.objects.filter(name=reference)
+    ).first()
+    if project is None or not project.memberships.filter(user=user).exists():
+        raise InvalidInput(f"{user.username} is not a member of a project {reference!r}.", field="project")
+    return project
+
+
+def _build(tenant: Tenant, user: User, request: TaskRequest, now: datetime) -> Task:
+    resource = _resolve_compute_resource(user, request.compute_resource)
+    if not 1 <= request.max_attempts <= 20:
+        raise InvalidInput("max_attempts is between 1 and 20.", field="max_attempts")
+    return Task(
+        name=request.name,
+        compute_resource=resource,
+        compute_resource_name=resource.name,
+        submitter=user,
+        project=_project(user, request.project),
+        size_units=_size(resource, request.gpus, tenant),
+        nodes=resource.profile.nodes,
+        sharing=resource.profile.sharing,
+        priority=request.priority,
+        max_attempts=request.max_attempts,
+        spec=request.spec or {},
+        submitted_at=now,
+        queued_at=now,
+    )
+
+
+@transaction.atomic
+def tasks_submit(*, tenant: Tenant, user: User, requests: list[TaskRequest]) -> list[Task]:
+    """Queue one or many tasks, all or none: one refused request refuses the batch, naming its index."""
+    from apps.scheduling.tasks import request_cycle
+
+    now = timezone.now()
+    tasks = []
+    for index, request in enumerate(requests):
+        try:
+            tasks.append(_build(tenant, user, request, now))
+        except InvalidInput as error:
+            if len(requests) == 1:
+                raise
+            raise InvalidInput(f"Task {index}: {error.message}", field=f"{index}.{error.field}") from None
+    Task.objects.bulk_create(tasks)
+    TaskEvent.objects.bulk_create(
+        TaskEvent(
+            task=task,
+            at=now,
+            actor=user.username,
+            from_state="",
+            to_state=TaskState.QUEUED,
+            message="submitted",
+        )
+        for task in tasks
+    )
+    publish_event(tenant=tenant, kind="tasks.submitted", data={"ids": [str(task.pk) for task in tasks]})
+    request_cycle(tenant)
+    return tasks
+
+
+@transaction.atomic
+def task_cancel(*, tenant: Tenant, user: User, task: Task) -> Task:
+    """Abort a task that has not ended. Its submitter, and any tenant admin, may cancel it."""
+    from apps.scheduling.tasks import request_cycle
+
+    task = Task.objects.select_for_update().get(pk=task.pk)
+    if task.state in ENDED_STATES:
+        raise InvalidInput(f"Task {task.pk} already ended ({task.state}); there is nothing to cancel.")
+    transition(
+        task,
+        to_state=TaskState.ABORTED,
+        actor=user.username,
+        message="cancelled",
+        reason_code="cancelled",
+        reason=f"Cancelled by {user.username}.",
+    )
+    publish_event(tenant=tenant, kind="task.cancelled", data={"id": str(task.pk)})
+    request_cycle(tenant)
+    return task
+
+
+@transaction.atomic
+def task_finish(*, tenant: Tenant, task: Task, succeeded: bool, exit_code: int | None, actor: str) -> Task:
+    """Record a run's end. A failed run is queued again while attempts remain (retry policy)."""
+    from apps.scheduling.tasks import request_cycle
+
+    task = Task.objects.select_for_update().get(pk=task.pk)
+    if succeeded:
+        transition(task, to_state=TaskState.COMPLETED, actor=actor, exit_code=exit_code, pool=task.pool)
+    elif task.attempts < task.max_attempts:
+        transition(task, to_state=TaskState.FAILED, actor=actor, message=f"attempt {task.attempts} failed")
+        # A retry is a new run of the same task: it re-enters the queue, keeping its place by submit time.
+        TaskEvent.objects.create(
+            task=task,
+            at=timezone.now(),
+            actor=SCHEDULER,
+            from_state=TaskState.FAILED,
+            to_state=TaskState.QUEUED,
+            message=f"retry {task.attempts + 1} of {task.max_attempts}",
+        )
+        Task.objects.filter(pk=task.pk).update(
+            state=TaskState.QUEUED,
+            pool=None,
+            queued_at=timezone.now(),
+            ended_at=None,
+            exit_code=exit_code,
+            reason_code="retrying",
+            reason=f"Attempt {task.attempts} failed with exit code {exit_code}; queued again.",
+        )
+        task.refresh_from_db()
+    else:
+        transition(
+            task,
+            to_state=TaskState.FAILED,
+            actor=actor,
+            exit_code=exit_code,
+            reason_code="failed",
+            reason=f"All {task.max_attempts} attempts failed.",
+        )
+    request_cycle(tenant)
+    return task
+
+
+def tasks_end_for_removed_resources(*, resources: list[ComputeResource], actor: User) -> int:
+    """End the queued tasks of compute resources that provisioning removes, saying so. Returns how many."""
+    now = timezone.now()
+    ended = 0
+    for resource in resources:
+        queued = list(Task.objects.filter(compute_resource=resource, state=TaskState.QUEUED))
+        message = (
+            f"Its compute resource {resource.name} was removed by {actor.username} "
+            f"on {now:%Y-%m-%d %H:%M} UTC."
+        )
+        TaskEvent.objects.bulk_create(
+            _record(task, to_state=TaskState.ABORTED, actor=actor.username, message=message, at=now)
+            for task in queued
+        )
+        ended += Task.objects.filter(pk__in=[task.pk for task in queued]).update(
+            state=TaskState.ABORTED, ended_at=now, reason_code="compute_resource_removed", reason=message
+        )
+    return ended

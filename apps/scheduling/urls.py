@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+from django.urls import path
+
+from apps.resources import apis as resources
+from apps.scheduling import apis
+
+urlpatterns = [
+    path("configuration/", resources.ActiveConfigurationView.as_view(), name="configuration"),
+    path("configuration/draft/", resources.DraftView.as_view(), name="configuration-draft"),
+    path(
+        "configuration/draft/validate/", resources.DraftValidateView.as_view(), name="configuration-validate"
+    ),
+    path(
+        "configuration/draft/provision/",
+        resources.DraftProvisionView.as_view(),
+        name="configuration-provision",
+    ),
+    path("pools/", resources.PoolListView.as_view(), name="pool-list"),
+    path("compute-resources/", resources.ComputeResourceListView.as_view(), name="compute-resource-list"),
+    path(
+        "compute-resources/<uuid:resource_id>/",
+        resources.ComputeResourceDetailView.as_view(),
+        name="compute-resource-detail",
+    ),
+    path("queue-wait/", apis.QueueWaitView.as_view(), name="queue-wait"),
+    path("tasks/", apis.TaskListView.as_view(), name="task-list"),
+    path("tasks/<uuid:task_id>/", apis.TaskDetailView.as_view(), name="task-detail"),
+    path("tasks/<uuid:task_id>/cancel/", apis.TaskCancelView.as_view(), name="task-cancel"),
+    path("tasks/<uuid:task_id>/why/", apis.TaskWhyView.as_view(), name="task-why"),
+    path("tasks/<uuid:task_id>/history/", apis.TaskHistoryView.as_view(), name="task-history"),
+]

@@ -1,0 +1,85 @@
+"""The configuration, queue and task endpoints, declared for the battery (tests/battery.py)."""
+
+from __future__ import annotations
+
+from tests.battery import Endpoint, fixed
+from tests.scheduling.config import acme_document
+
+ENDPOINTS = [
+    Endpoint("GET", "api/v1/configuration/", "viewer", fixed("/api/v1/configuration/")),
+    Endpoint("GET", "api/v1/configuration/draft/", "admin", fixed("/api/v1/configuration/draft/")),
+    Endpoint(
+        "PUT",
+        "api/v1/configuration/draft/",
+        "admin",
+        fixed("/api/v1/configuration/draft/"),
+        body=lambda w: {"document": acme_document()},
+        bad_body={"document": {"pools": [{"name": "no capacity", "environment": "moon"}]}},
+    ),
+    Endpoint(
+        "POST",
+        "api/v1/configuration/draft/validate/",
+        "admin",
+        fixed("/api/v1/configuration/draft/validate/"),
+    ),
+    Endpoint(
+        "POST",
+        "api/v1/configuration/draft/provision/",
+        "admin",
+        fixed("/api/v1/configuration/draft/provision/"),
+    ),
+    Endpoint("GET", "api/v1/pools/", "viewer", fixed("/api/v1/pools/")),
+    Endpoint(
+        "GET",
+        "api/v1/compute-resources/",
+        "viewer",
+        fixed("/api/v1/compute-resources/"),
+        a_ids=lambda w: [w.compute_resource_a],
+    ),
+    Endpoint(
+        "GET",
+        "api/v1/compute-resources/<uuid:resource_id>/",
+        "viewer",
+        lambda w: f"/api/v1/compute-resources/{w.compute_resource_a}/",
+        names_object=True,
+    ),
+    Endpoint("GET", "api/v1/queue-wait/", "viewer", fixed("/api/v1/queue-wait/")),
+    Endpoint("GET", "api/v1/tasks/", "viewer", fixed("/api/v1/tasks/"), a_ids=lambda w: [w.task_a]),
+    Endpoint(
+        "POST",
+        "api/v1/tasks/",
+        "member",
+        fixed("/api/v1/tasks/"),
+        body=lambda w: {"compute_resource": "Research: 4 GPUs", "name": "train"},
+        bad_body={"compute_resource": "Research: 4 GPUs", "gpus": "64"},
+        expect=201,
+    ),
+    Endpoint(
+        "GET",
+        "api/v1/tasks/<uuid:task_id>/",
+        "viewer",
+        lambda w: f"/api/v1/tasks/{w.task_a}/",
+        names_object=True,
+    ),
+    Endpoint(
+        "POST",
+        "api/v1/tasks/<uuid:task_id>/cancel/",
+        "member",
+        lambda w: f"/api/v1/tasks/{w.task_a}/cancel/",
+        names_object=True,
+    ),
+    Endpoint(
+        "GET",
+        "api/v1/tasks/<uuid:task_id>/why/",
+        "viewer",
+        lambda w: f"/api/v1/tasks/{w.task_a}/why/",
+        names_object=True,
+    ),
+    Endpoint(
+        "GET",
+        "api/v1/tasks/<uuid:task_id>/history/",
+        "viewer",
+        lambda w: f"/api/v1/tasks/{w.task_a}/history/",
+        names_object=True,
+    ),
+]
