@@ -1,0 +1,140 @@
+"""The scheduling cycle against the database: decisions written, reclaim, and exactly-once placement."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from django.db import connections
+from django.utils import timezone
+from django_tenants.utils import schema_context
+
+from apps.accounts.models import User
+from apps.accounts.services import group_save
+from apps.resources.models import ComputeResource, Pool
+from apps.resources.services import draft_provision, draft_save
+from apps.scheduling import engine
+from apps.scheduling.cycle import _apply, run_cycle, snapshot
+from apps.scheduling.models import Task, TaskEvent, TaskState
+from apps.scheduling.services import TaskRequest, tasks_submit
+from tenants.models import Tenant
+from tenants.services import tenant_create, tenant_delete
+from tests.scheduling.config import acme_document
+from tests.world import World
+
+
+def running_task(resource: ComputeResource, pool: Pool, user: User, started_minutes_ago: int) -> Task:
+    now = timezone.now()
+    started = now - timedelta(minutes=started_minutes_ago)
+    return Task.objects.create(
+        compute_resource=resource,
+        compute_resource_name=resource.name,
+        submitter=user,
+        size_units=resource.profile.size_units,
+        state=TaskState.RUNNING,
+        pool=pool,
+        submitted_at=started,
+        queued_at=started,
+        placed_at=started,
+        started_at=started,
+    )
+
+
+def test_research_reclaims_dev_s_borrowed_gpus_through_the_database(world: World, db: None) -> None:
+    """Dev (queuing priority 10) borrowed all 16 GPUs; Research, under its reservation, gets 4 back."""
+    with schema_context("acme"):
+        Task.objects.all().delete()
+        dev = ComputeResource.objects.get(name="Dev: 4 GPUs")
+        carol = User.objects.get(username="carol")
+        pools = {pool.name: pool for pool in Pool.objects.all()}
+        victims = [
+            running_task(dev, pools["baremetal"], carol, 40),
+            running_task(dev, pools["baremetal"], carol, 10),
+            running_task(dev, pools["h100"], carol, 30),
+            running_task(dev, pools["h100"], carol, 20),
+        ]
+        bob = User.objects.get(username="bob")
+        (research,) = tasks_submit(
+            tenant=world.tenant_a, user=bob, requests=[TaskRequest(compute_resource="Research: 4 GPUs")]
+        )
+        result = run_cycle(world.tenant_a)
+        assert (result.placed, result.preempted) == (1, 1)
+        research.refresh_from_db()
+        assert (research.state, research.pool.name if research.pool else None) == ("placed", "baremetal")
+        # The most recently started of Dev's work in the first pool of the order.
+        preempted = Task.objects.get(pk=victims[1].pk)
+        assert preempted.state == TaskState.QUEUED
+        assert preempted.reason_code == "preempted"
+        assert preempted.submitted_at == victims[1].submitted_at  # back at the front of its queue
+        moves = list(preempted.events.values_list("from_state", "to_state"))
+        assert moves == [("running", "preempted"), ("preempted", "queued")]
+        assert Task.objects.filter(state=TaskState.RUNNING).count() == 3
+
+
+def test_a_second_cycle_on_the_same_state_changes_nothing(world: World, db: None) -> None:
+    with schema_context("acme"):
+        first = run_cycle(world.tenant_a)
+        second = run_cycle(world.tenant_a)
+    assert first.placed == 1
+    assert (second.placed, second.preempted) == (0, 0)
+
+
+def test_writing_one_decision_twice_places_each_task_once(world: World, db: None) -> None:
+    with schema_context("acme"):
+        now = timezone.now()
+        decision = engine.schedule(snapshot(world.tenant_a, now))
+        assert _apply(decision, now) == (1, 0)
+        assert _apply(decision, now) == (0, 0)
+        assert TaskEvent.objects.filter(task_id=world.task_a, to_state=TaskState.PLACED).count() == 1
+
+
+@pytest.fixture
+def committed_tenant(django_db_blocker: pytest.FixtureRequest, world: World) -> Iterator[Tenant]:
+    """A tenant whose rows are really committed, so that several connections can see them."""
+    with django_db_blocker.unblock():  # type: ignore[attr-defined]
+        created = tenant_create(slug="concurrent", name="Concurrent", admin_username="olga")
+        with schema_context("concurrent"):
+            olga = User.objects.get(username="olga")
+            group_save(tenant=created.tenant, name="research", members=[olga])
+            group_save(tenant=created.tenant, name="dev", members=[olga])
+            draft_save(tenant=created.tenant, user=olga, document=acme_document())
+            draft_provision(tenant=created.tenant, user=olga)
+            Pool.objects.update(last_heartbeat_at=timezone.now())
+            tasks_submit(
+                tenant=created.tenant,
+                user=olga,
+                requests=[TaskRequest(compute_resource="Research: 4 GPUs", name=f"t{i}") for i in range(40)],
+            )
+        yield created.tenant
+        tenant_delete(tenant=Tenant.objects.get(slug="concurrent"))
+
+
+def test_two_cycles_at_once_never_place_a_task_twice(committed_tenant: Tenant) -> None:
+    barrier = threading.Barrier(2)
+    results = []
+
+    def cycle() -> None:
+        try:
+            with schema_context("concurrent"):
+                barrier.wait()
+                results.append(run_cycle(committed_tenant))
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=cycle) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    with schema_context("concurrent"):
+        placements = list(
+            TaskEvent.objects.filter(to_state=TaskState.PLACED).values_list("task_id", flat=True)
+        )
+        placed_tasks = Task.objects.filter(state=TaskState.PLACED).count()
+        used = sum(Task.objects.filter(state=TaskState.PLACED).values_list("size_units", flat=True))
+    assert len(results) == 2
+    assert len(placements) == len(set(placements)) == placed_tasks == 4  # the research limit: 16 GPUs
+    assert used == 16 * engine.UNITS_PER_GPU
+    assert sum(result.placed for result in results) == 4

@@ -1,0 +1,161 @@
+"""Submitting, listing, cancelling tasks; why they wait; their history; and what submit refuses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django_tenants.utils import schema_context
+from rest_framework.test import APIClient
+
+from apps.resources.models import ResourcePolicy
+from apps.scheduling.cycle import run_cycle
+from tenants.models import Tenant
+from tests.world import World
+
+
+def submit(client: APIClient, body: object) -> Any:
+    return client.post("/api/v1/tasks/", body, format="json")
+
+
+def test_submit_one_and_many(api: Callable[..., APIClient], world: World) -> None:
+    one = submit(api("bob"), {"compute_resource": "Research: 4 GPUs", "name": "resnet", "project": "apollo"})
+    assert one.status_code == 201, one.content
+    body = one.json()
+    assert (body["state"], body["gpus"], body["project"], body["submitter"]) == (
+        "queued",
+        "4",
+        "apollo",
+        "bob",
+    )
+    many = submit(
+        api("bob"),
+        [
+            {"compute_resource": "Research: shared GPU", "gpus": "0.25"},
+            {"compute_resource": "Research: MIG slice"},
+            {"compute_resource": "Research: multi-node training"},
+        ],
+    )
+    assert many.status_code == 201, many.content
+    sizes = [(task["gpus"], task["nodes"], task["sharing"]) for task in many.json()]
+    assert sizes == [("1/4", 1, "fraction"), ("1/7", 1, "mig"), ("8", 2, "whole")]
+
+
+def test_a_batch_is_all_or_none_and_names_the_bad_one(api: Callable[..., APIClient], world: World) -> None:
+    before = api("bob").get("/api/v1/tasks/?mine=true").json()["count"]
+    response = submit(
+        api("bob"),
+        [{"compute_resource": "Research: 4 GPUs"}, {"compute_resource": "Research: shared GPU", "gpus": "2"}],
+    )
+    assert response.status_code == 400
+    assert response.json()["detail"].startswith(
+        "Task 1: Research: shared GPU runs tasks of 0.25 GPU to 0.5 GPU"
+    )
+    assert list(response.json()["errors"]) == ["1.gpus"]
+    assert api("bob").get("/api/v1/tasks/?mine=true").json()["count"] == before
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"compute_resource": "Research: shared GPU", "gpus": "0"}, "more than 0"),
+        ({"compute_resource": "Research: shared GPU", "gpus": "-1"}, "more than 0"),
+        ({"compute_resource": "Research: shared GPU", "gpus": "0.75"}, "runs tasks of 0.25 GPU to 0.5 GPU"),
+        ({"compute_resource": "Research: shared GPU"}, "give gpus between 0.25 GPU and 0.5 GPU"),
+        ({"compute_resource": "Research: 4 GPUs", "gpus": "8"}, "runs tasks of exactly 4 GPUs"),
+        ({"compute_resource": "Research: 4 GPUs", "gpus": "1.001"}, "cannot be counted exactly"),
+        ({"compute_resource": "Nowhere: 4 GPUs"}, "No compute resource 'Nowhere: 4 GPUs' is open to bob"),
+        ({"compute_resource": "Dev: 4 GPUs"}, "No compute resource 'Dev: 4 GPUs' is open to bob"),
+        ({"compute_resource": "Research: 4 GPUs", "project": "hermes"}, "not a member of a project 'hermes'"),
+    ],
+)
+def test_what_could_never_run_is_refused_at_submit(
+    api: Callable[..., APIClient], world: World, body: dict[str, str], fragment: str
+) -> None:
+    response = submit(api("bob"), body)
+    assert response.status_code == 400, response.content
+    assert fragment in response.json()["detail"]
+    assert response.json()["errors"]
+
+
+def test_limits_and_shares_are_named_when_a_size_breaks_them(
+    api: Callable[..., APIClient], world: World
+) -> None:
+    with schema_context("acme"):
+        ResourcePolicy.objects.filter(name="research").update(limit_units=2 * 840)
+    response = submit(api("bob"), {"compute_resource": "Research: 4 GPUs"})
+    assert "above the limit of policy research, 2 GPUs" in response.json()["detail"]
+    with schema_context("acme"):
+        ResourcePolicy.objects.filter(name="research").update(limit_units=16 * 840)
+    Tenant.objects.filter(pk=world.tenant_a.pk).update(gpu_share=2)
+    response = submit(api("bob"), {"compute_resource": "Research: 4 GPUs"})
+    assert "above the tenant's GPU share of 2" in response.json()["detail"]
+
+
+def test_viewers_cannot_submit_and_only_the_submitter_or_an_admin_cancels(
+    api: Callable[..., APIClient], world: World
+) -> None:
+    assert submit(api("dave"), {"compute_resource": "Research: 4 GPUs"}).status_code == 403
+    refused = api("carol").post(f"/api/v1/tasks/{world.task_a}/cancel/")
+    assert refused.status_code == 403
+    assert "submitter or a tenant admin" in refused.json()["detail"]
+    cancelled = api("alice").post(f"/api/v1/tasks/{world.task_a}/cancel/")
+    assert (cancelled.status_code, cancelled.json()["state"]) == (200, "aborted")
+    again = api("bob").post(f"/api/v1/tasks/{world.task_a}/cancel/")
+    assert again.status_code == 400
+    assert "already ended" in again.json()["detail"]
+
+
+def test_why_gives_the_reason_and_the_position(api: Callable[..., APIClient], world: World) -> None:
+    bob = api("bob")
+    for index in range(5):  # 4 GPUs each: 16 GPUs fill both pools, and the research limit of 16
+        submit(bob, {"compute_resource": "Research: 4 GPUs", "name": f"fill-{index}"})
+    late = submit(bob, {"compute_resource": "Research: 4 GPUs", "name": "late"}).json()
+    urgent = submit(bob, {"compute_resource": "Research: 4 GPUs", "name": "urgent", "priority": 5}).json()
+    before = bob.get(f"/api/v1/tasks/{late['id']}/why/").json()
+    assert before["reason"] == "Waiting for the next scheduling cycle."
+    with schema_context("acme"):
+        result = run_cycle(world.tenant_a)
+    assert result.placed == 4
+    why = bob.get(f"/api/v1/tasks/{late['id']}/why/").json()
+    assert why["state"] == "queued"
+    assert why["reason_code"] == "policy_limit"
+    assert "Policy research is at its limit of 16 GPUs" in why["reason"]
+    # Placed: urgent (priority 5), then by submit time the world's first task and fill-0, fill-1.
+    assert why["position"] == 4  # behind fill-2, fill-3 and fill-4
+    assert bob.get(f"/api/v1/tasks/{urgent['id']}/").json()["state"] == "placed"
+    history = bob.get(f"/api/v1/tasks/{urgent['id']}/history/").json()
+    assert [(event["from_state"], event["to_state"], event["actor"]) for event in history] == [
+        ("", "queued", "bob"),
+        ("queued", "placed", "scheduler"),
+    ]
+
+
+def test_tasks_can_be_filtered(api: Callable[..., APIClient], world: World) -> None:
+    submit(api("bob"), {"compute_resource": "Research: shared GPU", "gpus": "0.5", "project": "apollo"})
+    client = api("dave")
+    assert client.get("/api/v1/tasks/?state=queued").json()["count"] == 2
+    assert client.get("/api/v1/tasks/?compute_resource=Research: shared GPU").json()["count"] == 1
+    assert client.get("/api/v1/tasks/?project=apollo").json()["count"] == 1
+    assert client.get("/api/v1/tasks/?mine=true").json()["count"] == 0
+    bad = client.get("/api/v1/tasks/?state=sleeping")
+    assert bad.status_code == 400
+    assert "Unknown state" in bad.json()["detail"]
+
+
+def test_compute_resources_say_which_are_open_and_how_they_wait(
+    api: Callable[..., APIClient], world: World
+) -> None:
+    with schema_context("acme"):
+        run_cycle(world.tenant_a)
+    listed = {row["name"]: row for row in api("bob").get("/api/v1/compute-resources/").json()["results"]}
+    research = listed["Research: 4 GPUs"]
+    assert research["open_to_you"] is True
+    assert listed["Dev: 4 GPUs"]["open_to_you"] is False
+    assert (research["reservation_gpus"], research["limit_gpus"], research["size"]) == ("8", "16", "4 GPUs")
+    assert research["active"] == 1
+    assert research["wait_p50_seconds"] is not None
+    waits = api("dave").get("/api/v1/queue-wait/?by=group").json()
+    assert waits["research"]["placed"] == 1
+    assert api("dave").get("/api/v1/queue-wait/?by=colour").status_code == 400
