@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from klique.commands import HANDLERS, add_commands, run
 from klique.embedded import EmbeddedServiceError, ensure_services
 from klique.preflight import PreflightError, check_database, check_redis
 
@@ -221,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--concurrency", type=int, default=2)
     commands.add_parser("beat", help="run Celery beat (periodic work)")
     commands.add_parser("migrate", help="migrate the public schema and every tenant schema")
+    add_commands(commands)
     for name, help_text in (
         ("tenant", "create, list, suspend, resume, delete tenants"),
         ("provider-admin", "create a provider admin and print a token"),
@@ -246,11 +248,29 @@ COMMANDS: dict[str, Any] = {
     "tenant": lambda args: command_manage(["tenant", *args.arguments]),
     "provider-admin": lambda args: command_manage(["provider_admin", *args.arguments]),
     "manage": lambda args: command_manage(args.arguments),
+    **dict.fromkeys(HANDLERS, run),
 }
 
 
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse the command line; whatever follows a bare `--` is the command a task runs, kept verbatim."""
+    words = list(argv)
+    tail: list[str] = []
+    if "--" in words:
+        cut = words.index("--")
+        words, tail = words[:cut], words[cut + 1 :]
+    args = build_parser().parse_args(words)
+    if tail:
+        if args.command != "submit":
+            build_parser().error(
+                f"only `klique submit` takes a command after --, not `klique {args.command}`"
+            )
+        args.argv = tail
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return int(COMMANDS[args.command](args))
     except PreflightError as error:

@@ -99,6 +99,7 @@ class TaskListView(TenantAPIView):
             OpenApiParameter("compute_resource", str),
             OpenApiParameter("mine", bool),
             OpenApiParameter("project", str),
+            OpenApiParameter("id_prefix", str),
         ],
         responses=TaskOut(many=True),
         summary="Tasks, newest first",
@@ -118,6 +119,12 @@ class TaskListView(TenantAPIView):
             tasks = tasks.filter(submitter=self.user)
         if project := query.get("project"):
             tasks = tasks.filter(project__name=project)
+        if prefix := query.get("id_prefix"):
+            if not all(character in "0123456789abcdef-" for character in prefix.lower()):
+                raise serializers.ValidationError(
+                    {"id_prefix": ["A task id has hexadecimal digits and dashes."]}
+                )
+            tasks = tasks.filter(id__startswith=prefix.lower())
         return self.page(tasks, TaskOut)
 
     @extend_schema(

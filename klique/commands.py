@@ -1,0 +1,128 @@
+"""The user's commands: `klique submit`, `tasks`, `cancel`, `why`, `queues`. They speak to the REST API
+through the SDK, so they work from any machine that can reach the tenant's address."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from klique.sdk import Client, KliqueError
+from klique.tables import duration, table
+
+
+def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    def connection(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser.add_argument("--url", help="the tenant's address (default: $KLIQUE_URL)")
+        parser.add_argument("--token", help="an API token (default: $KLIQUE_TOKEN)")
+        return parser
+
+    submit = connection(commands.add_parser("submit", help="submit a task to a compute resource"))
+    submit.add_argument("compute_resource", help="its name, as `klique queues` shows it")
+    submit.add_argument("--gpus", help="the size, where the compute resource takes it from the task")
+    submit.add_argument("--name", default="")
+    submit.add_argument("--project")
+    submit.add_argument("--priority", type=int, default=0)
+    submit.set_defaults(argv=[])  # the command to run follows `--` (see klique.cli.parse_args)
+    tasks = connection(commands.add_parser("tasks", help="list tasks, newest first"))
+    tasks.add_argument("--state")
+    tasks.add_argument("--queue", help="only this compute resource")
+    tasks.add_argument("--mine", action="store_true")
+    tasks.add_argument("--limit", type=int, default=50)
+    for name, text in (("cancel", "cancel a task"), ("why", "say why a task waits, and where it stands")):
+        parser = connection(commands.add_parser(name, help=text))
+        parser.add_argument("task", help="its id, or the start of it")
+    connection(commands.add_parser("queues", help="the compute resources, and how their queues are doing"))
+
+
+def run(args: argparse.Namespace, client: Client | None = None) -> int:
+    """Run a user command; returns the exit code. `client` lets tests bring their own transport."""
+    try:
+        client = client or Client.from_environment(args.url, args.token)
+        print(HANDLERS[args.command](args, client))
+        return 0
+    except KliqueError as error:
+        print(f"klique {args.command}: {error.message}")
+        return 1
+
+
+def _submit(args: argparse.Namespace, client: Client) -> str:
+    command = list(args.argv)
+    task = client.submit(
+        args.compute_resource,
+        gpus=args.gpus,
+        name=args.name,
+        project=args.project,
+        priority=args.priority,
+        command=command or None,
+    )
+    return f"Submitted {task['id']} to {task['compute_resource']} ({task['gpus']} GPUs): {task['state']}."
+
+
+def _tasks(args: argparse.Namespace, client: Client) -> str:
+    rows = client.tasks(state=args.state, compute_resource=args.queue, mine=args.mine, limit=args.limit)
+    if not rows:
+        return "No tasks."
+    return table(
+        ["id", "name", "state", "gpus", "compute resource", "pool", "submitter", "reason"],
+        [
+            [
+                row["id"][:8],
+                row["name"],
+                row["state"],
+                row["gpus"],
+                row["compute_resource"],
+                row["pool"],
+                row["submitter"],
+                row["reason"],
+            ]
+            for row in rows
+        ],
+    )
+
+
+def _cancel(args: argparse.Namespace, client: Client) -> str:
+    task = client.cancel(args.task)
+    return f"Cancelled {task['id']} ({task['name'] or 'unnamed'}): {task['state']}."
+
+
+def _why(args: argparse.Namespace, client: Client) -> str:
+    task = client.task(args.task)
+    why = client.why(task["id"])
+    if why["state"] != "queued":
+        return f"Task {task['id']} is {why['state']}" + (f" in pool {task['pool']}." if task["pool"] else ".")
+    return (
+        f"Task {task['id']} is queued in {task['compute_resource']}: position {why['position']} "
+        f"({why['queued_ahead']} ahead), waiting {duration(why['waiting_seconds'])}.\n{why['reason']}"
+    )
+
+
+def _queues(args: argparse.Namespace, client: Client) -> str:
+    rows = client.queues()
+    if not rows:
+        return "No compute resources yet; a tenant admin provisions them."
+    return table(
+        ["compute resource", "open", "size", "reserved", "limit", "queued", "active", "wait p50", "wait p95"],
+        [
+            [
+                row["name"],
+                "yes" if row["open_to_you"] else "no",
+                row["size"],
+                row["reservation_gpus"],
+                row["limit_gpus"],
+                row["queued"],
+                row["active"],
+                duration(row["wait_p50_seconds"]),
+                duration(row["wait_p95_seconds"]),
+            ]
+            for row in rows
+        ],
+    )
+
+
+HANDLERS: dict[str, Callable[[argparse.Namespace, Client], str]] = {
+    "submit": _submit,
+    "tasks": _tasks,
+    "cancel": _cancel,
+    "why": _why,
+    "queues": _queues,
+}

@@ -1,0 +1,135 @@
+"""Klique's Python SDK: a small client of the REST API, authenticated by a token. No Django here.
+
+from klique.sdk import Client
+client = Client("http://demo.localhost:8000", token)
+task = client.submit("Research: 4 GPUs", name="resnet", command=["python", "train.py"])
+print(client.why(task["id"])["reason"])
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+
+class KliqueError(Exception):
+    """The server refused a request, or could not be reached; the message is the server's own sentence."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+def _loopback(url: str) -> tuple[str, dict[str, str]]:
+    """Names under .localhost mean this machine (RFC 6761). Browsers and curl know; many resolvers do not,
+    so connect to 127.0.0.1 and name the tenant in the Host header."""
+    parts = urlsplit(url.rstrip("/"))
+    host = parts.hostname or ""
+    if host == "localhost" or host.endswith(".localhost"):
+        netloc = f"127.0.0.1:{parts.port}" if parts.port else "127.0.0.1"
+        return urlunsplit((parts.scheme, netloc, parts.path, "", "")), {"Host": parts.netloc}
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, "", "")), {}
+
+
+class Client:
+    def __init__(
+        self, url: str, token: str, *, timeout: float = 30, transport: httpx.BaseTransport | None = None
+    ) -> None:
+        if not url or not token:
+            raise KliqueError(
+                "Set KLIQUE_URL (your tenant's address, such as http://demo.localhost:8000) and KLIQUE_TOKEN "
+                "(a token from POST /api/v1/tokens/; `make demo` prints one), or pass --url and --token."
+            )
+        base, headers = _loopback(url)
+        self.http = httpx.Client(
+            base_url=base,
+            headers={**headers, "Authorization": f"Bearer {token}", "User-Agent": "klique-sdk"},
+            timeout=timeout,
+            transport=transport,
+        )
+
+    @classmethod
+    def from_environment(cls, url: str | None = None, token: str | None = None) -> Client:
+        return cls(url or os.environ.get("KLIQUE_URL", ""), token or os.environ.get("KLIQUE_TOKEN", ""))
+
+    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.HTTPError as error:
+            raise KliqueError(f"Could not reach Klique at {self.http.base_url}: {error}.") from None
+        if response.status_code >= 400:
+            try:
+                detail = response.json().get("detail") or response.text
+            except ValueError:
+                detail = response.text or response.reason_phrase
+            raise KliqueError(str(detail), response.status_code)
+        return response.json() if response.content else None
+
+    def submit(
+        self,
+        compute_resource: str,
+        *,
+        gpus: str | None = None,
+        name: str = "",
+        project: str | None = None,
+        priority: int = 0,
+        command: list[str] | None = None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"compute_resource": compute_resource, "name": name, "priority": priority}
+        if gpus is not None:
+            body["gpus"] = gpus
+        if project is not None:
+            body["project"] = project
+        if command:
+            body["spec"] = {"command": command}
+        result: dict[str, Any] = self.request("POST", "/api/v1/tasks/", json=body)
+        return result
+
+    def tasks(
+        self,
+        *,
+        state: str | None = None,
+        compute_resource: str | None = None,
+        mine: bool = False,
+        limit: int = 50,
+    ) -> list[dict[str, Any]]:
+        params: dict[str, Any] = {"limit": limit}
+        if state:
+            params["state"] = state
+        if compute_resource:
+            params["compute_resource"] = compute_resource
+        if mine:
+            params["mine"] = "true"
+        rows: list[dict[str, Any]] = self.request("GET", "/api/v1/tasks/", params=params)["results"]
+        return rows
+
+    def resolve(self, task: str) -> str:
+        """A task id from a whole id or a unique prefix of one (as `klique tasks` shows them)."""
+        if len(task) == 36:
+            return task
+        matches = self.request("GET", "/api/v1/tasks/", params={"id_prefix": task, "limit": 2})["results"]
+        if len(matches) != 1:
+            raise KliqueError(f"{'No' if not matches else 'More than one'} task id starts with {task!r}.")
+        return str(matches[0]["id"])
+
+    def task(self, task: str) -> dict[str, Any]:
+        result: dict[str, Any] = self.request("GET", f"/api/v1/tasks/{self.resolve(task)}/")
+        return result
+
+    def cancel(self, task: str) -> dict[str, Any]:
+        result: dict[str, Any] = self.request("POST", f"/api/v1/tasks/{self.resolve(task)}/cancel/")
+        return result
+
+    def why(self, task: str) -> dict[str, Any]:
+        result: dict[str, Any] = self.request("GET", f"/api/v1/tasks/{self.resolve(task)}/why/")
+        return result
+
+    def queues(self) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = self.request("GET", "/api/v1/compute-resources/", params={"limit": 500})[
+            "results"
+        ]
+        return rows

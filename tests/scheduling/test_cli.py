@@ -1,0 +1,89 @@
+"""`klique submit | tasks | cancel | why | queues` through the SDK, as a user types them."""
+
+from __future__ import annotations
+
+import pytest
+from django_tenants.utils import schema_context
+
+from apps.scheduling.cycle import run_cycle
+from klique.cli import parse_args
+from klique.commands import run
+from klique.sdk import Client
+from tests.django_transport import DjangoTransport
+from tests.world import World
+
+
+def klique(world: World, persona: str, *argv: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    client = Client("http://acme.klique.test", world.tokens[persona], transport=DjangoTransport())
+    code = run(parse_args(argv), client)
+    return code, capsys.readouterr().out
+
+
+def test_submit_then_list_then_why(world: World, db: None, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = klique(
+        world,
+        "bob",
+        "submit",
+        "Research: shared GPU",
+        "--gpus",
+        "0.5",
+        "--name",
+        "notebook",
+        "--",
+        "python",
+        "-c",
+        "print(1)",
+        capsys=capsys,
+    )
+    assert code == 0, out
+    assert "to Research: shared GPU (1/2 GPUs): queued." in out
+    task_id = out.split()[1]
+    sdk = Client("http://acme.klique.test", world.tokens["bob"], transport=DjangoTransport())
+    assert sdk.task(task_id)["spec"] == {"command": ["python", "-c", "print(1)"]}
+
+    code, out = klique(world, "bob", "tasks", "--mine", capsys=capsys)
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["ID", "NAME", "STATE", "GPUS"]
+    assert any(line.startswith(task_id[:8]) and "notebook" in line for line in lines)
+
+    code, out = klique(world, "bob", "why", task_id[:8], capsys=capsys)
+    assert code == 0
+    assert "is queued in Research: shared GPU: position 1 (0 ahead)" in out
+
+    with schema_context("acme"):
+        run_cycle(world.tenant_a)
+    code, out = klique(world, "bob", "why", task_id, capsys=capsys)
+    assert f"Task {task_id} is placed in pool baremetal." in out
+
+
+def test_queues_show_what_is_open(world: World, db: None, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = klique(world, "bob", "queues", capsys=capsys)
+    assert code == 0
+    rows = {line.split("  ")[0]: line for line in out.splitlines()[1:]}
+    assert "yes" in rows["Research: 4 GPUs"]
+    assert " no " in rows["Dev: 4 GPUs"]
+
+
+def test_errors_are_the_server_s_sentences(
+    world: World, db: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out = klique(world, "bob", "submit", "Research: 4 GPUs", "--gpus", "64", capsys=capsys)
+    assert code == 1
+    assert out.startswith("klique submit: Research: 4 GPUs runs tasks of exactly 4 GPUs")
+    code, out = klique(world, "dave", "cancel", world.task_a, capsys=capsys)
+    assert code == 1
+    assert "needs the member role" in out
+    code, out = klique(world, "bob", "why", "ffff", capsys=capsys)
+    assert "No task id starts with 'ffff'" in out
+    code, out = klique(world, "bob", "cancel", world.task_a[:10], capsys=capsys)
+    assert (code, out.split(":")[0]) == (0, f"Cancelled {world.task_a} (first)")
+
+
+def test_a_missing_address_or_token_says_what_to_set(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("KLIQUE_URL", raising=False)
+    monkeypatch.delenv("KLIQUE_TOKEN", raising=False)
+    code = run(parse_args(["queues"]))
+    assert code == 1
+    assert "Set KLIQUE_URL" in capsys.readouterr().out
