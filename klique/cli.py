@@ -137,6 +137,8 @@ def _banner(demo: dict[str, Any] | None, port: int) -> str:
             "",
             "  Try:",
             f"    curl -H 'Authorization: Bearer {demo['admin_token']}' {tenant_url}/api/v1/tenant/",
+            f"    export KLIQUE_URL={tenant_url} KLIQUE_TOKEN={demo['admin_token']}",
+            "    klique queues; klique tasks",
         ]
     return "\n".join(lines) + "\n"
 

@@ -83,6 +83,35 @@ def test_up_with_configured_services(fresh_database: str, redis_url: str, tmp_pa
         assert welcome == {"type": "welcome", "tenant": "demo", "user": "alice"}
         assert (event["kind"], event["data"]["name"]) == ("project.saved", "e2e-project")
 
+        # The demo's tasks were submitted; the worker's event-driven cycle placed them, as the CLI shows.
+        cli_env = {
+            **environment,
+            "KLIQUE_URL": f"http://demo.localhost:{running.port}",
+            "KLIQUE_TOKEN": token,
+        }
+        for _ in range(60):
+            listing = subprocess.run(
+                [sys.executable, "-m", "klique.cli", "tasks"],
+                env=cli_env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            ).stdout
+            if listing.count(" placed ") == 3:
+                break
+            asyncio.run(asyncio.sleep(0.5))
+        assert listing.count(" placed ") == 3, listing
+        queues = subprocess.run(
+            [sys.executable, "-m", "klique.cli", "queues"],
+            env=cli_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        assert "Research: 4 GPUs" in queues
+
         # The Celery worker runs tenant tasks in the schema named in the message.
         celery = Celery(broker=redis_url, backend=redis_url)
         assert celery.send_task("accounts.token_purge_expired", args=("demo",)).get(timeout=60) == 0

@@ -14,9 +14,62 @@ from django_tenants.utils import get_public_schema_name, schema_context
 
 from apps.accounts.models import Group, Project, Role, User
 from apps.accounts.services import group_save, project_member_set, project_save, token_create, user_create
+from apps.resources.models import ComputeResource
+from apps.resources.services import draft_provision, draft_save
+from apps.scheduling.services import TaskRequest, tasks_submit
 from tenants import selectors, services
 
 DEMO_SLUG = "demo"
+
+# Cloud capacity counts as online without an agent (it scales from zero), so the demo's tasks are placed
+# by the scheduler straight away; running them needs an agent in the pool.
+DEMO_CONFIGURATION = {
+    "pools": [
+        {
+            "name": "cloud-a100",
+            "environment": "cloud",
+            "capacity_gpus": 16,
+            "gpu_class": "A100",
+            "sharing": ["whole", "fraction"],
+            "region": "eu-west",
+        },
+        {
+            "name": "lab-h100",
+            "environment": "baremetal",
+            "capacity_gpus": 8,
+            "gpu_class": "H100",
+            "sharing": ["whole", "mig_static"],
+        },
+    ],
+    "profiles": [
+        {
+            "name": "four-gpu",
+            "display_name": "4 GPUs",
+            "gpus": "4",
+            "pools": [{"pool": "lab-h100"}, {"pool": "cloud-a100"}],
+        },
+        {
+            "name": "shared",
+            "display_name": "shared GPU",
+            "sharing": "fraction",
+            "min_gpus": "0.25",
+            "max_gpus": "0.5",
+            "pools": [{"pool": "cloud-a100"}],
+        },
+    ],
+    "policies": [
+        {
+            "name": "research",
+            "group": "research",
+            "reservation_gpus": "8",
+            "limit_gpus": "16",
+            "compute_resources": [
+                {"profile": "four-gpu", "name": "Research: 4 GPUs"},
+                {"profile": "shared", "name": "Research: shared GPU"},
+            ],
+        },
+    ],
+}
 
 
 class Command(BaseCommand):
@@ -59,6 +112,33 @@ class Command(BaseCommand):
                 tenant=tenant, name="vision", description="Vision models", admin=alice
             )
             project_member_set(tenant=tenant, project=project, user=bob, role=Role.MEMBER)
+            if not ComputeResource.objects.exists():
+                draft_save(tenant=tenant, user=alice, document=DEMO_CONFIGURATION)
+                draft_provision(tenant=tenant, user=alice)
+                tasks_submit(
+                    tenant=tenant,
+                    user=bob,
+                    requests=[
+                        TaskRequest(
+                            compute_resource="Research: 4 GPUs",
+                            name="resnet-50",
+                            project="vision",
+                            spec={"command": ["python", "train.py", "--epochs", "3"]},
+                        ),
+                        TaskRequest(
+                            compute_resource="Research: shared GPU",
+                            gpus="0.5",
+                            name="notebook",
+                            spec={"command": ["jupyter", "lab"]},
+                        ),
+                        TaskRequest(
+                            compute_resource="Research: 4 GPUs",
+                            name="sweep",
+                            priority=1,
+                            spec={"command": ["python", "sweep.py"]},
+                        ),
+                    ],
+                )
         self.stdout.write(
             json.dumps(
                 {
