@@ -159,3 +159,18 @@ def test_compute_resources_say_which_are_open_and_how_they_wait(
     waits = api("dave").get("/api/v1/queue-wait/?by=group").json()
     assert waits["research"]["placed"] == 1
     assert api("dave").get("/api/v1/queue-wait/?by=colour").status_code == 400
+
+
+def test_queue_wait_and_depth_are_in_metrics(api: Callable[..., APIClient], world: World) -> None:
+    from apps.scheduling import metrics
+
+    submit(api("bob"), {"compute_resource": "Research: 4 GPUs"})
+    with schema_context("acme"):
+        run_cycle(world.tenant_a)
+    metrics.CACHE_SECONDS = 0.0
+    text = APIClient().get("/metrics").content.decode()
+    assert (
+        'klique_queue_wait_seconds{compute_resource="Research: 4 GPUs",quantile="0.95",tenant="acme"}' in text
+    )
+    assert 'klique_group_queue_wait_seconds{group="research",quantile="0.5",tenant="acme"}' in text
+    assert 'klique_queue_tasks{compute_resource="Research: 4 GPUs",state="active",tenant="acme"} 2.0' in text
