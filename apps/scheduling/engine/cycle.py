@@ -68,6 +68,7 @@ class _QueueState:
     tasks: list[Task]
     done: list[bool] = field(default_factory=list)
     blocked_by: str | None = None  # strict FIFO: the head that blocks this queue for the cycle
+    smallest: int = 0  # the smallest task size in the queue
     _head: int = 0
 
     def head(self) -> int:
@@ -142,7 +143,10 @@ class _Cycle:
                         "Its compute resource lost its policy or profile; ask an admin.",
                     )
                 continue
-            self.states.append(_QueueState(queue, policy, profile, tasks, [False] * len(tasks)))
+            smallest = min(task.size for task in tasks)
+            self.states.append(
+                _QueueState(queue, policy, profile, tasks, [False] * len(tasks), smallest=smallest)
+            )
 
     # -- the cycle -------------------------------------------------------------------------------------
 
@@ -205,6 +209,11 @@ class _Cycle:
     ) -> None:
         if state.blocked_by is not None:
             return
+        if (
+            band == GUARANTEED
+            and self.policy_used[state.policy.id] + state.smallest > state.policy.reservation
+        ):
+            return  # nothing in this queue fits its policy's reservation any more
         index = state.pending(start)
         while index < len(state.tasks):
             task = state.tasks[index]
@@ -238,6 +247,8 @@ class _Cycle:
         refusal = self._ineligible(policy, task)
         if refusal is not None:
             self._give_up(state, index, refusal)
+            if band == BORROWING and not state.profile.strict_fifo:
+                self._refuse_the_same_behind(state, index)
             return
         pool = self._place(state.profile, task)
         if pool is None and band == GUARANTEED:
@@ -257,6 +268,27 @@ class _Cycle:
         # Given up on for the whole cycle: free capacity only shrinks from here, so the borrowing band
         # would not find room the guaranteed band did not.
         self._give_up(state, index, self._no_room_reason(state.profile, task))
+
+    def _refuse_the_same_behind(self, state: _QueueState, index: int) -> None:
+        """In the borrowing band usage only grows, so every task after `index` in this queue that is at least
+        as large fails the same limit or share check: settle them in one pass instead of one heap round
+        each (a long queue behind an exhausted limit would otherwise cost a heap operation per task)."""
+        size = state.tasks[index].size
+        refusals: dict[int, Reason | None] = {}  # usage is fixed through this pass: one check per size
+        tasks, done, reasons = state.tasks, state.done, self.reasons
+        for following in range(index + 1, len(tasks)):
+            if done[following]:
+                continue
+            task = tasks[following]
+            if task.size < size:
+                return
+            if task.size not in refusals:
+                refusals[task.size] = self._ineligible(state.policy, task)
+            refusal = refusals[task.size]
+            if refusal is None:
+                return
+            reasons[task.id] = refusal
+            done[following] = True
 
     def _give_up(self, state: _QueueState, index: int, reason: Reason) -> None:
         task = state.tasks[index]
