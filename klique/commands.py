@@ -32,6 +32,11 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         parser = connection(commands.add_parser(name, help=text))
         parser.add_argument("task", help="its id, or the start of it")
     connection(commands.add_parser("queues", help="the compute resources, and how their queues are doing"))
+    simulate = connection(
+        commands.add_parser("simulate", help="replay recent work against the draft configuration (admins)")
+    )
+    simulate.add_argument("--days", type=int, help="replay the tasks of the last N days (default 7)")
+    simulate.add_argument("--trace", help="replay a CSV trace: timestamp,duration,num_gpus,compute_resource")
 
 
 def run(args: argparse.Namespace, client: Client | None = None) -> int:
@@ -119,10 +124,43 @@ def _queues(args: argparse.Namespace, client: Client) -> str:
     )
 
 
+def _simulate(args: argparse.Namespace, client: Client) -> str:
+    trace = None
+    if args.trace:
+        try:
+            with open(args.trace, encoding="utf-8") as handle:
+                trace = handle.read()
+        except OSError as error:
+            raise KliqueError(f"Cannot read the trace {args.trace}: {error.strerror}.") from None
+    result = client.simulate(days=args.days, trace=trace)
+    current, proposed = result["current"], result["proposed"]
+    rows = [
+        ["jobs replayed", current["jobs"], proposed["jobs"]],
+        ["refused (no compute resource or too large)", current["refused"], proposed["refused"]],
+        ["finished", current["finished"], proposed["finished"]],
+        ["GPU utilization", f"{current['gpu_utilization']:.1%}", f"{proposed['gpu_utilization']:.1%}"],
+        ["queue wait p50", duration(current["wait_p50_seconds"]), duration(proposed["wait_p50_seconds"])],
+        ["queue wait p95", duration(current["wait_p95_seconds"]), duration(proposed["wait_p95_seconds"])],
+        [
+            "mean completion time",
+            duration(current["mean_completion_seconds"]),
+            duration(proposed["mean_completion_seconds"]),
+        ],
+        [
+            "reservation violation",
+            duration(current["reservation_violation_seconds"]),
+            duration(proposed["reservation_violation_seconds"]),
+        ],
+        ["preemptions", current["preemptions"], proposed["preemptions"]],
+    ]
+    return table(["", "current", "proposed (draft)"], rows)
+
+
 HANDLERS: dict[str, Callable[[argparse.Namespace, Client], str]] = {
     "submit": _submit,
     "tasks": _tasks,
     "cancel": _cancel,
     "why": _why,
     "queues": _queues,
+    "simulate": _simulate,
 }

@@ -128,6 +128,11 @@ class Client:
         result: dict[str, Any] = self.request("GET", f"/api/v1/tasks/{self.resolve(task)}/why/")
         return result
 
+    def simulate(self, *, days: int | None = None, trace: str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"days": days, "trace": trace}
+        result: dict[str, Any] = self.request("POST", "/api/v1/configuration/draft/simulate/", json=body)
+        return result
+
     def queues(self) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = self.request("GET", "/api/v1/compute-resources/", params={"limit": 500})[
             "results"

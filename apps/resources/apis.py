@@ -14,6 +14,7 @@ from apps.accounts.models import Role, User
 from apps.resources import services
 from apps.resources.document import to_gpus_text
 from apps.resources.models import ComputeResource, Pool
+from apps.resources.simulation import outcome_dict
 from apps.scheduling import selectors as scheduling_selectors
 from apps.scheduling.models import ACTIVE_STATES, Task
 
@@ -78,6 +79,38 @@ class DraftProvisionView(TenantAPIView):
                 "created": result.created,
                 "deleted": result.deleted,
                 "ended_tasks": result.ended_tasks,
+            }
+        )
+
+
+class SimulateIn(serializers.Serializer[object]):
+    days = serializers.IntegerField(min_value=1, max_value=90, required=False, allow_null=True, default=None)
+    trace = serializers.CharField(
+        required=False,
+        allow_null=True,
+        default=None,
+        max_length=20_000_000,
+        help_text="CSV with columns timestamp,duration,num_gpus,compute_resource",
+    )
+    interval_seconds = serializers.FloatField(min_value=1, max_value=3600, required=False, default=60.0)
+
+
+class DraftSimulateView(TenantAPIView):
+    @extend_schema(
+        request=SimulateIn, summary="Replay recent work (or a trace) against the draft and the current setup"
+    )
+    def post(self, request: Request) -> Response:
+        data = SimulateIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        values = data.validated_data
+        result = services.draft_simulate(
+            days=values["days"], trace=values["trace"], interval=values["interval_seconds"]
+        )
+        return Response(
+            {
+                "jobs": result.jobs,
+                "current": outcome_dict(result.current),
+                "proposed": outcome_dict(result.proposed),
             }
         )
 

@@ -23,10 +23,8 @@ from typing import Any
 
 from rest_framework import serializers
 
-from apps.resources.models import Environment, SharingMethod, TaskSharing
+from apps.resources.models import MIG_METHODS, Environment, SharingMethod, TaskSharing
 from apps.scheduling.engine import UNITS_PER_GPU, SizeError, describe, mig_fraction, units
-
-MIG_METHODS = {SharingMethod.MIG_STATIC, SharingMethod.MIG_DYNAMIC}
 
 
 def gpus_to_units(value: str, *, label: str) -> int:

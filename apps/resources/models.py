@@ -38,6 +38,9 @@ class SharingMethod(models.TextChoices):
     AMD_PARTITION = "amd_partition"
 
 
+MIG_METHODS = frozenset({SharingMethod.MIG_STATIC, SharingMethod.MIG_DYNAMIC})
+
+
 class TaskSharing(models.TextChoices):
     """How a profile's tasks use GPUs."""
 

@@ -28,6 +28,7 @@ from apps.resources.models import (
     ResourceProfile,
     TaskSharing,
 )
+from apps.resources.simulation import Comparison, compare, jobs_from_csv, jobs_from_history
 from apps.scheduling.engine import UNITS_PER_GPU
 
 if TYPE_CHECKING:
@@ -111,7 +112,8 @@ def draft_get() -> ConfigurationDraft:
     return draft
 
 
-def _parse(document: Any) -> dict[str, Any]:
+def parse_document(document: Any) -> dict[str, Any]:
+    """The document's validated form (sizes in units), or a ValidationError naming what is malformed."""
     parsed = DocumentSerializer(data=document)
     parsed.is_valid(raise_exception=True)
     return dict(parsed.validated_data)
@@ -120,7 +122,7 @@ def _parse(document: Any) -> dict[str, Any]:
 @transaction.atomic
 def draft_save(*, tenant: Tenant, user: User, document: Any) -> ConfigurationDraft:
     """Replace the draft with `document` once its shape is valid; the report comes from draft_validate."""
-    _parse(document)
+    parse_document(document)
     draft = draft_get()
     draft.document = document
     draft.updated_by = user
@@ -142,8 +144,18 @@ def _report(document: dict[str, Any]) -> Report:
     )
 
 
+def draft_simulate(*, days: int | None, trace: str | None, interval: float) -> Comparison:
+    """Replay recent history (or a trace) against the provisioned configuration and the draft."""
+    try:
+        draft = parse_document(draft_get().document)
+    except serializers.ValidationError as error:
+        raise InvalidInput(f"The draft is malformed; save a corrected one first ({error.detail}).") from None
+    jobs = jobs_from_csv(trace) if trace else jobs_from_history(days or 7)
+    return compare(draft=draft, jobs=jobs, interval=interval)
+
+
 def draft_validate() -> Report:
-    return _report(_parse(draft_get().document))
+    return _report(parse_document(draft_get().document))
 
 
 @transaction.atomic
@@ -153,7 +165,7 @@ def draft_provision(*, tenant: Tenant, user: User) -> Provisioned:
 
     draft = ConfigurationDraft.objects.select_for_update().get(pk=draft_get().pk)
     try:
-        document = _parse(draft.document)
+        document = parse_document(draft.document)
     except serializers.ValidationError as error:
         raise InvalidInput(f"The draft is malformed; save a corrected one first ({error.detail}).") from None
     report = _report(document)

@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING
 from django.db import connection, transaction
 from django.utils import timezone
 
-from apps.resources.models import ComputeResource, Pool, ResourcePolicy, ResourceProfile, SharingMethod
+from apps.resources.models import (
+    MIG_METHODS,
+    ComputeResource,
+    Pool,
+    ResourcePolicy,
+    ResourceProfile,
+    SharingMethod,
+)
 from apps.scheduling import engine
 from apps.scheduling.models import ACTIVE_STATES, Task, TaskEvent, TaskState
 from apps.scheduling.services import SCHEDULER
@@ -26,8 +33,6 @@ if TYPE_CHECKING:
     from tenants.models import Tenant
 
 logger = logging.getLogger(__name__)
-
-_MIG = {SharingMethod.MIG_STATIC, SharingMethod.MIG_DYNAMIC}
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ def _engine_pool(pool: Pool, now: datetime) -> engine.Pool:
     sharing = {engine.Sharing.WHOLE}
     if SharingMethod.FRACTION in pool.sharing:
         sharing.add(engine.Sharing.FRACTION)
-    if _MIG & set(pool.sharing):
+    if MIG_METHODS & set(pool.sharing):
         sharing.add(engine.Sharing.MIG)
     return engine.Pool(
         str(pool.pk),

@@ -16,6 +16,9 @@ urlpatterns = [
         resources.DraftProvisionView.as_view(),
         name="configuration-provision",
     ),
+    path(
+        "configuration/draft/simulate/", resources.DraftSimulateView.as_view(), name="configuration-simulate"
+    ),
     path("pools/", resources.PoolListView.as_view(), name="pool-list"),
     path("compute-resources/", resources.ComputeResourceListView.as_view(), name="compute-resource-list"),
     path(

@@ -83,3 +83,20 @@ ENDPOINTS = [
         names_object=True,
     ),
 ]
+
+TRACE = (
+    "timestamp,duration,num_gpus,compute_resource\n"
+    "2026-11-01 10:00:00,3600,4,Research: 4 GPUs\n"
+    "2026-11-01 10:05:00,600,4,Research: 4 GPUs\n"
+)
+
+ENDPOINTS.append(
+    Endpoint(
+        "POST",
+        "api/v1/configuration/draft/simulate/",
+        "admin",
+        fixed("/api/v1/configuration/draft/simulate/"),
+        body=lambda w: {"trace": TRACE},
+        bad_body={"trace": "no,columns\n1,2\n"},
+    )
+)

@@ -1,0 +1,176 @@
+"""`klique simulate`: replay work against the draft configuration and the provisioned one, side by side,
+so an administrator sees what a change would do before provisioning it.
+
+The work is the tenant's own recent history (tasks that ran: their submit time, size and how long they
+ran) or a CSV trace (`timestamp,duration,num_gpus,compute_resource`). Compute resources are matched by
+name, so a job whose compute resource the draft removes counts as refused there. Every pool counts as
+online: the question is what the configuration would do, not whether today's agents are up.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.utils import timezone
+
+from apps.core.errors import InvalidInput
+from apps.resources.models import MIG_METHODS, ComputeResource, Pool, ResourcePolicy, ResourceProfile
+from apps.scheduling import engine
+from apps.scheduling.engine.simulate import Job, Outcome, Setup, replay
+from apps.scheduling.models import Task
+
+MAX_TRACE_ROWS = 200_000
+
+
+def _sharing(methods: list[str]) -> frozenset[engine.Sharing]:
+    sharing = {engine.Sharing.WHOLE}
+    if "fraction" in methods:
+        sharing.add(engine.Sharing.FRACTION)
+    if set(methods) & MIG_METHODS:
+        sharing.add(engine.Sharing.MIG)
+    return frozenset(sharing)
+
+
+def setup_from_document(document: dict[str, Any], name: str) -> Setup:
+    """A Setup from a validated configuration document; ids are names, queues are compute resource names."""
+    pools = tuple(
+        engine.Pool(
+            pool["name"], pool["capacity_gpus"] * engine.UNITS_PER_GPU, True, _sharing(pool["sharing"])
+        )
+        for pool in document["pools"]
+    )
+    profiles = tuple(
+        engine.Profile(
+            profile["name"],
+            tuple(entry["pool"] for entry in profile["pools"]),
+            {entry["pool"]: entry["execution_priority"] for entry in profile["pools"]},
+            profile["strict_fifo"],
+            float(profile["starvation_seconds"]) if profile["starvation_seconds"] else None,
+        )
+        for profile in document["profiles"]
+    )
+    policies, queues = [], []
+    display = {
+        profile["name"]: profile["display_name"] or profile["name"] for profile in document["profiles"]
+    }
+    for policy in document["policies"]:
+        policies.append(engine.Policy(policy["name"], policy["reservation_units"], policy["limit_units"]))
+        for resource in policy["compute_resources"]:
+            label = resource["name"] or f"{policy['group'].title()}: {display[resource['profile']]}"
+            queues.append(
+                engine.Queue(label, policy["name"], resource["profile"], resource["queuing_priority"])
+            )
+    return Setup(name, pools, profiles, tuple(policies), tuple(queues))
+
+
+def setup_from_active(name: str) -> Setup:
+    pools = tuple(
+        engine.Pool(pool.name, pool.capacity_gpus * engine.UNITS_PER_GPU, True, _sharing(pool.sharing))
+        for pool in Pool.objects.all()
+    )
+    profiles = []
+    for profile in ResourceProfile.objects.prefetch_related("pool_order__pool"):
+        order = list(profile.pool_order.all())
+        profiles.append(
+            engine.Profile(
+                profile.name,
+                tuple(entry.pool.name for entry in order),
+                {entry.pool.name: entry.execution_priority for entry in order},
+                profile.strict_fifo,
+                float(profile.starvation_seconds) if profile.starvation_seconds else None,
+            )
+        )
+    policies = tuple(
+        engine.Policy(policy.name, policy.reservation_units, policy.limit_units)
+        for policy in ResourcePolicy.objects.all()
+    )
+    queues = tuple(
+        engine.Queue(resource.name, resource.policy.name, resource.profile.name, resource.queuing_priority)
+        for resource in ComputeResource.objects.select_related("policy", "profile")
+    )
+    return Setup(name, pools, tuple(profiles), policies, queues)
+
+
+def jobs_from_history(days: int) -> list[Job]:
+    """The tenant's tasks that ran in the last `days` days, as jobs."""
+    now = timezone.now()
+    rows = Task.objects.filter(
+        submitted_at__gte=now - timedelta(days=days), started_at__isnull=False
+    ).values_list("pk", "compute_resource_name", "submitted_at", "started_at", "ended_at", "size_units")
+    return [
+        Job(
+            str(pk),
+            resource,
+            submitted.timestamp(),
+            ((ended or now) - (started or now)).total_seconds(),  # started is set: filtered above
+            size,
+            resource,
+        )
+        for pk, resource, submitted, started, ended, size in rows
+    ]
+
+
+def jobs_from_csv(text: str) -> list[Job]:
+    """Jobs from `timestamp,duration,num_gpus,compute_resource` rows (timestamps as YYYY-MM-DD HH:MM:SS)."""
+    reader = csv.DictReader(io.StringIO(text))
+    needed = {"timestamp", "duration", "num_gpus", "compute_resource"}
+    if not reader.fieldnames or not needed <= set(reader.fieldnames):
+        raise InvalidInput(f"A trace needs the columns {', '.join(sorted(needed))}.", field="trace")
+    jobs: list[Job] = []
+    for line, row in enumerate(reader, start=2):
+        if len(jobs) >= MAX_TRACE_ROWS:
+            raise InvalidInput(f"A trace has at most {MAX_TRACE_ROWS} rows.", field="trace")
+        try:
+            submit = datetime.strptime(row["timestamp"], "%Y-%m-%d %H:%M:%S").timestamp()
+            duration = float(row["duration"])
+            size = engine.units(row["num_gpus"])
+        except (ValueError, engine.SizeError) as error:
+            raise InvalidInput(f"Trace line {line}: {error}", field="trace") from None
+        if duration < 0 or size <= 0:
+            raise InvalidInput(f"Trace line {line}: duration and num_gpus must be positive.", field="trace")
+        jobs.append(
+            Job(f"line{line}", row["compute_resource"], submit, duration, size, row["compute_resource"])
+        )
+    return jobs
+
+
+@dataclass(frozen=True)
+class Comparison:
+    jobs: int
+    current: Outcome
+    proposed: Outcome
+
+
+def compare(*, draft: dict[str, Any], jobs: list[Job], interval: float = 60.0) -> Comparison:
+    """Replay `jobs` through the provisioned configuration and through `draft`, on the same entitlements
+    (each compute resource's policy reservation as provisioned), so the two columns compare like with like."""
+    if not jobs:
+        raise InvalidInput("There is nothing to replay: no task ran in that period, and no trace was given.")
+    current = setup_from_active("current")
+    proposed = setup_from_document(draft, "proposed")
+    entitlements = {policy.id: policy.reservation for policy in current.policies}
+    policy_of = {queue.id: queue.policy for queue in current.queues}
+    jobs = [replace(job, group=policy_of.get(job.queue, job.queue)) for job in jobs]
+    return Comparison(
+        len(jobs),
+        replay(current, jobs, interval=interval, entitlements=entitlements),
+        replay(proposed, jobs, interval=interval, entitlements=entitlements),
+    )
+
+
+def outcome_dict(outcome: Outcome) -> dict[str, Any]:
+    return {
+        "jobs": outcome.jobs,
+        "refused": outcome.refused,
+        "finished": outcome.finished,
+        "gpu_utilization": round(outcome.utilization, 4),
+        "wait_p50_seconds": outcome.wait_percentile(0.5),
+        "wait_p95_seconds": outcome.wait_percentile(0.95),
+        "mean_completion_seconds": outcome.mean_completion_time,
+        "reservation_violation_seconds": outcome.reservation_violation_seconds,
+        "preemptions": outcome.preemptions,
+    }
