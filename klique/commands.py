@@ -4,7 +4,9 @@ through the SDK, so they work from any machine that can reach the tenant's addre
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
+from typing import Any
 
 from klique.sdk import Client, KliqueError
 from klique.tables import duration, table
@@ -32,6 +34,9 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         parser = connection(commands.add_parser(name, help=text))
         parser.add_argument("task", help="its id, or the start of it")
     connection(commands.add_parser("queues", help="the compute resources, and how their queues are doing"))
+    config = connection(commands.add_parser("config", help="the resource configuration (admins)"))
+    config.add_argument("action", choices=["show", "pull", "push", "validate", "provision"])
+    config.add_argument("file", nargs="?", help="push: the document to make the draft (JSON)")
     simulate = connection(
         commands.add_parser("simulate", help="replay recent work against the draft configuration (admins)")
     )
@@ -124,6 +129,40 @@ def _queues(args: argparse.Namespace, client: Client) -> str:
     )
 
 
+def _report(report: dict[str, Any]) -> str:
+    lines = [
+        f"{kind[:-1]}: {item['where']}: {item['message']}"
+        for kind in ("errors", "warnings")
+        for item in report[kind]
+    ]
+    verdict = "The draft is valid." if report["ok"] else "The draft has errors; provisioning would refuse it."
+    return "\n".join([verdict, *lines])
+
+
+def _config(args: argparse.Namespace, client: Client) -> str:
+    """show: what is provisioned; pull: the draft; push FILE: replace the draft; validate; provision."""
+    if args.action in {"show", "pull"}:
+        return json.dumps(client.configuration("active" if args.action == "show" else "draft"), indent=2)
+    if args.action == "push":
+        if not args.file:
+            raise KliqueError("Name the JSON file to push: klique config push draft.json")
+        try:
+            with open(args.file, encoding="utf-8") as handle:
+                document = json.load(handle)
+        except OSError as error:
+            raise KliqueError(f"Cannot read {args.file}: {error.strerror}.") from None
+        except json.JSONDecodeError as error:
+            raise KliqueError(f"{args.file} is not JSON: {error.msg} at line {error.lineno}.") from None
+        client.save_draft(document)
+        return "Draft saved. `klique config validate` checks it; `klique config provision` makes it live."
+    if args.action == "validate":
+        return _report(client.validate())
+    result = client.provision()
+    created = ", ".join(f"{count} {kind}" for kind, count in result["created"].items() if count) or "nothing"
+    deleted = ", ".join(f"{count} {kind}" for kind, count in result["deleted"].items() if count) or "nothing"
+    return f"Provisioned. Created {created}; deleted {deleted}; ended {result['ended_tasks']} queued tasks."
+
+
 def _simulate(args: argparse.Namespace, client: Client) -> str:
     trace = None
     if args.trace:
@@ -163,4 +202,5 @@ HANDLERS: dict[str, Callable[[argparse.Namespace, Client], str]] = {
     "why": _why,
     "queues": _queues,
     "simulate": _simulate,
+    "config": _config,
 }

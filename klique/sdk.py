@@ -128,6 +128,28 @@ class Client:
         result: dict[str, Any] = self.request("GET", f"/api/v1/tasks/{self.resolve(task)}/why/")
         return result
 
+    def configuration(self, which: str) -> dict[str, Any]:
+        """`active` (what is provisioned) or `draft` (the working copy's document)."""
+        if which == "draft":
+            document: dict[str, Any] = self.request("GET", "/api/v1/configuration/draft/")["document"]
+            return document
+        result: dict[str, Any] = self.request("GET", "/api/v1/configuration/")
+        return result
+
+    def save_draft(self, document: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = self.request(
+            "PUT", "/api/v1/configuration/draft/", json={"document": document}
+        )
+        return result
+
+    def validate(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.request("POST", "/api/v1/configuration/draft/validate/")
+        return result
+
+    def provision(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.request("POST", "/api/v1/configuration/draft/provision/")
+        return result
+
     def simulate(self, *, days: int | None = None, trace: str | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"days": days, "trace": trace}
         result: dict[str, Any] = self.request("POST", "/api/v1/configuration/draft/simulate/", json=body)

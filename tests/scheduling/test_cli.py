@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from django_tenants.utils import schema_context
 
@@ -87,3 +90,27 @@ def test_a_missing_address_or_token_says_what_to_set(
     code = run(parse_args(["queues"]))
     assert code == 1
     assert "Set KLIQUE_URL" in capsys.readouterr().out
+
+
+def test_config_pull_edit_push_validate_provision(
+    world: World, db: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out = klique(world, "alice", "config", "pull", capsys=capsys)
+    document = json.loads(out)
+    document["pools"][0]["capacity_gpus"] = 12
+    draft = tmp_path / "draft.json"
+    draft.write_text(json.dumps(document))
+    assert klique(world, "alice", "config", "push", str(draft), capsys=capsys)[0] == 0
+    code, out = klique(world, "alice", "config", "validate", capsys=capsys)
+    assert out.startswith("The draft is valid.")
+    code, out = klique(world, "alice", "config", "provision", capsys=capsys)
+    assert code == 0
+    assert out.startswith("Provisioned.")
+    shown = json.loads(klique(world, "dave", "config", "show", capsys=capsys)[1])
+    assert shown["pools"][0]["capacity_gpus"] == 12
+
+    draft.write_text("{not json")
+    code, out = klique(world, "alice", "config", "push", str(draft), capsys=capsys)
+    assert (code, "is not JSON" in out) == (1, True)
+    code, out = klique(world, "bob", "config", "pull", capsys=capsys)
+    assert (code, "needs the admin role" in out) == (1, True)

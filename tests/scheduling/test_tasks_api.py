@@ -174,3 +174,17 @@ def test_queue_wait_and_depth_are_in_metrics(api: Callable[..., APIClient], worl
     )
     assert 'klique_group_queue_wait_seconds{group="research",quantile="0.5",tenant="acme"}' in text
     assert 'klique_queue_tasks{compute_resource="Research: 4 GPUs",state="active",tenant="acme"} 2.0' in text
+
+
+def test_a_size_no_pool_of_the_profile_holds_is_refused(api: Callable[..., APIClient], world: World) -> None:
+    with schema_context("acme"):
+        from apps.resources.models import Pool
+
+        Pool.objects.filter(name="baremetal").update(capacity_gpus=2)
+        Pool.objects.filter(name="h100").update(capacity_gpus=2)
+    response = submit(api("bob"), {"compute_resource": "Research: 4 GPUs"})
+    assert response.status_code == 400
+    assert (
+        "4 GPUs is more than any pool of Research: 4 GPUs holds (the largest has 2 GPUs)"
+        in response.json()["detail"]
+    )

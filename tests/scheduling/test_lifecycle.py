@@ -1,0 +1,105 @@
+"""Task lifecycle beyond placement: retries, the transitions allowed, and event-triggered cycles."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import pytest
+import redis
+from django.conf import settings
+from django_tenants.utils import schema_context
+from rest_framework.test import APIClient
+
+from apps.core.errors import InvalidInput
+from apps.resources.models import Pool
+from apps.scheduling import tasks as scheduling_tasks
+from apps.scheduling.models import Task, TaskState
+from apps.scheduling.services import task_finish, transition
+from tests.world import World
+
+
+def running(world: World) -> Task:
+    with schema_context("acme"):
+        task = Task.objects.get(pk=world.task_a)
+        transition(task, to_state=TaskState.PLACED, actor="scheduler", pool=Pool.objects.get(name="h100"))
+        transition(task, to_state=TaskState.DISPATCHING, actor="agent")
+        return transition(task, to_state=TaskState.RUNNING, actor="agent", attempts=task.attempts + 1)
+
+
+def test_a_failed_run_is_retried_until_its_attempts_are_spent(world: World, db: None) -> None:
+    task = running(world)
+    with schema_context("acme"):
+        task = task_finish(tenant=world.tenant_a, task=task, succeeded=False, exit_code=3, actor="agent")
+        assert (task.state, task.reason_code, task.pool_id) == (TaskState.QUEUED, "retrying", None)
+        assert "exit code 3" in task.reason
+        for attempt in (2, 3):
+            transition(task, to_state=TaskState.PLACED, actor="scheduler", pool=Pool.objects.get(name="h100"))
+            transition(task, to_state=TaskState.DISPATCHING, actor="agent")
+            transition(task, to_state=TaskState.RUNNING, actor="agent", attempts=attempt)
+            task = task_finish(tenant=world.tenant_a, task=task, succeeded=False, exit_code=1, actor="agent")
+        assert (task.state, task.reason) == (TaskState.FAILED, "All 3 attempts failed.")
+        assert task.ended_at is not None
+        states = list(task.events.values_list("to_state", flat=True))
+        assert states.count("failed") == 3
+        assert states.count("queued") == 3  # submitted, then two retries
+
+
+def test_a_finished_run_completes(world: World, db: None) -> None:
+    task = running(world)
+    with schema_context("acme"):
+        task = task_finish(tenant=world.tenant_a, task=task, succeeded=True, exit_code=0, actor="agent")
+    assert (task.state, task.exit_code) == (TaskState.COMPLETED, 0)
+
+
+def test_the_lifecycle_refuses_impossible_moves(world: World, db: None) -> None:
+    with schema_context("acme"):
+        task = Task.objects.get(pk=world.task_a)
+        with pytest.raises(InvalidInput, match="is queued; it cannot become running"):
+            transition(task, to_state=TaskState.RUNNING, actor="agent")
+
+
+def test_submitting_asks_for_one_debounced_cycle(
+    api: Callable[..., APIClient],
+    world: World,
+    monkeypatch: pytest.MonkeyPatch,
+    django_capture_on_commit_callbacks: Callable[..., AbstractContextManager[object]],
+) -> None:
+    sent: list[tuple[object, ...]] = []
+    monkeypatch.setattr(
+        scheduling_tasks.scheduling_cycle,
+        "apply_async",
+        lambda args, countdown: sent.append((*args, countdown)),
+    )
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    client.delete("klique:cycle-requested:acme")
+    with django_capture_on_commit_callbacks(execute=True):
+        for _ in range(3):
+            api("bob").post("/api/v1/tasks/", {"compute_resource": "Research: 4 GPUs"}, format="json")
+    assert sent == [("acme", settings.KLIQUE_CYCLE_DEBOUNCE_SECONDS)]
+    assert 0 < client.pttl("klique:cycle-requested:acme") <= settings.KLIQUE_CYCLE_DEBOUNCE_SECONDS * 1000
+    client.delete("klique:cycle-requested:acme")
+
+
+def test_a_cycle_that_finds_the_lock_taken_asks_for_another(
+    world: World, db: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from apps.scheduling.cycle import CycleResult
+
+    sent: list[tuple[object, ...]] = []
+    monkeypatch.setattr(scheduling_tasks, "run_cycle", lambda tenant: CycleResult(ran=False))
+    monkeypatch.setattr(
+        scheduling_tasks.scheduling_cycle,
+        "apply_async",
+        lambda args, countdown: sent.append((*args, countdown)),
+    )
+    result = scheduling_tasks.scheduling_cycle.apply(args=("acme",)).get()
+    assert result["ran"] is False
+    assert sent == [("acme", settings.KLIQUE_CYCLE_DEBOUNCE_SECONDS)]
+
+
+def test_the_celery_task_runs_a_cycle_in_the_schema_it_names(world: World, db: None) -> None:
+    result = scheduling_tasks.scheduling_cycle.apply(args=("acme",)).get()
+    assert (result["ran"], result["placed"]) == (True, 1)
+    with schema_context("acme"):
+        assert Task.objects.get(pk=world.task_a).state == TaskState.PLACED
