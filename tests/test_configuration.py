@@ -92,9 +92,10 @@ def test_worker_names_the_unreachable_redis() -> None:
 
 
 def test_sdk_and_cli_import_no_django() -> None:
-    """`klique` and `agents` run where only the [agent] extra is installed."""
+    """`klique` and `agents` run where only the [agent] extra is installed; the engine is pure."""
     probe = (
-        "import sys, klique.cli, klique.embedded, klique.preflight, agents; print('django' in sys.modules)"
+        "import sys, klique.cli, klique.embedded, klique.preflight, klique.sdk, agents, "
+        "apps.scheduling.engine, apps.scheduling.engine.simulate; print('django' in sys.modules)"
     )
     result = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT, check=False

@@ -276,8 +276,17 @@ def draft_provision(*, tenant: Tenant, user: User) -> Provisioned:
     return Provisioned(report=report, created=created, deleted=deleted, ended_tasks=ended)
 
 
-def pool_heartbeat(*, pool: Pool) -> Pool:
-    """Record that the pool's agent is alive (the agents' connection calls this)."""
-    pool.last_heartbeat_at = timezone.now()
+def pool_heartbeat(*, tenant: Tenant, pool: Pool) -> Pool:
+    """Record that the pool's agent is alive (the agents' connection calls this). A pool that comes back
+    online is an event for the scheduler: its capacity is usable again. A pool whose heartbeats stop is
+    noticed by beat's periodic cycle, which reads online-ness from the heartbeat's age."""
+    from apps.scheduling.tasks import request_cycle
+
+    now = timezone.now()
+    was_online = pool.is_online(now)
+    pool.last_heartbeat_at = now
     pool.save(update_fields=["last_heartbeat_at"])
+    if not was_online:
+        publish_event(tenant=tenant, kind="pool.online", data={"pool": pool.name})
+        request_cycle(tenant)
     return pool

@@ -103,3 +103,23 @@ def test_the_celery_task_runs_a_cycle_in_the_schema_it_names(world: World, db: N
     assert (result["ran"], result["placed"]) == (True, 1)
     with schema_context("acme"):
         assert Task.objects.get(pk=world.task_a).state == TaskState.PLACED
+
+
+def test_a_pool_coming_back_online_asks_for_a_cycle(
+    world: World,
+    db: None,
+    monkeypatch: pytest.MonkeyPatch,
+    django_capture_on_commit_callbacks: Callable[..., AbstractContextManager[object]],
+) -> None:
+    from apps.resources.services import pool_heartbeat
+
+    asked: list[str] = []
+    monkeypatch.setattr(scheduling_tasks, "request_cycle", lambda tenant: asked.append(tenant.schema_name))
+    with schema_context("acme"):
+        pool = Pool.objects.get(name="h100")
+        pool_heartbeat(tenant=world.tenant_a, pool=pool)  # already online: nothing to do
+        assert asked == []
+        Pool.objects.filter(pk=pool.pk).update(last_heartbeat_at=None)
+        pool.refresh_from_db()
+        pool_heartbeat(tenant=world.tenant_a, pool=pool)
+    assert asked == ["acme"]
