@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 EXTRAS := server,embedded,agent,dev
 
-.PHONY: demo test lint install lock clean
+.PHONY: demo test lint bench install lock clean
 
 install: $(VENV)/.installed
 
@@ -24,6 +24,13 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy .
+
+# Figures printed beside their baselines; each ends with a `ratio:` line. Needs PostgreSQL and Redis on
+# 127.0.0.1 for request_path.py.
+bench: install
+	$(BIN)/python bench/scheduler_cycle.py
+	$(BIN)/python bench/trace_replay.py
+	$(BIN)/python bench/request_path.py
 
 lock:
 	{ echo '# Pinned versions of everything Klique installs; `make lock` regenerates this from the virtual environment.'; \
