@@ -5,7 +5,9 @@ from __future__ import annotations
 from django.urls import path
 
 from apps.core.consumers import EventsConsumer
+from apps.fleet.consumers import AgentConsumer
 
 websocket_urlpatterns = [
     path("ws/v1/events/", EventsConsumer.as_asgi()),
+    path("agents/ws/", AgentConsumer.as_asgi()),
 ]

@@ -27,7 +27,7 @@ from apps.resources.models import (
 )
 from apps.scheduling import engine
 from apps.scheduling.models import ACTIVE_STATES, Task, TaskEvent, TaskState
-from apps.scheduling.services import SCHEDULER
+from apps.scheduling.services import SCHEDULER, leases_expire
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -109,6 +109,21 @@ def snapshot(tenant: Tenant, now: datetime) -> engine.Snapshot:
         running=running,
         tenant_share=None if tenant.gpu_share is None else tenant.gpu_share * engine.UNITS_PER_GPU,
     )
+
+
+def _tell_agents(tenant: Tenant, decision: engine.Decision, victims_pools: dict[str, str]) -> None:
+    """After commit: wake the agents of pools that got work, and stop preempted runs (with a grace period
+    so they can checkpoint)."""
+    from apps.fleet.services import PREEMPT_GRACE_SECONDS, notify_pool
+
+    for pool in sorted({placement.pool for placement in decision.placements}):
+        notify_pool(tenant=tenant, pool_id=pool, message={"type": "dispatch"})
+    for victim, pool in victims_pools.items():
+        notify_pool(
+            tenant=tenant,
+            pool_id=pool,
+            message={"type": "preempt", "task_id": victim, "grace_seconds": PREEMPT_GRACE_SECONDS},
+        )
 
 
 def _apply(decision: engine.Decision, now: datetime) -> tuple[int, int]:
@@ -199,10 +214,13 @@ def run_cycle(tenant: Tenant) -> CycleResult:
             (locked,) = cursor.fetchone()
         if not locked:
             return CycleResult(ran=False)
+        leases_expire()
         now = timezone.now()
         state = snapshot(tenant, now)
         decision = engine.schedule(state)
         placed, preempted = _apply(decision, now)
+        running_in = {allocation.task: allocation.pool for allocation in state.running}
+        _tell_agents(tenant, decision, {p.victim: running_in[p.victim] for p in decision.preemptions})
     elapsed = (time.perf_counter() - started) * 1000
     logger.info(
         "scheduling cycle",

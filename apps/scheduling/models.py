@@ -51,6 +51,9 @@ class Task(models.Model):
     attempts = models.PositiveSmallIntegerField(default=0)
     max_attempts = models.PositiveSmallIntegerField(default=3)
     exit_code = models.IntegerField(null=True, blank=True)
+    # The agent's hold on a task it was handed; unacknowledged by lease_expires_at, it goes back to the queue.
+    lease_id = models.UUIDField(null=True, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
 
     # Order in the queue: a preempted task keeps submitted_at, and so returns to the front.
     submitted_at = models.DateTimeField()

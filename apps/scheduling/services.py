@@ -238,6 +238,10 @@ def task_cancel(*, tenant: Tenant, user: User, task: Task) -> Task:
     task = Task.objects.select_for_update().get(pk=task.pk)
     if task.state in ENDED_STATES:
         raise InvalidInput(f"Task {task.pk} already ended ({task.state}); there is nothing to cancel.")
+    if task.state in (TaskState.DISPATCHING, TaskState.RUNNING) and task.pool_id is not None:
+        from apps.fleet.services import notify_pool
+
+        notify_pool(tenant=tenant, pool_id=task.pool_id, message={"type": "abort", "task_id": str(task.pk)})
     transition(
         task,
         to_state=TaskState.ABORTED,
@@ -311,3 +315,25 @@ def tasks_end_for_removed_resources(*, resources: list[ComputeResource], actor: 
             state=TaskState.ABORTED, ended_at=now, reason_code="compute_resource_removed", reason=message
         )
     return ended
+
+
+def leases_expire() -> int:
+    """Tasks handed out but not acknowledged in time go back to the queue. Returns how many."""
+    now = timezone.now()
+    expired = Task.objects.filter(state=TaskState.DISPATCHING, lease_expires_at__lt=now)
+    count = 0
+    for task in expired.select_for_update(skip_locked=True):
+        transition(
+            task,
+            to_state=TaskState.QUEUED,
+            actor="scheduler",
+            message="lease expired",
+            pool=None,
+            lease_id=None,
+            lease_expires_at=None,
+            queued_at=now,
+            reason_code="lease_expired",
+            reason="Its agent did not acknowledge it in time; queued again.",
+        )
+        count += 1
+    return count

@@ -47,6 +47,7 @@ TENANT_APPS = [
     "apps.accounts",
     "apps.resources",
     "apps.scheduling",
+    "apps.fleet",
 ]
 INSTALLED_APPS = list(SHARED_APPS) + [app for app in TENANT_APPS if app not in SHARED_APPS]
 

@@ -1,0 +1,76 @@
+"""Agents: the pool-scoped tokens they connect with, what each one is, and what they report per task.
+
+An agent token opens one pool's websocket and nothing else: it cannot call the REST API, and it names
+its pool, so an agent cannot pull another pool's work.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db import models
+from django.utils import timezone
+
+from apps.resources.models import Pool
+from apps.scheduling.models import Task
+
+
+class AgentToken(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    pool = models.ForeignKey(Pool, on_delete=models.CASCADE, related_name="agent_tokens")
+    name = models.CharField(max_length=100)
+    prefix = models.CharField(max_length=16, unique=True)
+    secret_hash = models.CharField(max_length=64)
+    created_at = models.DateTimeField(auto_now_add=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"kqa_{self.prefix}"
+
+
+class Agent(models.Model):
+    """An agent process as it last introduced itself."""
+
+    id = models.CharField(max_length=100, primary_key=True)  # chosen by the agent, stable across restarts
+    pool = models.ForeignKey(Pool, on_delete=models.CASCADE, related_name="agents")
+    token = models.ForeignKey(AgentToken, null=True, on_delete=models.SET_NULL, related_name="agents")
+    backend = models.CharField(max_length=30)
+    version = models.CharField(max_length=30, blank=True)
+    inventory = models.JSONField(default=dict)
+    connected = models.BooleanField(default=False)
+    connected_at = models.DateTimeField(default=timezone.now)
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["pool__name", "id"]
+
+    def __str__(self) -> str:
+        return self.id
+
+
+class TaskReport(models.Model):
+    """One message an agent sent about a task (status, log, metric or result), kept once per sequence
+    number, so that a reconnecting agent may replay its outbox without anything counted twice."""
+
+    class Kind(models.TextChoices):
+        STATUS = "status"
+        LOG = "log"
+        METRIC = "metric"
+        RESULT = "result"
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="reports")
+    seq = models.PositiveIntegerField()
+    kind = models.CharField(max_length=10, choices=Kind.choices)
+    body = models.JSONField(default=dict)
+    at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["task", "seq"]
+        constraints = [models.UniqueConstraint(fields=["task", "seq"], name="one_report_per_task_seq")]
+
+    def __str__(self) -> str:
+        return f"{self.task_id}#{self.seq} {self.kind}"

@@ -1,0 +1,302 @@
+"""The control plane's half of the agent protocol: tokens, hello and reconciliation, dispatch under a
+lease, reports deduplicated by sequence number, and what happens when an agent goes away.
+
+The protocol (JSON over the websocket at /agents/ws/, agent -> plane unless marked):
+
+    hello      {agent_id, backend, version, inventory, running: [task ids]}
+    welcome    plane -> agent {heartbeat_seconds, lease_seconds, keep: [task ids], abort: [task ids]}
+    assign     plane -> agent {task_id, lease_id, spec, gpus, nodes, sharing}
+    accepted   {task_id, lease_id}            rejected {task_id, lease_id, reason}
+    status     {task_id, seq, state}          log {task_id, seq, stream, lines}
+    metric     {task_id, seq, values}         result {task_id, seq, exit_code}
+    abort      plane -> agent {task_id}       preempt plane -> agent {task_id, grace_seconds}
+    heartbeat  {running: [task ids], utilization: {gpu index: percent}}
+"""
+
+from __future__ import annotations
+
+import hmac
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from apps.accounts.tokens import hash_token
+from apps.fleet.models import Agent, AgentToken, TaskReport
+from apps.resources.models import Pool
+from apps.resources.services import pool_heartbeat
+from apps.scheduling.engine import UNITS_PER_GPU
+from apps.scheduling.models import ACTIVE_STATES, Task, TaskState
+from apps.scheduling.services import task_finish, transition
+
+if TYPE_CHECKING:
+    from tenants.models import Tenant
+
+HEARTBEAT_SECONDS = 10
+LEASE_SECONDS = 30
+PREEMPT_GRACE_SECONDS = 30
+AGENT_TOKEN_KIND = "kqa"  # noqa: S105 -- the kind of token (kqa_<prefix>_<secret>), not a secret
+
+
+class AgentRejected(Exception):
+    """An agent's token or message cannot be accepted; the message says why."""
+
+
+def pool_group(schema_name: str, pool_id: object) -> str:
+    return f"agents.{schema_name}.{pool_id}"
+
+
+def notify_pool(*, tenant: Tenant, pool_id: object, message: dict[str, Any]) -> None:
+    """Send `message` to the pool's connected agents once the current transaction commits."""
+
+    def send() -> None:
+        layer = get_channel_layer()
+        if layer is not None:
+            async_to_sync(layer.group_send)(
+                pool_group(tenant.schema_name, pool_id), {"type": "plane.message", "message": message}
+            )
+
+    transaction.on_commit(send)
+
+
+@dataclass(frozen=True)
+class IssuedAgentToken:
+    token: AgentToken
+    secret: str
+
+
+def agent_token_create(*, pool: Pool, name: str) -> IssuedAgentToken:
+    """A token that lets one agent serve `pool`; shown once."""
+    import secrets
+
+    prefix = secrets.token_hex(4)
+    secret = f"{AGENT_TOKEN_KIND}_{prefix}_{secrets.token_urlsafe(24)}"
+    token = AgentToken.objects.create(pool=pool, name=name, prefix=prefix, secret_hash=hash_token(secret))
+    return IssuedAgentToken(token, secret)
+
+
+def agent_token_revoke(*, token: AgentToken) -> AgentToken:
+    if token.revoked_at is None:
+        token.revoked_at = timezone.now()
+        token.save(update_fields=["revoked_at"])
+    return token
+
+
+def agent_authenticate(*, presented: str) -> AgentToken:
+    parts = presented.split("_")
+    if len(parts) != 3 or parts[0] != AGENT_TOKEN_KIND:
+        raise AgentRejected("Malformed agent token: expected kqa_<prefix>_<secret>, as issued for the pool.")
+    token = AgentToken.objects.select_related("pool").filter(prefix=parts[1]).first()
+    if token is None or not hmac.compare_digest(token.secret_hash, hash_token(presented)):
+        raise AgentRejected(
+            "Unknown agent token for this tenant; issue one with POST /api/v1/pools/{id}/agent-tokens/."
+        )
+    if token.revoked_at is not None:
+        raise AgentRejected(
+            f"Agent token kqa_{token.prefix} was revoked; issue a new one for pool {token.pool.name}."
+        )
+    AgentToken.objects.filter(pk=token.pk).update(last_used_at=timezone.now())
+    return token
+
+
+@dataclass(frozen=True)
+class Welcome:
+    keep: list[str]
+    abort: list[str]
+
+
+@transaction.atomic
+def agent_hello(
+    *,
+    tenant: Tenant,
+    token: AgentToken,
+    agent_id: str,
+    backend: str,
+    version: str,
+    inventory: dict[str, Any],
+    running: list[str],
+) -> Welcome:
+    """Register the agent and reconcile what it runs with what the plane believes runs in its pool."""
+    pool = token.pool
+    Agent.objects.update_or_create(
+        id=agent_id,
+        defaults={
+            "pool": pool,
+            "token": token,
+            "backend": backend,
+            "version": version,
+            "inventory": inventory,
+            "connected": True,
+            "connected_at": timezone.now(),
+            "last_heartbeat_at": timezone.now(),
+        },
+    )
+    pool_heartbeat(tenant=tenant, pool=pool)
+    reported = set(running)
+    keep, abort = [], []
+    for task in Task.objects.select_for_update().filter(
+        pool=pool, state__in=(TaskState.DISPATCHING, TaskState.RUNNING)
+    ):
+        if str(task.pk) in reported:
+            keep.append(str(task.pk))
+        else:
+            _lost(tenant, task, f"agent {agent_id} no longer runs it")
+    known = {
+        str(pk)
+        for pk in Task.objects.filter(
+            pk__in=[_uuid(t) for t in reported if _uuid(t)], state__in=ACTIVE_STATES, pool=pool
+        ).values_list("pk", flat=True)
+    }
+    abort = sorted(reported - known)
+    return Welcome(keep, abort)
+
+
+def _uuid(value: str) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(value)
+    except ValueError:
+        return None
+
+
+def _lost(tenant: Tenant, task: Task, why: str) -> None:
+    """A task its agent no longer has: a run that never started goes back to the queue; a started run
+    counts as a failed attempt, retried while attempts remain."""
+    if task.state == TaskState.DISPATCHING:
+        transition(
+            task,
+            to_state=TaskState.QUEUED,
+            actor="scheduler",
+            message=why,
+            pool=None,
+            lease_id=None,
+            lease_expires_at=None,
+            queued_at=timezone.now(),
+            reason_code="lease_lost",
+            reason=f"Its dispatch was lost ({why}); queued again.",
+        )
+    else:
+        task_finish(tenant=tenant, task=task, succeeded=False, exit_code=None, actor="scheduler")
+
+
+def agent_gone(*, agent_id: str) -> None:
+    Agent.objects.filter(pk=agent_id).update(connected=False)
+
+
+def agent_heartbeat(*, tenant: Tenant, token: AgentToken, agent_id: str) -> None:
+    Agent.objects.filter(pk=agent_id).update(last_heartbeat_at=timezone.now(), connected=True)
+    pool_heartbeat(tenant=tenant, pool=Pool.objects.get(pk=token.pool_id))
+
+
+@transaction.atomic
+def dispatch(*, pool: Pool) -> list[dict[str, Any]]:
+    """Hand the pool's placed tasks to its agent under a lease; returns the assign messages to send."""
+    now = timezone.now()
+    messages = []
+    for task in Task.objects.select_for_update(skip_locked=True).filter(pool=pool, state=TaskState.PLACED):
+        lease = uuid.uuid4()
+        transition(
+            task,
+            to_state=TaskState.DISPATCHING,
+            actor="scheduler",
+            message=f"lease {lease}",
+            lease_id=lease,
+            lease_expires_at=now + timedelta(seconds=LEASE_SECONDS),
+        )
+        messages.append(
+            {
+                "type": "assign",
+                "task_id": str(task.pk),
+                "lease_id": str(lease),
+                "name": task.name,
+                "spec": task.spec,
+                "gpus": str(task.size_units / UNITS_PER_GPU),
+                "size_units": task.size_units,
+                "nodes": task.nodes,
+                "sharing": task.sharing,
+            }
+        )
+    return messages
+
+
+def _pool_task(task_id: str, pool: Pool) -> Task | None:
+    """The task with this id in this pool, locked; None for another pool's task or a malformed id."""
+    identifier = _uuid(task_id)
+    if identifier is None:
+        return None
+    return Task.objects.select_for_update().filter(pk=identifier, pool=pool).first()
+
+
+def _leased(task_id: str, lease_id: str, pool: Pool) -> Task:
+    task = _pool_task(task_id, pool)
+    if task is None or str(task.lease_id) != lease_id:
+        raise AgentRejected(
+            f"No lease {lease_id} on task {task_id} in pool {pool.name}; it may have expired."
+        )
+    return task
+
+
+@transaction.atomic
+def lease_accepted(*, pool: Pool, task_id: str, lease_id: str) -> None:
+    task = _leased(task_id, lease_id, pool)
+    Task.objects.filter(pk=task.pk).update(lease_expires_at=None)
+
+
+@transaction.atomic
+def lease_rejected(*, pool: Pool, task_id: str, lease_id: str, reason: str) -> None:
+    task = _leased(task_id, lease_id, pool)
+    transition(
+        task,
+        to_state=TaskState.QUEUED,
+        actor="agent",
+        message=reason,
+        pool=None,
+        lease_id=None,
+        lease_expires_at=None,
+        queued_at=timezone.now(),
+        reason_code="rejected_by_agent",
+        reason=f"The agent of pool {pool.name} refused it: {reason}",
+    )
+
+
+@transaction.atomic
+def report(*, tenant: Tenant, pool: Pool, task_id: str, seq: int, kind: str, body: dict[str, Any]) -> bool:
+    """Apply one report once: a sequence number already seen changes nothing. Returns whether it was new."""
+    task = _pool_task(task_id, pool)
+    if task is None:
+        raise AgentRejected(f"Task {task_id} is not in pool {pool.name}.")
+    try:
+        with transaction.atomic():
+            TaskReport.objects.create(task=task, seq=seq, kind=kind, body=body)
+    except IntegrityError:
+        return False  # a replay after a reconnect
+    if (
+        kind == TaskReport.Kind.STATUS
+        and body.get("state") == TaskState.RUNNING
+        and task.state == TaskState.DISPATCHING
+    ):
+        transition(
+            task,
+            to_state=TaskState.RUNNING,
+            actor="agent",
+            attempts=task.attempts + 1,
+            started_at=timezone.now(),
+            lease_expires_at=None,
+        )
+    elif kind == TaskReport.Kind.RESULT and task.state in ACTIVE_STATES:
+        exit_code = body.get("exit_code")
+        task_finish(tenant=tenant, task=task, succeeded=exit_code == 0, exit_code=exit_code, actor="agent")
+    return True
+
+
+def task_logs(task: Task, *, after: int = 0) -> list[dict[str, Any]]:
+    return [
+        {"seq": seq, "at": at, "stream": body.get("stream", "stdout"), "lines": body.get("lines", [])}
+        for seq, at, body in task.reports.filter(kind=TaskReport.Kind.LOG, seq__gt=after).values_list(
+            "seq", "at", "body"
+        )
+    ]
