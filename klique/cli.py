@@ -98,6 +98,27 @@ def _beat_argv(data_dir: Path) -> list[str]:
     return _celery_argv("beat", "--schedule", str(data_dir / "celerybeat-schedule"))
 
 
+def _agent_argv(demo: dict[str, Any], port: int, data_dir: Path) -> list[str]:
+    """The demo's bare-metal agent for lab-h100, with a configured inventory (no GPU needed)."""
+    return [
+        sys.executable,
+        "-m",
+        "agents.main",
+        "--url",
+        f"http://{demo['tenant_address']}:{port}",
+        "--token",
+        demo["agent_token"],
+        "--gpus",
+        "8",
+        "--agent-id",
+        "demo-lab-h100",
+        "--work-dir",
+        str(data_dir / "agent"),
+        "--grace-seconds",
+        "5",
+    ]
+
+
 def _preflight() -> None:
     check_database()
     check_redis()
@@ -173,6 +194,8 @@ def command_up(args: argparse.Namespace) -> int:
         children.start("web", _web_argv(args.host, args.port))
         children.start("worker", _worker_argv(args.concurrency))
         children.start("beat", _beat_argv(data_dir))
+        if demo:
+            children.start("agent", _agent_argv(demo, args.port, data_dir))
         _wait_until_ready(f"http://127.0.0.1:{args.port}/readyz", children)
         print(_banner(demo, args.port), flush=True)
         while not stopping:

@@ -28,6 +28,7 @@ from apps.accounts.services import (
     token_create,
     user_create,
 )
+from apps.fleet.services import agent_token_create
 from apps.resources.models import ComputeResource, Pool
 from apps.resources.services import draft_provision, draft_save
 from apps.scheduling.services import TaskRequest, tasks_submit
@@ -55,6 +56,9 @@ class World:
     token_ids: dict[str, str]  # persona -> id of the token in `tokens`
     compute_resource_a: str  # "Research: 4 GPUs"
     task_a: str  # bob's queued task on it
+    pool_a: str  # h100
+    agent_token_a: str  # an agent token of h100 (its id)
+    agent_secret_a: str
     project_b: str
 
 
@@ -96,6 +100,8 @@ def build_world() -> World:
         draft_provision(tenant=tenant_a, user=alice)
         Pool.objects.update(last_heartbeat_at=timezone.now())
         compute_resource = ComputeResource.objects.get(name="Research: 4 GPUs")
+        h100 = Pool.objects.get(name="h100")
+        agent_token = agent_token_create(pool=h100, name="rack-1")
         (task,) = tasks_submit(
             tenant=tenant_a,
             user=bob,
@@ -118,5 +124,8 @@ def build_world() -> World:
         token_ids=token_ids,
         compute_resource_a=str(compute_resource.pk),
         task_a=str(task.pk),
+        pool_a=str(h100.pk),
+        agent_token_a=str(agent_token.token.pk),
+        agent_secret_a=agent_token.secret,
         project_b=str(project_b.pk),
     )

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from django.urls import path
 
+from apps.fleet import apis as fleet
 from apps.resources import apis as resources
 from apps.scheduling import apis
 
@@ -32,4 +33,7 @@ urlpatterns = [
     path("tasks/<uuid:task_id>/cancel/", apis.TaskCancelView.as_view(), name="task-cancel"),
     path("tasks/<uuid:task_id>/why/", apis.TaskWhyView.as_view(), name="task-why"),
     path("tasks/<uuid:task_id>/history/", apis.TaskHistoryView.as_view(), name="task-history"),
+    path("tasks/<uuid:task_id>/logs/", fleet.TaskLogsView.as_view(), name="task-logs"),
+    path("pools/<uuid:pool_id>/agent-tokens/", fleet.PoolAgentTokensView.as_view(), name="pool-agent-tokens"),
+    path("agent-tokens/<uuid:token_id>/", fleet.AgentTokenDetailView.as_view(), name="agent-token-detail"),
 ]

@@ -118,7 +118,9 @@ REDIS_URL = env.redis_url()
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL], "prefix": "klique:channels:"},
+        # redis-py times reads out after 5 s by default, exactly channels_redis's blocking-pop timeout, so an
+        # idle websocket would crash; give reads room beyond it.
+        "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}], "prefix": "klique:channels:"},
     },
 }
 

@@ -109,3 +109,24 @@ def test_a_suspended_tenant_s_websocket_is_refused_with_the_reason(world: World,
     with pytest.raises(WebsocketRejected, match="Maintenance of the billing system") as rejected:
         resolve_identity(scope)
     assert rejected.value.code == 4403
+
+
+def test_an_idle_channel_outlives_the_redis_read_timeout(db: None) -> None:
+    """A consumer waits on the channel layer longer than redis-py's default 5 s read timeout."""
+    from channels.layers import get_channel_layer
+
+    async def scenario() -> dict[str, Any]:
+        layer = get_channel_layer()
+        channel = await layer.new_channel()
+
+        async def later() -> None:
+            await asyncio.sleep(6.5)
+            await layer.send(channel, {"type": "late.message"})
+
+        sender = asyncio.create_task(later())
+        message: dict[str, Any] = await asyncio.wait_for(layer.receive(channel), timeout=20)
+        await sender
+        await layer.flush()
+        return message
+
+    assert asyncio.run(scenario()) == {"type": "late.message"}

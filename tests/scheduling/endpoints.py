@@ -100,3 +100,38 @@ ENDPOINTS.append(
         bad_body={"trace": "no,columns\n1,2\n"},
     )
 )
+
+ENDPOINTS += [
+    Endpoint(
+        "GET",
+        "api/v1/tasks/<uuid:task_id>/logs/",
+        "viewer",
+        lambda w: f"/api/v1/tasks/{w.task_a}/logs/",
+        names_object=True,
+    ),
+    Endpoint(
+        "GET",
+        "api/v1/pools/<uuid:pool_id>/agent-tokens/",
+        "admin",
+        lambda w: f"/api/v1/pools/{w.pool_a}/agent-tokens/",
+        names_object=True,
+    ),
+    Endpoint(
+        "POST",
+        "api/v1/pools/<uuid:pool_id>/agent-tokens/",
+        "admin",
+        lambda w: f"/api/v1/pools/{w.pool_a}/agent-tokens/",
+        body=lambda w: {"name": "rack-7"},
+        bad_body={"name": ""},
+        expect=201,
+        names_object=True,
+    ),
+    Endpoint(
+        "DELETE",
+        "api/v1/agent-tokens/<uuid:token_id>/",
+        "admin",
+        lambda w: f"/api/v1/agent-tokens/{w.agent_token_a}/",
+        expect=204,
+        names_object=True,
+    ),
+]

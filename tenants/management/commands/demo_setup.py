@@ -14,15 +14,24 @@ from django_tenants.utils import get_public_schema_name, schema_context
 
 from apps.accounts.models import Group, Project, Role, User
 from apps.accounts.services import group_save, project_member_set, project_save, token_create, user_create
-from apps.resources.models import ComputeResource
+from apps.fleet.services import agent_token_create
+from apps.resources.models import ComputeResource, Pool
 from apps.resources.services import draft_provision, draft_save
 from apps.scheduling.services import TaskRequest, tasks_submit
 from tenants import selectors, services
 
 DEMO_SLUG = "demo"
 
-# Cloud capacity counts as online without an agent (it scales from zero), so the demo's tasks are placed
-# by the scheduler straight away; running them needs an agent in the pool.
+# `klique up --demo` runs a bare-metal agent for lab-h100 with a configured inventory of 8 GPUs, so the
+# demo's tasks run there. Cloud capacity counts as online without an agent (it scales from zero): work
+# that overflows to it is placed, and waits there for an agent.
+DEMO_TASK = (
+    "import os, time\n"
+    "print('GPUs:', os.environ.get('CUDA_VISIBLE_DEVICES'))\n"
+    "for epoch in range(1, 4):\n"
+    "    time.sleep(1)\n"
+    "    print(f'epoch {epoch}/3 loss={1 / epoch:.3f}')\n"
+)
 DEMO_CONFIGURATION = {
     "pools": [
         {
@@ -38,7 +47,7 @@ DEMO_CONFIGURATION = {
             "environment": "baremetal",
             "capacity_gpus": 8,
             "gpu_class": "H100",
-            "sharing": ["whole", "mig_static"],
+            "sharing": ["whole", "fraction", "mig_static"],
         },
     ],
     "profiles": [
@@ -54,7 +63,7 @@ DEMO_CONFIGURATION = {
             "sharing": "fraction",
             "min_gpus": "0.25",
             "max_gpus": "0.5",
-            "pools": [{"pool": "cloud-a100"}],
+            "pools": [{"pool": "lab-h100"}, {"pool": "cloud-a100"}],
         },
     ],
     "policies": [
@@ -123,25 +132,28 @@ class Command(BaseCommand):
                             compute_resource="Research: 4 GPUs",
                             name="resnet-50",
                             project="vision",
-                            spec={"command": ["python", "train.py", "--epochs", "3"]},
+                            spec={"command": ["python3", "-c", DEMO_TASK]},
                         ),
                         TaskRequest(
                             compute_resource="Research: shared GPU",
                             gpus="0.5",
                             name="notebook",
-                            spec={"command": ["jupyter", "lab"]},
+                            spec={"command": ["python3", "-c", DEMO_TASK]},
                         ),
                         TaskRequest(
                             compute_resource="Research: 4 GPUs",
                             name="sweep",
                             priority=1,
-                            spec={"command": ["python", "sweep.py"]},
+                            spec={"command": ["python3", "-c", DEMO_TASK]},
                         ),
                     ],
                 )
+        with schema_context(tenant.schema_name):
+            agent_token = agent_token_create(pool=Pool.objects.get(name="lab-h100"), name="demo agent").secret
         self.stdout.write(
             json.dumps(
                 {
+                    "agent_token": agent_token,
                     "tenant": tenant.slug,
                     "tenant_address": selectors.tenant_address(tenant),
                     "admin": "alice",

@@ -1,0 +1,209 @@
+"""`klique-agent`: connects out to the control plane, pulls the work of its pool and runs it.
+
+    klique-agent --url http://demo.localhost:8000 --token kqa_... --backend baremetal --gpus 4
+
+The agent only ever opens an outbound websocket. It reconnects with exponential backoff and jitter;
+every report (status, log, result) carries a per-task sequence number and stays in the outbox until the
+plane acknowledges it, so a reconnect replays what was not acknowledged and the plane, which keeps each
+sequence number once, counts nothing twice. SIGTERM stops the running tasks (with their grace period)
+and the agent cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import websockets
+
+from agents import __version__
+from agents.baremetal import BareMetal, Refused, detect_gpus
+
+logger = logging.getLogger("klique.agent")
+
+
+def websocket_address(url: str) -> tuple[str, dict[str, str], dict[str, Any]]:
+    """The agents' websocket URL for a tenant address, the Host header, and where to connect.
+
+    Names under .localhost mean this machine (RFC 6761): connect to 127.0.0.1 and name the tenant in Host.
+    """
+    parts = urlsplit(url.rstrip("/"))
+    scheme = "wss" if parts.scheme == "https" else "ws"
+    address = urlunsplit((scheme, parts.netloc, "/agents/ws/", "", ""))
+    host = parts.hostname or ""
+    if host == "localhost" or host.endswith(".localhost"):
+        return address, {}, {"host": "127.0.0.1", "port": parts.port or (443 if scheme == "wss" else 80)}
+    return address, {}, {}
+
+
+class Backoff:
+    """Exponential backoff with full jitter, capped."""
+
+    def __init__(self, base: float = 0.5, cap: float = 30.0) -> None:
+        self.base, self.cap, self.failures = base, cap, 0
+
+    def next(self) -> float:
+        self.failures += 1
+        return random.uniform(0, min(self.cap, self.base * 2**self.failures))  # noqa: S311 -- jitter, not secrecy
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
+class Agent:
+    def __init__(self, *, url: str, token: str, backend: BareMetal, agent_id: str) -> None:
+        self.url, self.token, self.backend, self.agent_id = url, token, backend, agent_id
+        self.outbox: dict[tuple[str, int], dict[str, Any]] = {}  # (task, seq) -> message, until acknowledged
+        self.sequence: dict[str, int] = {}
+        self.socket: Any = None
+        self.stopping = asyncio.Event()
+        self.heartbeat_seconds = 10.0
+
+    async def run(self) -> None:
+        address, headers, connect_to = websocket_address(self.url)
+        backoff = Backoff()
+        while not self.stopping.is_set():
+            try:
+                async with websockets.connect(
+                    address,
+                    additional_headers={"Authorization": f"Bearer {self.token}", **headers},
+                    open_timeout=10,
+                    **connect_to,
+                ) as socket_:
+                    self.socket = socket_
+                    backoff.reset()
+                    await self._session(socket_)
+            except (OSError, websockets.WebSocketException, TimeoutError) as error:
+                logger.warning("connection to %s lost (%s)", address, error)
+            finally:
+                self.socket = None
+            if not self.stopping.is_set():
+                delay = backoff.next()
+                logger.info("reconnecting in %.1f s", delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), timeout=delay)
+
+    async def _session(self, socket_: Any) -> None:
+        await socket_.send(
+            json.dumps(
+                {
+                    "type": "hello",
+                    "agent_id": self.agent_id,
+                    "backend": "baremetal",
+                    "version": __version__,
+                    "inventory": self.backend.inventory(),
+                    "running": self.backend.running(),
+                }
+            )
+        )
+        for message in list(self.outbox.values()):  # replay what the plane has not acknowledged
+            await socket_.send(json.dumps(message))
+        heartbeat = asyncio.create_task(self._heartbeats(socket_))
+        stop = asyncio.create_task(self.stopping.wait())
+        try:
+            async for raw in socket_:
+                await self._on_message(json.loads(raw))
+                if stop.done():
+                    break
+        finally:
+            heartbeat.cancel()
+            stop.cancel()
+
+    async def _heartbeats(self, socket_: Any) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_seconds)
+            await socket_.send(json.dumps({"type": "heartbeat", "running": self.backend.running()}))
+
+    async def _on_message(self, message: dict[str, Any]) -> None:
+        kind = message.get("type")
+        if kind == "welcome":
+            self.heartbeat_seconds = float(message.get("heartbeat_seconds", 10))
+            for task_id in message.get("abort", []):
+                await self.backend.stop(task_id, 0)
+        elif kind == "assign":
+            await self._assign(message)
+        elif kind == "ack":
+            self.outbox.pop((message["task_id"], int(message["seq"])), None)
+        elif kind in {"abort", "preempt"}:
+            await self.backend.stop(message["task_id"], float(message.get("grace_seconds", 0)))
+        elif kind == "error":
+            logger.warning("the plane refused a message: %s", message.get("detail"))
+
+    async def _assign(self, assignment: dict[str, Any]) -> None:
+        task_id, lease = assignment["task_id"], assignment["lease_id"]
+        try:
+            await self.backend.start(assignment, lambda kind, body: self.report(task_id, kind, body))
+        except Refused as refused:
+            await self._send(
+                {"type": "rejected", "task_id": task_id, "lease_id": lease, "reason": str(refused)}
+            )
+            return
+        await self._send({"type": "accepted", "task_id": task_id, "lease_id": lease})
+
+    async def report(self, task_id: str, kind: str, body: dict[str, Any]) -> None:
+        seq = self.sequence.get(task_id, 0) + 1
+        self.sequence[task_id] = seq
+        message = {"type": kind, "task_id": task_id, "seq": seq, **body}
+        self.outbox[(task_id, seq)] = message
+        await self._send(message)
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        if self.socket is not None:
+            with contextlib.suppress(websockets.WebSocketException):
+                await self.socket.send(json.dumps(message))
+
+    async def shutdown(self, grace_seconds: float) -> None:
+        await self.backend.stop_all(grace_seconds)
+        await asyncio.sleep(0.2)  # let the last results go out while the socket is open
+        self.stopping.set()
+        if self.socket is not None:
+            await self.socket.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="klique-agent", description=__doc__.splitlines()[0])
+    parser.add_argument("--url", required=True, help="the tenant's address, e.g. https://acme.klique.example")
+    parser.add_argument("--token", required=True, help="an agent token issued for this pool")
+    parser.add_argument("--backend", choices=["baremetal"], default="baremetal")
+    parser.add_argument("--gpus", type=int, help="GPUs to offer when NVML finds none (tests, demos)")
+    parser.add_argument("--agent-id", default=socket.gethostname())
+    parser.add_argument("--work-dir", type=Path, default=Path(".klique-agent"))
+    parser.add_argument("--grace-seconds", type=float, default=30.0, help="for running tasks at shutdown")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)-7s %(name)s: %(message)s")
+    detected = detect_gpus()
+    if detected is None and args.gpus is None:
+        print(
+            "klique-agent: NVML finds no GPU here; pass --gpus N to offer a configured inventory.",
+            file=sys.stderr,
+        )
+        return 2
+    backend = BareMetal(
+        detected if detected is not None else args.gpus,
+        args.work_dir.resolve(),
+        "nvml" if detected is not None else "configured",
+    )
+    agent = Agent(url=args.url, token=args.token, backend=backend, agent_id=args.agent_id)
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        for sign in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sign, lambda: asyncio.ensure_future(agent.shutdown(args.grace_seconds)))
+        await agent.run()
+
+    asyncio.run(serve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
