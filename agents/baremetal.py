@@ -120,13 +120,17 @@ class BareMetal:
         assert run.process.stdout is not None
         batch: list[str] = []
         while True:
-            line = await run.process.stdout.readline()
+            # Lines that come together go out together; a quiet quarter second sends what has come.
+            try:
+                line = await asyncio.wait_for(run.process.stdout.readline(), timeout=0.25 if batch else None)
+            except TimeoutError:
+                line = None
             if line:
                 batch.append(line.decode(errors="replace").rstrip("\n"))
-            if batch and (not line or len(batch) >= 50):
+            if batch and (line is None or line == b"" or len(batch) >= 50):
                 await report("log", {"stream": "stdout", "lines": batch})
                 batch = []
-            if not line:
+            if line == b"":
                 break
         code = await run.process.wait()
         for device in run.devices:

@@ -145,6 +145,23 @@ def _wait_until_ready(url: str, children: ProcessSet, timeout: float = 90) -> No
     raise PreflightError(f"The web process did not become ready at {url} within {timeout:.0f} s.")
 
 
+def _wait_for_demo_agent(demo: dict[str, Any], port: int, children: ProcessSet, timeout: float = 60) -> None:
+    """The sample tasks go in once the demo's agent has brought lab-h100 online, so they run there."""
+    headers = {"Host": f"{demo['tenant_address']}:{port}", "Authorization": f"Bearer {demo['admin_token']}"}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (exited := children.first_exited()) is not None:
+            raise PreflightError(f"The {exited} process exited while starting; its output above says why.")
+        try:
+            pools = httpx.get(f"http://127.0.0.1:{port}/api/v1/pools/", headers=headers, timeout=5).json()
+            if any(pool["name"] == "lab-h100" and pool["online"] for pool in pools.get("results", [])):
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.3)
+    raise PreflightError("The demo agent did not bring pool lab-h100 online within a minute; see its output.")
+
+
 def _banner(demo: dict[str, Any] | None, port: int) -> str:
     lines = ["", "Klique is up. Press Ctrl-C to stop.", ""]
     base = f"http://localhost:{port}"
@@ -197,6 +214,9 @@ def command_up(args: argparse.Namespace) -> int:
         if demo:
             children.start("agent", _agent_argv(demo, args.port, data_dir))
         _wait_until_ready(f"http://127.0.0.1:{args.port}/readyz", children)
+        if demo:
+            _wait_for_demo_agent(demo, args.port, children)
+            subprocess.run(_manage_argv("demo_setup", "--tasks"), check=True, capture_output=True, text=True)
         print(_banner(demo, args.port), flush=True)
         while not stopping:
             if (exited := children.first_exited()) is not None:

@@ -83,13 +83,14 @@ def test_up_with_configured_services(fresh_database: str, redis_url: str, tmp_pa
         assert welcome == {"type": "welcome", "tenant": "demo", "user": "alice"}
         assert (event["kind"], event["data"]["name"]) == ("project.saved", "e2e-project")
 
-        # The demo's tasks were submitted; the worker's event-driven cycle placed them, as the CLI shows.
+        # The demo's tasks were submitted; the worker's event-driven cycle placed them, the demo's agent ran
+        # the two that fit its pool, and the third waits in the cloud pool, which has no agent.
         cli_env = {
             **environment,
             "KLIQUE_URL": f"http://demo.localhost:{running.port}",
             "KLIQUE_TOKEN": token,
         }
-        for _ in range(60):
+        for _ in range(120):
             listing = subprocess.run(
                 [sys.executable, "-m", "klique.cli", "tasks"],
                 env=cli_env,
@@ -98,10 +99,27 @@ def test_up_with_configured_services(fresh_database: str, redis_url: str, tmp_pa
                 timeout=60,
                 check=True,
             ).stdout
-            if listing.count(" placed ") == 3:
+            if listing.count(" completed ") == 2:
                 break
             asyncio.run(asyncio.sleep(0.5))
-        assert listing.count(" placed ") == 3, listing
+        assert listing.count(" completed ") == 2, listing
+        assert listing.count(" placed ") == 1, listing
+        finished = [line.split()[0] for line in listing.splitlines() if " completed " in line]
+        task_id = call(running, "GET", f"/api/v1/tasks/?id_prefix={finished[0]}", token).json()["results"][0][
+            "id"
+        ]
+        output = [
+            line
+            for chunk in call(running, "GET", f"/api/v1/tasks/{task_id}/logs/", token).json()
+            for line in chunk["lines"]
+        ]
+        assert output[-1].startswith("epoch 3/3"), output
+        assert output[0].startswith("GPUs: ")
+        history = [
+            event["to_state"]
+            for event in call(running, "GET", f"/api/v1/tasks/{task_id}/history/", token).json()
+        ]
+        assert history == ["queued", "placed", "dispatching", "running", "completed"]
         queues = subprocess.run(
             [sys.executable, "-m", "klique.cli", "queues"],
             env=cli_env,

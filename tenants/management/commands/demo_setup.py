@@ -7,6 +7,7 @@ they expire), so a second `make demo` reuses the data of the first.
 from __future__ import annotations
 
 import json
+from argparse import ArgumentParser
 from typing import Any
 
 from django.core.management.base import BaseCommand
@@ -17,6 +18,7 @@ from apps.accounts.services import group_save, project_member_set, project_save,
 from apps.fleet.services import agent_token_create
 from apps.resources.models import ComputeResource, Pool
 from apps.resources.services import draft_provision, draft_save
+from apps.scheduling.models import Task
 from apps.scheduling.services import TaskRequest, tasks_submit
 from tenants import selectors, services
 
@@ -84,7 +86,17 @@ DEMO_CONFIGURATION = {
 class Command(BaseCommand):
     help = "Create or refresh the demo tenant and print its address and tokens as one JSON line."
 
-    def handle(self, *args: Any, **options: Any) -> None:
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        parser.add_argument(
+            "--tasks",
+            action="store_true",
+            help="only submit the sample tasks (once the demo agent is connected), unless some exist",
+        )
+
+    def handle(self, *args: Any, tasks: bool = False, **options: Any) -> None:
+        if tasks:
+            self.submit_samples()
+            return
         public = services.public_tenant_ensure()
         with schema_context(get_public_schema_name()):
             provider, created = User.objects.get_or_create(username="provider", defaults={"role": Role.ADMIN})
@@ -124,30 +136,6 @@ class Command(BaseCommand):
             if not ComputeResource.objects.exists():
                 draft_save(tenant=tenant, user=alice, document=DEMO_CONFIGURATION)
                 draft_provision(tenant=tenant, user=alice)
-                tasks_submit(
-                    tenant=tenant,
-                    user=bob,
-                    requests=[
-                        TaskRequest(
-                            compute_resource="Research: 4 GPUs",
-                            name="resnet-50",
-                            project="vision",
-                            spec={"command": ["python3", "-c", DEMO_TASK]},
-                        ),
-                        TaskRequest(
-                            compute_resource="Research: shared GPU",
-                            gpus="0.5",
-                            name="notebook",
-                            spec={"command": ["python3", "-c", DEMO_TASK]},
-                        ),
-                        TaskRequest(
-                            compute_resource="Research: 4 GPUs",
-                            name="sweep",
-                            priority=1,
-                            spec={"command": ["python3", "-c", DEMO_TASK]},
-                        ),
-                    ],
-                )
         with schema_context(tenant.schema_name):
             agent_token = agent_token_create(pool=Pool.objects.get(name="lab-h100"), name="demo agent").secret
         self.stdout.write(
@@ -162,3 +150,37 @@ class Command(BaseCommand):
                 }
             )
         )
+
+    def submit_samples(self) -> None:
+        tenant = selectors.tenant_get(slug=DEMO_SLUG)
+        if tenant is None:
+            return
+        with schema_context(tenant.schema_name):
+            if Task.objects.exists():
+                return
+            bob = User.objects.get(username="bob")
+            tasks_submit(
+                tenant=tenant,
+                user=bob,
+                requests=[
+                    TaskRequest(
+                        compute_resource="Research: 4 GPUs",
+                        name="resnet-50",
+                        project="vision",
+                        spec={"command": ["python3", "-c", DEMO_TASK]},
+                    ),
+                    TaskRequest(
+                        compute_resource="Research: shared GPU",
+                        gpus="0.5",
+                        name="notebook",
+                        spec={"command": ["python3", "-c", DEMO_TASK]},
+                    ),
+                    TaskRequest(
+                        compute_resource="Research: 4 GPUs",
+                        name="sweep",
+                        priority=1,
+                        spec={"command": ["python3", "-c", DEMO_TASK]},
+                    ),
+                ],
+            )
+        self.stdout.write("Submitted three sample tasks.")
