@@ -57,7 +57,7 @@ class AgentTokenDetailView(TenantAPIView):
 
     @extend_schema(responses={204: None}, summary="Revoke an agent token; its agent is refused from then on")
     def delete(self, request: Request, token_id: str) -> Response:
-        services.agent_token_revoke(token=get_object_or_404(AgentToken, pk=token_id))
+        services.agent_token_revoke(tenant=self.tenant, token=get_object_or_404(AgentToken, pk=token_id))
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

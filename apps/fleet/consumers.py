@@ -153,6 +153,11 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
     async def plane_message(self, event: dict[str, Any]) -> None:
         """A message for this pool's agents from elsewhere in the plane (dispatch, abort, preempt)."""
         message = event["message"]
+        if message.get("type") == "revoked":
+            if self.token is not None and message.get("token_id") == str(self.token.pk):
+                await self.send_json({"type": "error", "detail": "This agent token was revoked."})
+                await self.close(code=4401)
+            return
         if message.get("type") == "dispatch":
             if self.agent_id is not None:
                 await self._dispatch()

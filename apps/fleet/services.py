@@ -80,15 +80,19 @@ def agent_token_create(*, pool: Pool, name: str) -> IssuedAgentToken:
     return IssuedAgentToken(token, secret)
 
 
-def agent_token_revoke(*, token: AgentToken) -> AgentToken:
+def agent_token_revoke(*, tenant: Tenant, token: AgentToken) -> AgentToken:
+    """Revoke at once: new connections are refused, and a connected agent using it is disconnected."""
     if token.revoked_at is None:
         token.revoked_at = timezone.now()
         token.save(update_fields=["revoked_at"])
+        notify_pool(
+            tenant=tenant, pool_id=token.pool_id, message={"type": "revoked", "token_id": str(token.pk)}
+        )
     return token
 
 
 def agent_authenticate(*, presented: str) -> AgentToken:
-    parts = presented.split("_")
+    parts = presented.split("_", 2)  # the secret itself may contain underscores
     if len(parts) != 3 or parts[0] != AGENT_TOKEN_KIND:
         raise AgentRejected("Malformed agent token: expected kqa_<prefix>_<secret>, as issued for the pool.")
     token = AgentToken.objects.select_related("pool").filter(prefix=parts[1]).first()
@@ -181,6 +185,21 @@ def _lost(tenant: Tenant, task: Task, why: str) -> None:
         )
     else:
         task_finish(tenant=tenant, task=task, succeeded=False, exit_code=None, actor="scheduler")
+
+
+@transaction.atomic
+def tasks_of_silent_pools(*, tenant: Tenant) -> int:
+    """Tasks dispatched to or running in a pool whose agents stopped heartbeating beyond the pool's timeout
+    are lost: a dispatch goes back to the queue, a run counts as a failed attempt. Returns how many."""
+    now = timezone.now()
+    silent = [pool.pk for pool in Pool.objects.all() if not pool.is_online(now)]
+    lost = 0
+    for task in Task.objects.select_for_update(skip_locked=True).filter(
+        pool_id__in=silent, state__in=(TaskState.DISPATCHING, TaskState.RUNNING)
+    ):
+        _lost(tenant, task, f"pool {task.pool.name if task.pool else '?'} went silent")
+        lost += 1
+    return lost
 
 
 def agent_gone(*, agent_id: str) -> None:

@@ -111,6 +111,12 @@ def snapshot(tenant: Tenant, now: datetime) -> engine.Snapshot:
     )
 
 
+def _lose_tasks_of_silent_pools(tenant: Tenant) -> None:
+    from apps.fleet.services import tasks_of_silent_pools
+
+    tasks_of_silent_pools(tenant=tenant)
+
+
 def _tell_agents(tenant: Tenant, decision: engine.Decision, victims_pools: dict[str, str]) -> None:
     """After commit: wake the agents of pools that got work, and stop preempted runs (with a grace period
     so they can checkpoint)."""
@@ -215,6 +221,7 @@ def run_cycle(tenant: Tenant) -> CycleResult:
         if not locked:
             return CycleResult(ran=False)
         leases_expire()
+        _lose_tasks_of_silent_pools(tenant)
         now = timezone.now()
         state = snapshot(tenant, now)
         decision = engine.schedule(state)

@@ -317,6 +317,7 @@ def tasks_end_for_removed_resources(*, resources: list[ComputeResource], actor: 
     return ended
 
 
+@transaction.atomic
 def leases_expire() -> int:
     """Tasks handed out but not acknowledged in time go back to the queue. Returns how many."""
     now = timezone.now()

@@ -1,0 +1,235 @@
+"""The agent protocol over a real Channels consumer, on committed rows (consumers query from threads)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.db import connections
+from django.utils import timezone
+from django_tenants.utils import schema_context
+
+from apps.accounts.models import User
+from apps.accounts.services import group_save
+from apps.fleet.models import TaskReport
+from apps.fleet.services import agent_token_create, agent_token_revoke, tasks_of_silent_pools
+from apps.resources.models import Pool
+from apps.resources.services import draft_provision, draft_save
+from apps.scheduling.cycle import run_cycle
+from apps.scheduling.models import Task, TaskState
+from apps.scheduling.services import TaskRequest, leases_expire, tasks_submit
+from config.asgi import application
+from tenants.models import Tenant
+from tenants.services import tenant_create, tenant_delete
+from tests.scheduling.config import acme_document
+from tests.world import World
+
+HOST = "fleet.klique.test"
+
+
+@pytest.fixture
+def fleet(django_db_blocker: pytest.FixtureRequest, world: World) -> Iterator[dict[str, Any]]:
+    """A committed tenant with the test configuration, one placed task in h100 and an agent token."""
+    with django_db_blocker.unblock():  # type: ignore[attr-defined]
+        created = tenant_create(slug="fleet", name="Fleet", admin_username="fay")
+        with schema_context("fleet"):
+            fay = User.objects.get(username="fay")
+            group_save(tenant=created.tenant, name="research", members=[fay])
+            group_save(tenant=created.tenant, name="dev", members=[fay])
+            document = acme_document()
+            document["profiles"][0]["pools"] = [{"pool": "h100"}]
+            draft_save(tenant=created.tenant, user=fay, document=document)
+            draft_provision(tenant=created.tenant, user=fay)
+            Pool.objects.update(last_heartbeat_at=timezone.now())
+            (task,) = tasks_submit(
+                tenant=created.tenant,
+                user=fay,
+                requests=[TaskRequest(compute_resource="Research: 4 GPUs", spec={"command": ["true"]})],
+            )
+            run_cycle(created.tenant)
+            h100 = Pool.objects.get(name="h100")
+            issued = agent_token_create(pool=h100, name="rack")
+            other = agent_token_create(pool=Pool.objects.get(name="baremetal"), name="other")
+        yield {"tenant": created.tenant, "task": str(task.pk), "token": issued, "other": other}
+        connections.close_all()
+        tenant_delete(tenant=Tenant.objects.get(slug="fleet"))
+
+
+@pytest.fixture(autouse=True)
+def _close_consumer_connections() -> Iterator[None]:
+    """Consumers query from asgiref's long-lived worker thread; close its connection after each test."""
+    yield
+    asyncio.run(sync_to_async(connections.close_all)())
+
+
+def agent(token: str) -> WebsocketCommunicator:
+    return WebsocketCommunicator(
+        application,
+        "/agents/ws/",
+        headers=[(b"host", HOST.encode()), (b"authorization", f"Bearer {token}".encode())],
+    )
+
+
+def in_fleet(function: Any) -> Any:
+    def run() -> Any:
+        try:
+            with schema_context("fleet"):
+                return function()
+        finally:
+            connections.close_all()
+
+    return sync_to_async(run)()
+
+
+def test_a_task_goes_from_assign_to_completed_with_each_report_counted_once(fleet: dict[str, Any]) -> None:
+    task_id = fleet["task"]
+
+    async def scenario() -> list[dict[str, Any]]:
+        client = agent(fleet["token"].secret)
+        assert (await client.connect())[0]
+        await client.send_json_to(
+            {"type": "hello", "agent_id": "rack-1", "backend": "baremetal", "running": []}
+        )
+        welcome = await client.receive_json_from(timeout=10)
+        assert welcome["type"] == "welcome", welcome
+        assign = await client.receive_json_from(timeout=10)
+        await client.send_json_to({"type": "accepted", "task_id": task_id, "lease_id": assign["lease_id"]})
+        replies = []
+        for message in (
+            {"type": "status", "task_id": task_id, "seq": 1, "state": "running"},
+            {"type": "log", "task_id": task_id, "seq": 2, "stream": "stdout", "lines": ["hello"]},
+            {"type": "log", "task_id": task_id, "seq": 2, "stream": "stdout", "lines": ["hello"]},  # a replay
+            {"type": "result", "task_id": task_id, "seq": 3, "exit_code": 0},
+        ):
+            await client.send_json_to(message)
+            replies.append(await client.receive_json_from(timeout=10))
+        await client.disconnect()
+        return [welcome, assign, *replies]
+
+    welcome, assign, *acks = asyncio.run(scenario())
+    assert welcome["type"] == "welcome"
+    assert (assign["type"], assign["task_id"], assign["spec"]) == ("assign", task_id, {"command": ["true"]})
+    assert [ack["seq"] for ack in acks] == [1, 2, 2, 3]
+    with schema_context("fleet"):
+        task = Task.objects.get(pk=task_id)
+        assert (task.state, task.attempts, task.exit_code) == (TaskState.COMPLETED, 1, 0)
+        assert TaskReport.objects.filter(task=task, kind="log").count() == 1
+        states = list(task.events.values_list("to_state", flat=True))
+    assert states == ["queued", "placed", "dispatching", "running", "completed"]
+    connections.close_all()
+
+
+@pytest.mark.parametrize(
+    ("message", "fragment"),
+    [
+        ({"type": "teleport"}, "Unknown message type 'teleport'"),
+        ({"type": "status", "task_id": "x"}, "Malformed status message"),
+        (
+            {"type": "result", "task_id": "00000000-0000-0000-0000-000000000000", "seq": 1},
+            "is not in pool h100",
+        ),
+    ],
+)
+def test_bad_messages_get_an_error_that_names_the_problem(
+    fleet: dict[str, Any], message: dict[str, Any], fragment: str
+) -> None:
+    async def scenario() -> dict[str, Any]:
+        client = agent(fleet["token"].secret)
+        await client.connect()
+        await client.send_json_to({"type": "hello", "agent_id": "rack-1", "running": []})
+        await client.receive_json_from(timeout=10)  # welcome
+        await client.receive_json_from(timeout=10)  # the assignment
+        await client.send_json_to(message)
+        reply: dict[str, Any] = await client.receive_json_from(timeout=10)
+        await client.disconnect()
+        return reply
+
+    reply = asyncio.run(scenario())
+    assert reply["type"] == "error"
+    assert fragment in reply["detail"]
+    connections.close_all()
+
+
+def test_an_assignment_of_another_pool_cannot_be_acknowledged(fleet: dict[str, Any]) -> None:
+    async def scenario() -> dict[str, Any]:
+        client = agent(fleet["other"].secret)  # baremetal's agent
+        await client.connect()
+        await client.send_json_to({"type": "hello", "agent_id": "rack-2", "running": []})
+        await client.receive_json_from(timeout=10)
+        await client.send_json_to({"type": "accepted", "task_id": fleet["task"], "lease_id": "whatever"})
+        reply: dict[str, Any] = await client.receive_json_from(timeout=10)
+        await client.disconnect()
+        return reply
+
+    assert "No lease whatever on task" in asyncio.run(scenario())["detail"]
+    connections.close_all()
+
+
+def test_a_revoked_token_is_disconnected_and_refused(fleet: dict[str, Any]) -> None:
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        client = agent(fleet["token"].secret)
+        await client.connect()
+        await client.send_json_to({"type": "hello", "agent_id": "rack-1", "running": []})
+        await client.receive_json_from(timeout=10)
+        await client.receive_json_from(timeout=10)
+        await in_fleet(lambda: agent_token_revoke(tenant=fleet["tenant"], token=fleet["token"].token))
+        # The revocation is published after commit; outside a transaction that is at once.
+        error = await client.receive_json_from(timeout=10)
+        closed = await client.receive_output(timeout=10)
+        again = agent(fleet["token"].secret)
+        await again.connect()
+        refused = await again.receive_json_from(timeout=10)
+        return error, closed, refused
+
+    error, closed, refused = asyncio.run(scenario())
+    assert error == {"type": "error", "detail": "This agent token was revoked."}
+    assert closed == {"type": "websocket.close", "code": 4401}
+    assert "was revoked" in refused["detail"]
+    connections.close_all()
+
+
+def test_unacknowledged_leases_and_silent_pools_give_their_tasks_back(fleet: dict[str, Any]) -> None:
+    with schema_context("fleet"):
+        from apps.fleet.services import dispatch
+
+        task = Task.objects.select_related("pool").get(pk=fleet["task"])
+        assert task.pool is not None
+        assert len(dispatch(pool=task.pool)) == 1
+        Task.objects.filter(pk=task.pk).update(lease_expires_at=timezone.now())
+        assert leases_expire() == 1
+        task.refresh_from_db()
+        assert (task.state, task.reason_code, task.pool_id) == (TaskState.QUEUED, "lease_expired", None)
+
+        run_cycle(fleet["tenant"])
+        task.refresh_from_db()
+        Task.objects.filter(pk=task.pk).update(state=TaskState.RUNNING, attempts=1)
+        Pool.objects.filter(name="h100").update(last_heartbeat_at=None)
+        assert tasks_of_silent_pools(tenant=fleet["tenant"]) == 1
+        task.refresh_from_db()
+        assert (task.state, task.reason_code) == (TaskState.QUEUED, "retrying")
+    connections.close_all()
+
+
+@pytest.mark.parametrize(
+    ("presented", "fragment"),
+    [
+        ("klq_abcdefgh_" + "x" * 32, "Malformed agent token"),
+        ("kqa_00000000_nope", "Unknown agent token"),
+    ],
+)
+def test_agent_tokens_are_checked(world: World, db: None, presented: str, fragment: str) -> None:
+    """(Also the module's one test on the rolled-back database, which makes pytest-django set it up.)"""
+    from apps.fleet.services import AgentRejected, agent_authenticate
+
+    with schema_context("acme"), pytest.raises(AgentRejected, match=fragment):
+        agent_authenticate(presented=presented)
+    with schema_context("acme"):
+        token = agent_authenticate(presented=world.agent_secret_a)
+        assert token.pool.name == "h100"
+        agent_token_revoke(tenant=world.tenant_a, token=token)
+        with pytest.raises(AgentRejected, match="was revoked; issue a new one for pool h100"):
+            agent_authenticate(presented=world.agent_secret_a)
