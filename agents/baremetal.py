@@ -2,8 +2,12 @@
 
 GPUs come from NVML where the host has them, or from a configured count (tests, demos, hosts without a
 GPU). Whole-GPU tasks get whole devices; a fractional task shares one device, with its share in
-KLIQUE_GPU_MEMORY_FRACTION for frameworks that cap their memory. Abort and preempt send SIGTERM to the
-whole process group, wait the grace period, then SIGKILL.
+KLIQUE_GPU_MEMORY_FRACTION for frameworks that cap their memory.
+
+Each task runs under `agents.runner`, which writes its output and exit code to files in the task's
+folder, so a task outlives a crash of its agent: the restarted agent adopts the runs recorded in its state
+and reads each log on from where it stopped. Abort and preempt send SIGTERM to the whole process group,
+wait the grace period, then SIGKILL.
 """
 
 from __future__ import annotations
@@ -12,14 +16,20 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-UNITS_PER_GPU = 840  # the control plane's unit: 1/840 of a GPU
+from agents.state import RunRecord, State
 
-Report = Callable[[str, dict[str, Any]], Awaitable[None]]  # (kind, body) for one task
+UNITS_PER_GPU = 840  # the control plane's unit: 1/840 of a GPU
+MAX_LINE = 64 * 1024  # longer lines go out in pieces of this many characters, never dropped
+POLL_SECONDS = 0.2
+
+# (task id, kind, body, log offset reached or None) -> sent when it may be
+Report = Callable[[str, str, dict[str, Any], int | None], Awaitable[None]]
 
 
 class Refused(Exception):
@@ -42,28 +52,42 @@ def detect_gpus() -> int | None:
         return None
 
 
-@dataclass
-class _Run:
-    process: asyncio.subprocess.Process
-    devices: list[int]
-    units: int
-    stopping: bool = False
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def split_lines(text: str) -> list[str]:
+    """Lines of output, each cut into pieces of at most MAX_LINE characters."""
+    pieces = []
+    for line in text.split("\n"):
+        pieces += [line[start : start + MAX_LINE] for start in range(0, max(len(line), 1), MAX_LINE)]
+    return pieces
 
 
 @dataclass
 class BareMetal:
     gpus: int
     work_dir: Path
+    state: State
     source: str = "configured"
     used: dict[int, int] = field(default_factory=dict)  # device -> units in use
-    runs: dict[str, _Run] = field(default_factory=dict)
+    children: dict[str, asyncio.subprocess.Process] = field(
+        default_factory=dict
+    )  # runners this process started
+    stopping: set[str] = field(default_factory=set)
     followers: set[asyncio.Task[None]] = field(default_factory=set)  # kept so they are not collected mid-run
 
     def inventory(self) -> dict[str, Any]:
         return {"gpus": self.gpus, "source": self.source}
 
     def running(self) -> list[str]:
-        return sorted(self.runs)
+        return sorted(run.task_id for run in self.state.runs())
 
     def _pick(self, units: int) -> list[int]:
         if units % UNITS_PER_GPU == 0:
@@ -78,14 +102,21 @@ class BareMetal:
         # The fullest device that still fits keeps whole devices free for whole-GPU work.
         return [max(shared, key=lambda device: (self.used.get(device, 0), -device))]
 
+    def _hold(self, devices: list[int], units: int, sign: int) -> None:
+        share = units if units % UNITS_PER_GPU else UNITS_PER_GPU
+        for device in devices:
+            self.used[device] = max(0, self.used.get(device, 0) + sign * share)
+
     async def start(self, assignment: dict[str, Any], report: Report) -> None:
         """Start the task, or raise Refused. Output and the exit code go to `report` as they come."""
         command = (assignment.get("spec") or {}).get("command")
         if not command or not isinstance(command, list) or not all(isinstance(word, str) for word in command):
             raise Refused('The task has no command: its spec needs "command": ["program", "argument", ...].')
+        task_id = assignment["task_id"]
+        if any(run.task_id == task_id for run in self.state.runs()):
+            return  # a repeated assignment of a task this agent already runs
         units = int(assignment["size_units"])
         devices = self._pick(units)
-        task_id = assignment["task_id"]
         directory = self.work_dir / task_id
         directory.mkdir(parents=True, exist_ok=True)
         environment = {
@@ -96,61 +127,102 @@ class BareMetal:
         }
         if units % UNITS_PER_GPU:
             environment["KLIQUE_GPU_MEMORY_FRACTION"] = f"{units / UNITS_PER_GPU:.4f}"
-        try:
-            process = await asyncio.create_subprocess_exec(
-                *command,
-                cwd=directory,
-                env=environment,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,
-            )
-        except OSError as error:
-            raise Refused(f"Cannot start {command[0]!r}: {error.strerror}.") from None
-        for device in devices:
-            self.used[device] = self.used.get(device, 0) + units // max(len(devices), 1)
-        self.runs[task_id] = _Run(process, devices, units)
-        follower = asyncio.create_task(self._follow(task_id, report))
+        log_path, exit_path = directory / "output.log", directory / "exit-code"
+        with contextlib.suppress(FileNotFoundError):
+            exit_path.unlink()
+        runner = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "agents.runner",
+            "--log",
+            str(log_path),
+            "--exit",
+            str(exit_path),
+            "--",
+            *command,
+            cwd=directory,
+            env=environment,
+            start_new_session=True,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        self.children[task_id] = runner
+        self._hold(devices, units, +1)
+        self.state.add_run(RunRecord(task_id, runner.pid, str(log_path), str(exit_path), 0, devices, units))
+        await report(task_id, "status", {"state": "running", "devices": devices}, None)
+        self._follow(task_id, report)
+
+    def adopt(self, report: Report) -> list[str]:
+        """Take back the runs a previous agent process left; returns their task ids."""
+        runs = self.state.runs()
+        for run in runs:
+            self._hold(run.devices, run.units, +1)
+            self._follow(run.task_id, report)
+        return [run.task_id for run in runs]
+
+    def _follow(self, task_id: str, report: Report) -> None:
+        follower = asyncio.create_task(self._tail(task_id, report))
         self.followers.add(follower)
         follower.add_done_callback(self.followers.discard)
 
-    async def _follow(self, task_id: str, report: Report) -> None:
-        run = self.runs[task_id]
-        await report("status", {"state": "running", "devices": run.devices})
-        assert run.process.stdout is not None
-        batch: list[str] = []
+    def _finished(self, run: RunRecord) -> int | None:
+        """The exit code once the run has ended, else None."""
+        try:
+            return int(Path(run.exit_path).read_text())
+        except (FileNotFoundError, ValueError):
+            pass
+        child = self.children.get(run.task_id)
+        ended = child.returncode is not None if child is not None else not _alive(run.pid)
+        return -signal.SIGKILL if ended else None  # killed before it could write its exit code
+
+    async def _tail(self, task_id: str, report: Report) -> None:
         while True:
-            # Lines that come together go out together; a quiet quarter second sends what has come.
+            run = next((run for run in self.state.runs() if run.task_id == task_id), None)
+            if run is None:
+                return
+            code = self._finished(run)  # read before the log, so nothing written before the end is missed
+            offset = run.offset
             try:
-                line = await asyncio.wait_for(run.process.stdout.readline(), timeout=0.25 if batch else None)
-            except TimeoutError:
-                line = None
-            if line:
-                batch.append(line.decode(errors="replace").rstrip("\n"))
-            if batch and (line is None or line == b"" or len(batch) >= 50):
-                await report("log", {"stream": "stdout", "lines": batch})
-                batch = []
-            if line == b"":
-                break
-        code = await run.process.wait()
-        for device in run.devices:
-            self.used[device] = max(0, self.used.get(device, 0) - run.units // max(len(run.devices), 1))
-        del self.runs[task_id]
-        await report("result", {"exit_code": code, "stopped": run.stopping})
+                with open(run.log_path, "rb") as log:
+                    log.seek(offset)
+                    data = log.read()
+            except FileNotFoundError:
+                data = b""
+            complete = data if code is not None else data[: data.rfind(b"\n") + 1]
+            if complete:
+                text = complete.decode(errors="replace")
+                await report(
+                    task_id,
+                    "log",
+                    {"stream": "stdout", "lines": split_lines(text.removesuffix("\n"))},
+                    offset + len(complete),
+                )
+            if code is not None:
+                self._hold(run.devices, run.units, -1)
+                self.state.remove_run(task_id)
+                self.children.pop(task_id, None)
+                await report(
+                    task_id, "result", {"exit_code": code, "stopped": task_id in self.stopping}, None
+                )
+                self.stopping.discard(task_id)
+                return
+            await asyncio.sleep(POLL_SECONDS)
 
     async def stop(self, task_id: str, grace_seconds: float) -> None:
         """SIGTERM the task's process group, then SIGKILL it after the grace period."""
-        run = self.runs.get(task_id)
-        if run is None or run.process.returncode is not None:
+        run = next((run for run in self.state.runs() if run.task_id == task_id), None)
+        if run is None or self._finished(run) is not None:
             return
-        run.stopping = True
+        self.stopping.add(task_id)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(run.process.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(run.process.wait(), timeout=grace_seconds)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(run.process.pid, signal.SIGKILL)
+            os.killpg(run.pid, signal.SIGTERM)
+        deadline = asyncio.get_running_loop().time() + grace_seconds
+        while asyncio.get_running_loop().time() < deadline:
+            if self._finished(run) is not None:
+                return
+            await asyncio.sleep(POLL_SECONDS / 2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
 
     async def stop_all(self, grace_seconds: float) -> None:
-        await asyncio.gather(*(self.stop(task_id, grace_seconds) for task_id in list(self.runs)))
+        await asyncio.gather(*(self.stop(task_id, grace_seconds) for task_id in self.running()))

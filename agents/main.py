@@ -28,6 +28,7 @@ import websockets
 
 from agents import __version__
 from agents.baremetal import BareMetal, Refused, detect_gpus
+from agents.state import State
 
 logger = logging.getLogger("klique.agent")
 
@@ -63,8 +64,7 @@ class Backoff:
 class Agent:
     def __init__(self, *, url: str, token: str, backend: BareMetal, agent_id: str) -> None:
         self.url, self.token, self.backend, self.agent_id = url, token, backend, agent_id
-        self.outbox: dict[tuple[str, int], dict[str, Any]] = {}  # (task, seq) -> message, until acknowledged
-        self.sequence: dict[str, int] = {}
+        self.state = backend.state  # the outbox and sequence numbers live beside the runs, in SQLite
         self.socket: Any = None
         self.stopping = asyncio.Event()
         self.heartbeat_seconds = 10.0
@@ -106,7 +106,7 @@ class Agent:
                 }
             )
         )
-        for message in list(self.outbox.values()):  # replay what the plane has not acknowledged
+        for message in self.state.pending():  # replay what the plane has not acknowledged
             await socket_.send(json.dumps(message))
         heartbeat = asyncio.create_task(self._heartbeats(socket_))
         stop = asyncio.create_task(self.stopping.wait())
@@ -133,7 +133,7 @@ class Agent:
         elif kind == "assign":
             await self._assign(message)
         elif kind == "ack":
-            self.outbox.pop((message["task_id"], int(message["seq"])), None)
+            self.state.acknowledge(message["task_id"], int(message["seq"]))
         elif kind in {"abort", "preempt"}:
             await self.backend.stop(message["task_id"], float(message.get("grace_seconds", 0)))
         elif kind == "error":
@@ -142,7 +142,7 @@ class Agent:
     async def _assign(self, assignment: dict[str, Any]) -> None:
         task_id, lease = assignment["task_id"], assignment["lease_id"]
         try:
-            await self.backend.start(assignment, lambda kind, body: self.report(task_id, kind, body))
+            await self.backend.start(assignment, self.report)
         except Refused as refused:
             await self._send(
                 {"type": "rejected", "task_id": task_id, "lease_id": lease, "reason": str(refused)}
@@ -150,12 +150,9 @@ class Agent:
             return
         await self._send({"type": "accepted", "task_id": task_id, "lease_id": lease})
 
-    async def report(self, task_id: str, kind: str, body: dict[str, Any]) -> None:
-        seq = self.sequence.get(task_id, 0) + 1
-        self.sequence[task_id] = seq
-        message = {"type": kind, "task_id": task_id, "seq": seq, **body}
-        self.outbox[(task_id, seq)] = message
-        await self._send(message)
+    async def report(self, task_id: str, kind: str, body: dict[str, Any], offset: int | None = None) -> None:
+        """Keep the report in the outbox (with the log offset it reaches) and send it if connected."""
+        await self._send(self.state.enqueue(task_id, kind, body, offset=offset))
 
     async def _send(self, message: dict[str, Any]) -> None:
         if self.socket is not None:
@@ -188,14 +185,19 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    work_dir = args.work_dir.resolve()
     backend = BareMetal(
         detected if detected is not None else args.gpus,
-        args.work_dir.resolve(),
+        work_dir,
+        State(work_dir / "agent.sqlite"),
         "nvml" if detected is not None else "configured",
     )
     agent = Agent(url=args.url, token=args.token, backend=backend, agent_id=args.agent_id)
 
     async def serve() -> None:
+        adopted = backend.adopt(agent.report)
+        if adopted:
+            logger.info("took back %d running tasks: %s", len(adopted), ", ".join(adopted))
         loop = asyncio.get_running_loop()
         for sign in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sign, lambda: asyncio.ensure_future(agent.shutdown(args.grace_seconds)))

@@ -1,4 +1,5 @@
-"""The bare-metal backend: GPU choice, running a process group, its output and exit, and stopping it."""
+"""The bare-metal backend and the agent's state: GPU choice, runs that outlive their agent, output read
+once, exit codes, stopping, and the outbox."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from typing import Any
 
 import pytest
 
-from agents.baremetal import UNITS_PER_GPU, BareMetal, Refused
+from agents.baremetal import MAX_LINE, UNITS_PER_GPU, BareMetal, Refused, split_lines
 from agents.main import Agent, Backoff, websocket_address
+from agents.state import State
+
+Reports = list[tuple[str, dict[str, Any]]]
 
 
 def assignment(task_id: str, units: int, command: list[str] | None) -> dict[str, Any]:
@@ -22,55 +26,87 @@ def assignment(task_id: str, units: int, command: list[str] | None) -> dict[str,
     }
 
 
-async def run_to_end(backend: BareMetal, task: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    reports: list[tuple[str, dict[str, Any]]] = []
-    finished = asyncio.Event()
+def backend(tmp_path: Path, gpus: int = 4) -> BareMetal:
+    return BareMetal(gpus, tmp_path / "work", State(tmp_path / "work" / "agent.sqlite"))
 
-    async def report(kind: str, body: dict[str, Any]) -> None:
-        reports.append((kind, body))
+
+class Recorder:
+    """Collects reports as the agent would (through the state, so offsets move), until a result."""
+
+    def __init__(self, state: State) -> None:
+        self.state, self.finished = state, asyncio.Event()
+        self.reports: Reports = []
+
+    async def __call__(self, task_id: str, kind: str, body: dict[str, Any], offset: int | None) -> None:
+        self.state.enqueue(task_id, kind, body, offset=offset)
+        self.reports.append((kind, body))
         if kind == "result":
-            finished.set()
+            self.finished.set()
 
-    await backend.start(task, report)
-    await asyncio.wait_for(finished.wait(), timeout=30)
-    return reports
+    def lines(self) -> list[str]:
+        return [line for kind, body in self.reports if kind == "log" for line in body["lines"]]
 
 
 def test_a_task_runs_on_its_gpus_and_reports_output_and_exit(tmp_path: Path) -> None:
-    backend = BareMetal(4, tmp_path)
+    bare = backend(tmp_path)
     script = "import os, sys; print(os.environ['CUDA_VISIBLE_DEVICES']); print('done'); sys.exit(3)"
-    reports = asyncio.run(
-        run_to_end(backend, assignment("t1", 2 * UNITS_PER_GPU, [sys.executable, "-c", script]))
-    )
-    kinds = [kind for kind, _ in reports]
-    assert (kinds[0], kinds[-1]) == ("status", "result")
-    assert reports[0][1] == {"state": "running", "devices": [0, 1]}
-    lines = [line for kind, body in reports if kind == "log" for line in body["lines"]]
-    assert lines == ["0,1", "done"]
-    assert reports[-1][1] == {"exit_code": 3, "stopped": False}
-    assert backend.used == {0: 0, 1: 0}  # the devices are free again
-    assert (tmp_path / "t1").is_dir()
+
+    async def scenario() -> Recorder:
+        recorder = Recorder(bare.state)
+        await bare.start(assignment("t1", 2 * UNITS_PER_GPU, [sys.executable, "-c", script]), recorder)
+        await asyncio.wait_for(recorder.finished.wait(), timeout=30)
+        return recorder
+
+    recorder = asyncio.run(scenario())
+    assert recorder.reports[0] == ("status", {"state": "running", "devices": [0, 1]})
+    assert recorder.lines() == ["0,1", "done"]
+    assert recorder.reports[-1] == ("result", {"exit_code": 3, "stopped": False})
+    assert bare.used == {0: 0, 1: 0}  # the devices are free again
+    assert bare.running() == []
+
+
+def test_a_run_outlives_its_agent_and_the_next_agent_reads_on(tmp_path: Path) -> None:
+    """The first agent reads part of the output and vanishes; the next one, on the same state, takes the
+    run back, reads only what the first had not, and reports the end: every line exactly once."""
+    script = "import time\nfor i in range(6):\n    print(f'line {i}', flush=True)\n    time.sleep(0.3)\n"
+
+    async def first_agent() -> list[str]:
+        bare = backend(tmp_path)
+        recorder = Recorder(bare.state)
+        await bare.start(assignment("t", UNITS_PER_GPU, [sys.executable, "-c", script]), recorder)
+        await asyncio.sleep(0.8)
+        for follower in list(bare.followers):
+            follower.cancel()  # the agent dies here; its runner goes on
+        return recorder.lines()
+
+    async def next_agent() -> Recorder:
+        bare = backend(tmp_path)
+        recorder = Recorder(bare.state)
+        assert bare.adopt(recorder) == ["t"]
+        await asyncio.wait_for(recorder.finished.wait(), timeout=30)
+        return recorder
+
+    before = asyncio.run(first_agent())
+    after = asyncio.run(next_agent())
+    assert 0 < len(before) < 6
+    assert before + after.lines() == [f"line {i}" for i in range(6)]
+    assert after.reports[-1] == ("result", {"exit_code": 0, "stopped": False})
 
 
 def test_shares_go_on_one_device_and_whole_gpus_need_free_ones(tmp_path: Path) -> None:
-    backend = BareMetal(2, tmp_path)
-    assert backend._pick(UNITS_PER_GPU // 2) == [0]
-    backend.used = {0: UNITS_PER_GPU // 2}
-    assert backend._pick(UNITS_PER_GPU // 4) == [0]  # the fullest device that still fits
-    assert backend._pick(UNITS_PER_GPU) == [1]
+    bare = backend(tmp_path, gpus=2)
+    assert bare._pick(UNITS_PER_GPU // 2) == [0]
+    bare.used = {0: UNITS_PER_GPU // 2}
+    assert bare._pick(UNITS_PER_GPU // 4) == [0]  # the fullest device that still fits
+    assert bare._pick(UNITS_PER_GPU) == [1]
     with pytest.raises(Refused, match="2 free GPUs are needed and this host has 1"):
-        backend._pick(2 * UNITS_PER_GPU)
+        bare._pick(2 * UNITS_PER_GPU)
 
 
 def test_a_task_without_a_command_is_refused(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        async def report(kind: str, body: dict[str, Any]) -> None:
-            pass
-
-        await BareMetal(1, tmp_path).start(assignment("t", UNITS_PER_GPU, None), report)
-
+    bare = backend(tmp_path)
     with pytest.raises(Refused, match="no command"):
-        asyncio.run(scenario())
+        asyncio.run(bare.start(assignment("t", UNITS_PER_GPU, None), Recorder(bare.state)))
 
 
 def test_stop_sends_sigterm_then_sigkill_after_the_grace_period(tmp_path: Path) -> None:
@@ -82,35 +118,53 @@ def test_stop_sends_sigterm_then_sigkill_after_the_grace_period(tmp_path: Path) 
             "time.sleep(60)",
         ]
     )
+    bare = backend(tmp_path)
 
-    async def scenario() -> tuple[list[tuple[str, dict[str, Any]]], float]:
-        backend = BareMetal(1, tmp_path)
-        reports: list[tuple[str, dict[str, Any]]] = []
-        up, finished = asyncio.Event(), asyncio.Event()
-
-        async def report(kind: str, body: dict[str, Any]) -> None:
-            reports.append((kind, body))
-            if kind == "log":
-                up.set()
-            if kind == "result":
-                finished.set()
-
-        await backend.start(assignment("t", UNITS_PER_GPU, [sys.executable, "-c", stubborn]), report)
-        await asyncio.wait_for(up.wait(), timeout=30)
+    async def scenario() -> tuple[Recorder, float]:
+        recorder = Recorder(bare.state)
+        await bare.start(assignment("t", UNITS_PER_GPU, [sys.executable, "-c", stubborn]), recorder)
+        while not recorder.lines():
+            await asyncio.sleep(0.05)
         started = asyncio.get_running_loop().time()
-        await backend.stop("t", grace_seconds=0.5)
-        await asyncio.wait_for(finished.wait(), timeout=30)
-        return reports, asyncio.get_running_loop().time() - started
+        await bare.stop("t", grace_seconds=0.5)
+        await asyncio.wait_for(recorder.finished.wait(), timeout=30)
+        return recorder, asyncio.get_running_loop().time() - started
 
-    reports, took = asyncio.run(scenario())
-    assert reports[-1][1] == {"exit_code": -9, "stopped": True}  # it ignored SIGTERM, so SIGKILL
+    recorder, took = asyncio.run(scenario())
+    assert recorder.reports[-1] == ("result", {"exit_code": -9, "stopped": True})  # it ignored SIGTERM
     assert 0.5 <= took < 10
 
 
+def test_a_polite_task_stops_on_sigterm(tmp_path: Path) -> None:
+    bare = backend(tmp_path)
+
+    async def scenario() -> Recorder:
+        recorder = Recorder(bare.state)
+        await bare.start(
+            assignment(
+                "t",
+                UNITS_PER_GPU,
+                [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+            ),
+            recorder,
+        )
+        while not recorder.lines():
+            await asyncio.sleep(0.05)
+        await bare.stop("t", grace_seconds=10)
+        await asyncio.wait_for(recorder.finished.wait(), timeout=30)
+        return recorder
+
+    assert asyncio.run(scenario()).reports[-1] == ("result", {"exit_code": -15, "stopped": True})
+
+
+def test_huge_lines_are_cut_into_pieces_not_dropped() -> None:
+    pieces = split_lines("x" * (2 * MAX_LINE + 10) + "\nshort")
+    assert [len(piece) for piece in pieces] == [MAX_LINE, MAX_LINE, 10, 5]
+
+
 def test_reports_stay_in_the_outbox_until_acknowledged(tmp_path: Path) -> None:
-    agent = Agent(
-        url="http://acme.localhost:8000", token="kqa_x_y", backend=BareMetal(1, tmp_path), agent_id="a"
-    )
+    bare = backend(tmp_path)
+    agent = Agent(url="http://acme.localhost:8000", token="kqa_x_y", backend=bare, agent_id="a")
 
     async def scenario() -> None:
         await agent.report("t", "status", {"state": "running"})
@@ -118,8 +172,10 @@ def test_reports_stay_in_the_outbox_until_acknowledged(tmp_path: Path) -> None:
         await agent._on_message({"type": "ack", "task_id": "t", "seq": 1})
 
     asyncio.run(scenario())
-    assert list(agent.outbox) == [("t", 2)]  # replayed on the next connection
-    assert agent.outbox[("t", 2)]["seq"] == 2
+    # Kept on disk: a restarted agent replays it.
+    assert [(m["task_id"], m["seq"]) for m in State(tmp_path / "work" / "agent.sqlite").pending()] == [
+        ("t", 2)
+    ]
 
 
 def test_addresses_and_backoff() -> None:
@@ -130,7 +186,6 @@ def test_addresses_and_backoff() -> None:
     )
     assert websocket_address("https://acme.klique.example")[0] == "wss://acme.klique.example/agents/ws/"
     backoff = Backoff(base=1, cap=8)
-    delays = [backoff.next() for _ in range(6)]
-    assert all(0 <= delay <= 8 for delay in delays)
+    assert all(0 <= backoff.next() <= 8 for _ in range(6))
     backoff.reset()
     assert backoff.failures == 0

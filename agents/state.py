@@ -1,0 +1,93 @@
+"""The agent's durable state, in SQLite beside its work: the runs it owns and the outbox.
+
+Every report gets the next sequence number of its task and goes into the outbox in the same SQLite
+transaction that records how far the task's log has been read; it leaves the outbox only when the plane
+acknowledges it. So after a crash, a restart or a cut connection, what was not acknowledged is sent again
+(the plane keeps each sequence number once) and nothing read is read twice.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    task_id: str
+    pid: int
+    log_path: str
+    exit_path: str
+    offset: int
+    devices: list[int]
+    units: int
+
+
+class State:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(path, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.executescript(
+            """
+            CREATE TABLE IF NOT EXISTS runs (task_id TEXT PRIMARY KEY, pid INTEGER, log_path TEXT,
+                exit_path TEXT, "offset" INTEGER, devices TEXT, units INTEGER);
+            CREATE TABLE IF NOT EXISTS outbox (
+                task_id TEXT, seq INTEGER, message TEXT, PRIMARY KEY (task_id, seq));
+            CREATE TABLE IF NOT EXISTS sequences (task_id TEXT PRIMARY KEY, last INTEGER);
+            """
+        )
+
+    def add_run(self, run: RunRecord) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                run.task_id,
+                run.pid,
+                run.log_path,
+                run.exit_path,
+                run.offset,
+                json.dumps(run.devices),
+                run.units,
+            ),
+        )
+
+    def remove_run(self, task_id: str) -> None:
+        self.db.execute("DELETE FROM runs WHERE task_id = ?", (task_id,))
+
+    def runs(self) -> list[RunRecord]:
+        rows = self.db.execute('SELECT task_id, pid, log_path, exit_path, "offset", devices, units FROM runs')
+        return [RunRecord(t, p, lp, ep, o, json.loads(d), u) for t, p, lp, ep, o, d, u in rows.fetchall()]
+
+    def offset(self, task_id: str) -> int:
+        row = self.db.execute('SELECT "offset" FROM runs WHERE task_id = ?', (task_id,)).fetchone()
+        return int(row[0]) if row else 0
+
+    def enqueue(
+        self, task_id: str, kind: str, body: dict[str, Any], *, offset: int | None = None
+    ) -> dict[str, Any]:
+        """Number the report and keep it until acknowledged; move the log offset in the same transaction."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            row = self.db.execute("SELECT last FROM sequences WHERE task_id = ?", (task_id,)).fetchone()
+            seq = (row[0] if row else 0) + 1
+            message = {"type": kind, "task_id": task_id, "seq": seq, **body}
+            self.db.execute("INSERT OR REPLACE INTO sequences VALUES (?, ?)", (task_id, seq))
+            self.db.execute("INSERT INTO outbox VALUES (?, ?, ?)", (task_id, seq, json.dumps(message)))
+            if offset is not None:
+                self.db.execute('UPDATE runs SET "offset" = ? WHERE task_id = ?', (offset, task_id))
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        return message
+
+    def acknowledge(self, task_id: str, seq: int) -> None:
+        self.db.execute("DELETE FROM outbox WHERE task_id = ? AND seq = ?", (task_id, seq))
+
+    def pending(self) -> list[dict[str, Any]]:
+        rows = self.db.execute("SELECT message FROM outbox ORDER BY rowid").fetchall()
+        return [json.loads(message) for (message,) in rows]
