@@ -30,6 +30,8 @@ POLL_SECONDS = 0.2
 
 # (task id, kind, body, log offset reached or None) -> sent when it may be
 Report = Callable[[str, str, dict[str, Any], int | None], Awaitable[None]]
+# (task id, name relative to its folder, file) -> upload it to the plane's file store
+Upload = Callable[[str, str, Path], Awaitable[None]]
 
 
 class Refused(Exception):
@@ -76,6 +78,7 @@ class BareMetal:
     work_dir: Path
     state: State
     source: str = "configured"
+    upload: Upload | None = None
     used: dict[int, int] = field(default_factory=dict)  # device -> units in use
     children: dict[str, asyncio.subprocess.Process] = field(
         default_factory=dict
@@ -148,7 +151,10 @@ class BareMetal:
         )
         self.children[task_id] = runner
         self._hold(devices, units, +1)
-        self.state.add_run(RunRecord(task_id, runner.pid, str(log_path), str(exit_path), 0, devices, units))
+        outputs = [str(pattern) for pattern in (assignment.get("spec") or {}).get("outputs", [])]
+        self.state.add_run(
+            RunRecord(task_id, runner.pid, str(log_path), str(exit_path), 0, devices, units, outputs)
+        )
         await report(task_id, "status", {"state": "running", "devices": devices}, None)
         self._follow(task_id, report)
 
@@ -198,15 +204,38 @@ class BareMetal:
                     offset + len(complete),
                 )
             if code is not None:
+                uploaded = await self._upload_outputs(run, report)
                 self._hold(run.devices, run.units, -1)
                 self.state.remove_run(task_id)
                 self.children.pop(task_id, None)
-                await report(
-                    task_id, "result", {"exit_code": code, "stopped": task_id in self.stopping}, None
-                )
+                result = {"exit_code": code, "stopped": task_id in self.stopping, "outputs": uploaded}
+                await report(task_id, "result", result, None)
                 self.stopping.discard(task_id)
                 return
             await asyncio.sleep(POLL_SECONDS)
+
+    async def _upload_outputs(self, run: RunRecord, report: Report) -> list[str]:
+        """Upload the files matching the task's declared output patterns; a failure is said in the log."""
+        folder = Path(run.log_path).parent
+        names = sorted(
+            {
+                str(path.relative_to(folder))
+                for pattern in run.outputs
+                for path in folder.glob(pattern)
+                if path.is_file() and path.resolve().is_relative_to(folder.resolve())
+            }
+        )
+        uploaded = []
+        for name in names:
+            if self.upload is None:
+                break
+            try:
+                await self.upload(run.task_id, name, folder / name)
+                uploaded.append(name)
+            except Exception as error:  # the result still goes out; the log says what was lost
+                lines = [f"klique: output {name} was not uploaded: {error}"]
+                await report(run.task_id, "log", {"stream": "klique", "lines": lines}, None)
+        return uploaded
 
     async def stop(self, task_id: str, grace_seconds: float) -> None:
         """SIGTERM the task's process group, then SIGKILL it after the grace period."""

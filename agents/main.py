@@ -24,11 +24,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import httpx
 import websockets
 
 from agents import __version__
 from agents.baremetal import BareMetal, Refused, detect_gpus
 from agents.state import State
+from klique.sdk import loopback
 
 logger = logging.getLogger("klique.agent")
 
@@ -159,6 +161,18 @@ class Agent:
             with contextlib.suppress(websockets.WebSocketException):
                 await self.socket.send(json.dumps(message))
 
+    async def upload(self, task_id: str, name: str, path: Path) -> None:
+        """PUT an output file to the plane's file store, with this agent's token."""
+        base, headers = loopback(self.url)
+        async with httpx.AsyncClient(base_url=base, headers=headers, timeout=300) as client:
+            response = await client.put(
+                f"/agents/v1/tasks/{task_id}/outputs/{name}",
+                content=path.read_bytes(),
+                headers={"Authorization": f"Bearer {self.token}"},
+            )
+        if response.status_code >= 400:
+            raise RuntimeError(response.json().get("detail", response.text))
+
     async def shutdown(self, grace_seconds: float) -> None:
         await self.backend.stop_all(grace_seconds)
         await asyncio.sleep(0.2)  # let the last results go out while the socket is open
@@ -193,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "nvml" if detected is not None else "configured",
     )
     agent = Agent(url=args.url, token=args.token, backend=backend, agent_id=args.agent_id)
+    backend.upload = agent.upload
 
     async def serve() -> None:
         adopted = backend.adopt(agent.report)

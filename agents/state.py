@@ -24,6 +24,7 @@ class RunRecord:
     offset: int
     devices: list[int]
     units: int
+    outputs: list[str]  # file patterns the task declared, uploaded when it ends
 
 
 class State:
@@ -34,7 +35,7 @@ class State:
         self.db.executescript(
             """
             CREATE TABLE IF NOT EXISTS runs (task_id TEXT PRIMARY KEY, pid INTEGER, log_path TEXT,
-                exit_path TEXT, "offset" INTEGER, devices TEXT, units INTEGER);
+                exit_path TEXT, "offset" INTEGER, devices TEXT, units INTEGER, outputs TEXT DEFAULT '[]');
             CREATE TABLE IF NOT EXISTS outbox (
                 task_id TEXT, seq INTEGER, message TEXT, PRIMARY KEY (task_id, seq));
             CREATE TABLE IF NOT EXISTS sequences (task_id TEXT PRIMARY KEY, last INTEGER);
@@ -43,7 +44,7 @@ class State:
 
     def add_run(self, run: RunRecord) -> None:
         self.db.execute(
-            "INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 run.task_id,
                 run.pid,
@@ -52,6 +53,7 @@ class State:
                 run.offset,
                 json.dumps(run.devices),
                 run.units,
+                json.dumps(run.outputs),
             ),
         )
 
@@ -59,8 +61,13 @@ class State:
         self.db.execute("DELETE FROM runs WHERE task_id = ?", (task_id,))
 
     def runs(self) -> list[RunRecord]:
-        rows = self.db.execute('SELECT task_id, pid, log_path, exit_path, "offset", devices, units FROM runs')
-        return [RunRecord(t, p, lp, ep, o, json.loads(d), u) for t, p, lp, ep, o, d, u in rows.fetchall()]
+        rows = self.db.execute(
+            'SELECT task_id, pid, log_path, exit_path, "offset", devices, units, outputs FROM runs'
+        ).fetchall()
+        return [
+            RunRecord(task, pid, log, exit_path, offset, json.loads(devices), units, json.loads(outputs))
+            for task, pid, log, exit_path, offset, devices, units, outputs in rows
+        ]
 
     def offset(self, task_id: str) -> int:
         row = self.db.execute('SELECT "offset" FROM runs WHERE task_id = ?', (task_id,)).fetchone()

@@ -6,6 +6,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from apps.accounts.urls import urlpatterns as accounts_urlpatterns
+from apps.fleet.apis import agent_output_upload
 from apps.scheduling.urls import urlpatterns as scheduling_urlpatterns
 from tenants.urls import tenant_urlpatterns
 
@@ -13,6 +14,9 @@ api_v1 = [*tenant_urlpatterns, *accounts_urlpatterns, *scheduling_urlpatterns]
 
 urlpatterns = [
     path("api/v1/", include(api_v1)),
+    path(
+        "agents/v1/tasks/<uuid:task_id>/outputs/<path:name>", agent_output_upload, name="agent-output-upload"
+    ),
     path("api/schema/", SpectacularAPIView.as_view(urlconf="config.urls"), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
 ]

@@ -4,9 +4,13 @@ through the SDK, so they work from any machine that can reach the tenant's addre
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import websockets
 
 from klique.sdk import Client, KliqueError
 from klique.tables import duration, table
@@ -34,6 +38,14 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         parser = connection(commands.add_parser(name, help=text))
         parser.add_argument("task", help="its id, or the start of it")
     connection(commands.add_parser("queues", help="the compute resources, and how their queues are doing"))
+    logs = connection(commands.add_parser("logs", help="a task's output"))
+    logs.add_argument("task", help="its id, or the start of it")
+    logs.add_argument(
+        "-f", "--follow", action="store_true", help="keep printing output as it comes, until it ends"
+    )
+    outputs = connection(commands.add_parser("outputs", help="the files a task left, and downloading them"))
+    outputs.add_argument("task", help="its id, or the start of it")
+    outputs.add_argument("--download", metavar="DIR", help="save every output under DIR")
     config = connection(commands.add_parser("config", help="the resource configuration (admins)"))
     config.add_argument("action", choices=["show", "pull", "push", "validate", "provision"])
     config.add_argument("file", nargs="?", help="push: the document to make the draft (JSON)")
@@ -195,6 +207,44 @@ def _simulate(args: argparse.Namespace, client: Client) -> str:
     return table(["", "current", "proposed (draft)"], rows)
 
 
+def _logs(args: argparse.Namespace, client: Client) -> str:
+    if not args.follow:
+        return "\n".join(line for chunk in client.logs(args.task) for line in chunk["lines"])
+    task_id = client.resolve(args.task)
+
+    async def follow() -> str:
+        async for message in client.follow_logs(task_id):
+            if message["type"] == "log":
+                for line in message["lines"]:
+                    print(line, flush=True)
+            elif message["type"] == "end":
+                return f"-- task {message['state']} --"
+        return "-- the connection closed --"
+
+    try:
+        return asyncio.run(follow())
+    except (OSError, websockets.WebSocketException) as error:
+        raise KliqueError(f"Cannot follow the task's output: {error}.") from None
+
+
+def _outputs(args: argparse.Namespace, client: Client) -> str:
+    rows = client.outputs(args.task)
+    if not rows:
+        return "No outputs."
+    if args.download:
+        target = Path(args.download)
+        for row in rows:
+            path = (target / row["name"]).resolve()
+            if not path.is_relative_to(target.resolve()):
+                raise KliqueError(f"Output name {row['name']!r} would be saved outside {target}.")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(client.download(args.task, row["name"]))
+        return f"Saved {len(rows)} outputs under {target}."
+    return table(
+        ["name", "bytes", "sha256", "at"], [[r["name"], r["size"], r["sha256"][:12], r["at"]] for r in rows]
+    )
+
+
 HANDLERS: dict[str, Callable[[argparse.Namespace, Client], str]] = {
     "submit": _submit,
     "tasks": _tasks,
@@ -203,4 +253,6 @@ HANDLERS: dict[str, Callable[[argparse.Namespace, Client], str]] = {
     "queues": _queues,
     "simulate": _simulate,
     "config": _config,
+    "logs": _logs,
+    "outputs": _outputs,
 }

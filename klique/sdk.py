@@ -8,7 +8,9 @@ print(client.why(task["id"])["reason"])
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -24,7 +26,7 @@ class KliqueError(Exception):
         self.status = status
 
 
-def _loopback(url: str) -> tuple[str, dict[str, str]]:
+def loopback(url: str) -> tuple[str, dict[str, str]]:
     """Names under .localhost mean this machine (RFC 6761). Browsers and curl know; many resolvers do not,
     so connect to 127.0.0.1 and name the tenant in the Host header."""
     parts = urlsplit(url.rstrip("/"))
@@ -44,7 +46,7 @@ class Client:
                 "Set KLIQUE_URL (your tenant's address, such as http://demo.localhost:8000) and KLIQUE_TOKEN "
                 "(a token from POST /api/v1/tokens/; `make demo` prints one), or pass --url and --token."
             )
-        base, headers = _loopback(url)
+        base, headers = loopback(url)
         self.http = httpx.Client(
             base_url=base,
             headers={**headers, "Authorization": f"Bearer {token}", "User-Agent": "klique-sdk"},
@@ -154,6 +156,44 @@ class Client:
         body: dict[str, Any] = {"days": days, "trace": trace}
         result: dict[str, Any] = self.request("POST", "/api/v1/configuration/draft/simulate/", json=body)
         return result
+
+    def logs(self, task: str) -> list[dict[str, Any]]:
+        chunks: list[dict[str, Any]] = self.request("GET", f"/api/v1/tasks/{self.resolve(task)}/logs/")
+        return chunks
+
+    async def follow_logs(self, task_id: str) -> AsyncIterator[dict[str, Any]]:
+        """The task's output so far, then live, until it ends: chunks {"type": "log", "lines": [...]} and
+        a last {"type": "end", "state": ...}."""
+        import websockets
+
+        parts = urlsplit(str(self.http.base_url))
+        scheme = "wss" if parts.scheme == "https" else "ws"
+        host = self.http.headers.get("Host") or parts.netloc
+        connect: dict[str, Any] = {}
+        if "Host" in self.http.headers:  # a .localhost address: connect to the loopback, name the tenant
+            connect = {"host": parts.hostname, "port": parts.port}
+        async with websockets.connect(
+            f"{scheme}://{host}/ws/v1/tasks/{task_id}/logs/",
+            additional_headers={"Authorization": self.http.headers["Authorization"]},
+            **connect,
+        ) as stream:
+            async for raw in stream:
+                message: dict[str, Any] = json.loads(raw)
+                if message.get("type") == "error":
+                    raise KliqueError(str(message.get("detail")))
+                yield message
+                if message.get("type") == "end":
+                    return
+
+    def outputs(self, task: str) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = self.request("GET", f"/api/v1/tasks/{self.resolve(task)}/outputs/")
+        return rows
+
+    def download(self, task: str, name: str) -> bytes:
+        response = self.http.get(f"/api/v1/tasks/{self.resolve(task)}/outputs/{name}")
+        if response.status_code >= 400:
+            raise KliqueError(response.json().get("detail", response.text), response.status_code)
+        return response.content
 
     def queues(self) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = self.request("GET", "/api/v1/compute-resources/", params={"limit": 500})[

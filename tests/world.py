@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from django.core.files.base import ContentFile
+from django.core.files.storage import default_storage
 from django.utils import timezone
 from django_tenants.utils import get_public_schema_name, schema_context
 
@@ -28,6 +30,7 @@ from apps.accounts.services import (
     token_create,
     user_create,
 )
+from apps.fleet.models import TaskOutput
 from apps.fleet.services import agent_token_create
 from apps.resources.models import ComputeResource, Pool
 from apps.resources.services import draft_provision, draft_save
@@ -107,6 +110,8 @@ def build_world() -> World:
             user=bob,
             requests=[TaskRequest(compute_resource=compute_resource.name, name="first")],
         )
+        stored = default_storage.save(f"acme/{task.pk}/result.txt", ContentFile(b"accuracy 0.93\n"))
+        TaskOutput.objects.create(task=task, name="result.txt", size=14, sha256="0" * 64, stored=stored)
     with schema_context(tenant_b.schema_name):
         charlie = User.objects.get(username="charlie")
         users["charlie"] = str(charlie.pk)

@@ -10,7 +10,7 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django_tenants.utils import schema_context
 
-from apps.core.events import events_group
+from apps.core.events import events_group, logs_group
 
 
 class WebsocketRejected(Exception):
@@ -54,6 +54,52 @@ def resolve_identity(scope: dict[str, Any]) -> WebsocketIdentity:
         except TokenRejected as rejected:
             raise WebsocketRejected(str(rejected), 4401) from None
     return WebsocketIdentity(tenant.schema_name, tenant.slug, str(user.pk), user.username)
+
+
+class TaskLogsConsumer(AsyncJsonWebsocketConsumer):
+    """Streams one task's output: what it has written so far, then each new chunk as its agent reports
+    it, then {"type": "end", "state": ...} when the task ends. Same handshake as the events stream."""
+
+    identity: WebsocketIdentity | None = None
+    group: str | None = None
+
+    async def connect(self) -> None:
+        await self.accept()
+        task_id = str(self.scope["url_route"]["kwargs"]["task_id"])
+        try:
+            self.identity = await database_sync_to_async(resolve_identity)(self.scope)
+            backlog, state = await database_sync_to_async(self._backlog)(task_id)
+        except WebsocketRejected as rejected:
+            await self.send_json({"type": "error", "detail": str(rejected)})
+            await self.close(code=rejected.code)
+            return
+        self.group = logs_group(self.identity.schema_name, task_id)
+        await self.channel_layer.group_add(self.group, self.channel_name)
+        for chunk in backlog:
+            await self.send_json({"type": "log", **chunk})
+        if state in ("completed", "failed", "aborted"):
+            await self.send_json({"type": "end", "state": state})
+            await self.close()
+
+    def _backlog(self, task_id: str) -> tuple[list[dict[str, Any]], str]:
+        from apps.fleet.services import task_logs
+        from apps.scheduling.models import Task
+
+        assert self.identity is not None
+        with schema_context(self.identity.schema_name):
+            task = Task.objects.filter(pk=task_id).first()
+            if task is None:
+                raise WebsocketRejected("No such task in this tenant.", 4404)
+            return [{**chunk, "at": chunk["at"].isoformat()} for chunk in task_logs(task)], task.state
+
+    async def disconnect(self, code: int) -> None:
+        if self.group is not None:
+            await self.channel_layer.group_discard(self.group, self.channel_name)
+
+    async def task_log(self, message: dict[str, Any]) -> None:
+        await self.send_json(message["chunk"])
+        if message["chunk"].get("type") == "end":
+            await self.close()
 
 
 class EventsConsumer(AsyncJsonWebsocketConsumer):

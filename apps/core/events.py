@@ -20,6 +20,26 @@ def events_group(schema_name: str) -> str:
     return f"events.{schema_name}"
 
 
+def logs_group(schema_name: str, task_id: str) -> str:
+    return f"logs.{schema_name}.{task_id}"
+
+
+def publish_log(*, tenant: Tenant, task_id: str, chunk: dict[str, Any]) -> None:
+    """Send a task's new output (or its end) to whoever follows its logs, once the transaction commits."""
+    group = logs_group(tenant.schema_name, task_id)
+
+    def send() -> None:
+        layer = get_channel_layer()
+        if layer is None:
+            return
+        try:
+            async_to_sync(layer.group_send)(group, {"type": "task.log", "chunk": chunk})
+        except Exception:
+            logger.warning("could not publish a log chunk", exc_info=True)
+
+    transaction.on_commit(send)
+
+
 def publish_event(*, tenant: Tenant, kind: str, data: dict[str, Any]) -> None:
     """Send `kind` with `data` to every websocket client of `tenant` once the current transaction commits."""
     event = {"type": "event", "kind": kind, "data": data, "at": timezone.now().isoformat()}

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from django.core.files.storage import default_storage
+from django.http import FileResponse, HttpRequest, JsonResponse
 from django.shortcuts import get_object_or_404
+from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
 from rest_framework.request import Request
@@ -11,7 +14,7 @@ from rest_framework.response import Response
 from apps.accounts.apis import TenantAPIView
 from apps.accounts.models import Role
 from apps.fleet import services
-from apps.fleet.models import AgentToken
+from apps.fleet.models import AgentToken, TaskOutput
 from apps.resources.models import Pool
 from apps.scheduling.selectors import tasks_visible_to
 
@@ -70,3 +73,46 @@ class TaskLogsView(TenantAPIView):
         except ValueError:
             raise serializers.ValidationError({"after": ["A sequence number."]}) from None
         return Response(services.task_logs(task, after=after))
+
+
+class TaskOutputOut(serializers.ModelSerializer[TaskOutput]):
+    class Meta:
+        model = TaskOutput
+        fields = ["name", "size", "sha256", "at"]
+
+
+class TaskOutputListView(TenantAPIView):
+    @extend_schema(responses=TaskOutputOut(many=True), summary="The files the task left as outputs")
+    def get(self, request: Request, task_id: str) -> Response:
+        task = get_object_or_404(tasks_visible_to(self.user), pk=task_id)
+        return Response(TaskOutputOut(task.outputs.all(), many=True).data)
+
+
+class TaskOutputDownloadView(TenantAPIView):
+    @extend_schema(responses={(200, "application/octet-stream"): bytes}, summary="Download one output")
+    def get(self, request: Request, task_id: str, name: str) -> FileResponse:
+        task = get_object_or_404(tasks_visible_to(self.user), pk=task_id)
+        output = get_object_or_404(task.outputs, name=name)
+        return FileResponse(
+            default_storage.open(output.stored, "rb"), as_attachment=True, filename=output.name
+        )
+
+
+@csrf_exempt
+def agent_output_upload(request: HttpRequest, task_id: str, name: str) -> JsonResponse:
+    """PUT /agents/v1/tasks/{id}/outputs/{name}: an agent uploads a task's output, with its agent token.
+    Outside the user API on purpose: agent tokens open nothing else."""
+    if request.method != "PUT":
+        return JsonResponse({"detail": "Upload an output with PUT."}, status=405)
+    tenant = getattr(request, "tenant", None)
+    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+    if tenant is None or scheme.lower() != "bearer":
+        return JsonResponse({"detail": "Send 'Authorization: Bearer <agent token>'."}, status=401)
+    try:
+        token = services.agent_authenticate(presented=presented.strip())
+        output = services.output_store(
+            tenant=tenant, pool=token.pool, task_id=str(task_id), name=name, content=request
+        )
+    except services.AgentRejected as rejected:
+        return JsonResponse({"detail": str(rejected)}, status=400 if "output" in str(rejected) else 403)
+    return JsonResponse(TaskOutputOut(output).data, status=201)

@@ -52,6 +52,24 @@ class Agent(models.Model):
         return self.id
 
 
+class TaskOutput(models.Model):
+    """A file a task declared as output, uploaded by its agent when the task ended."""
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="outputs")
+    name = models.CharField(max_length=500)  # relative to the task's folder
+    size = models.BigIntegerField()
+    sha256 = models.CharField(max_length=64)
+    stored = models.CharField(max_length=1000)  # the name in the file store
+    at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["task", "name"]
+        constraints = [models.UniqueConstraint(fields=["task", "name"], name="one_output_per_name")]
+
+    def __str__(self) -> str:
+        return f"{self.task_id}:{self.name}"
+
+
 class TaskReport(models.Model):
     """One message an agent sent about a task (status, log, metric or result), kept once per sequence
     number, so that a reconnecting agent may replay its outbox without anything counted twice."""

@@ -15,23 +15,29 @@ The protocol (JSON over the websocket at /agents/ws/, agent -> plane unless mark
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING, Any, Protocol
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
+from django.conf import settings
+from django.core.files.base import ContentFile
+from django.core.files.storage import default_storage
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from apps.accounts.tokens import hash_token
-from apps.fleet.models import Agent, AgentToken, TaskReport
+from apps.core.events import publish_log
+from apps.fleet.models import Agent, AgentToken, TaskOutput, TaskReport
 from apps.resources.models import Pool
 from apps.resources.services import pool_heartbeat
 from apps.scheduling.engine import UNITS_PER_GPU
-from apps.scheduling.models import ACTIVE_STATES, Task, TaskState
+from apps.scheduling.models import ACTIVE_STATES, ENDED_STATES, Task, TaskState
 from apps.scheduling.services import task_finish, transition
 
 if TYPE_CHECKING:
@@ -41,6 +47,10 @@ HEARTBEAT_SECONDS = 10
 LEASE_SECONDS = 30
 PREEMPT_GRACE_SECONDS = 30
 AGENT_TOKEN_KIND = "kqa"  # noqa: S105 -- the kind of token (kqa_<prefix>_<secret>), not a secret
+
+
+class Readable(Protocol):
+    def read(self, size: int = -1, /) -> bytes: ...
 
 
 class AgentRejected(Exception):
@@ -293,6 +303,17 @@ def report(*, tenant: Tenant, pool: Pool, task_id: str, seq: int, kind: str, bod
             TaskReport.objects.create(task=task, seq=seq, kind=kind, body=body)
     except IntegrityError:
         return False  # a replay after a reconnect
+    if kind == TaskReport.Kind.LOG:
+        publish_log(
+            tenant=tenant,
+            task_id=str(task.pk),
+            chunk={
+                "type": "log",
+                "seq": seq,
+                "stream": body.get("stream", "stdout"),
+                "lines": body.get("lines", []),
+            },
+        )
     if (
         kind == TaskReport.Kind.STATUS
         and body.get("state") == TaskState.RUNNING
@@ -308,8 +329,45 @@ def report(*, tenant: Tenant, pool: Pool, task_id: str, seq: int, kind: str, bod
         )
     elif kind == TaskReport.Kind.RESULT and task.state in ACTIVE_STATES:
         exit_code = body.get("exit_code")
-        task_finish(tenant=tenant, task=task, succeeded=exit_code == 0, exit_code=exit_code, actor="agent")
+        task = task_finish(
+            tenant=tenant, task=task, succeeded=exit_code == 0, exit_code=exit_code, actor="agent"
+        )
+        if task.state in ENDED_STATES:  # a failed attempt that is retried is not the end of the task
+            publish_log(tenant=tenant, task_id=str(task.pk), chunk={"type": "end", "state": task.state})
     return True
+
+
+def _output_name(name: str) -> str:
+    parts = PurePosixPath(name).parts
+    if not name or name.startswith("/") or ".." in parts or len(name) > 500 or "\x00" in name:
+        raise AgentRejected(f"{name!r} cannot name an output: give a path inside the task's folder.")
+    return str(PurePosixPath(*parts))
+
+
+@transaction.atomic
+def output_store(*, tenant: Tenant, pool: Pool, task_id: str, name: str, content: Readable) -> TaskOutput:
+    """Keep a file a task declared as output, replacing an earlier upload of the same name."""
+    task = _pool_task(task_id, pool)
+    if task is None:
+        raise AgentRejected(f"Task {task_id} is not in pool {pool.name}.")
+    name = _output_name(name)
+    digest, size, chunks = hashlib.sha256(), 0, []
+    while chunk := content.read(1024 * 1024):
+        size += len(chunk)
+        if size > settings.KLIQUE_MAX_OUTPUT_BYTES:
+            raise AgentRejected(f"Output {name} is larger than {settings.KLIQUE_MAX_OUTPUT_BYTES} bytes.")
+        digest.update(chunk)
+        chunks.append(chunk)
+    stored_name = f"{tenant.schema_name}/{task.pk}/{name}"
+    if default_storage.exists(stored_name):
+        default_storage.delete(stored_name)
+    stored = default_storage.save(stored_name, ContentFile(b"".join(chunks)))
+    output, _ = TaskOutput.objects.update_or_create(
+        task=task,
+        name=name,
+        defaults={"size": size, "sha256": digest.hexdigest(), "stored": stored, "at": timezone.now()},
+    )
+    return output
 
 
 def task_logs(task: Task, *, after: int = 0) -> list[dict[str, Any]]:

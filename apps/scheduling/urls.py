@@ -34,6 +34,10 @@ urlpatterns = [
     path("tasks/<uuid:task_id>/why/", apis.TaskWhyView.as_view(), name="task-why"),
     path("tasks/<uuid:task_id>/history/", apis.TaskHistoryView.as_view(), name="task-history"),
     path("tasks/<uuid:task_id>/logs/", fleet.TaskLogsView.as_view(), name="task-logs"),
+    path("tasks/<uuid:task_id>/outputs/", fleet.TaskOutputListView.as_view(), name="task-outputs"),
+    path(
+        "tasks/<uuid:task_id>/outputs/<path:name>", fleet.TaskOutputDownloadView.as_view(), name="task-output"
+    ),
     path("pools/<uuid:pool_id>/agent-tokens/", fleet.PoolAgentTokensView.as_view(), name="pool-agent-tokens"),
     path("agent-tokens/<uuid:token_id>/", fleet.AgentTokenDetailView.as_view(), name="agent-token-detail"),
 ]

@@ -185,6 +185,9 @@ USE_TZ = True
 
 STATIC_URL = "/static/"
 STATIC_ROOT: Path | None = KLIQUE_DATA_DIR / "static"
+# Task outputs and other files; a deployment points this at shared storage (see the README).
+MEDIA_ROOT = Path(env.text("KLIQUE_FILES_DIR", str(KLIQUE_DATA_DIR / "files")) or KLIQUE_DATA_DIR / "files")
+KLIQUE_MAX_OUTPUT_BYTES = env.integer("KLIQUE_MAX_OUTPUT_MB", default=512, minimum=1) * 1024 * 1024
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},

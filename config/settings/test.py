@@ -22,3 +22,4 @@ CELERY_BEAT_SCHEDULE = {}
 # Threads that serve websockets in tests must let go of their connections, or the test database
 # cannot be dropped at the end of the run.
 DATABASES["default"]["CONN_MAX_AGE"] = 0
+MEDIA_ROOT = BASE_DIR / ".klique" / "test" / "files"

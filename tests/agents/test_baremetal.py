@@ -60,7 +60,7 @@ def test_a_task_runs_on_its_gpus_and_reports_output_and_exit(tmp_path: Path) -> 
     recorder = asyncio.run(scenario())
     assert recorder.reports[0] == ("status", {"state": "running", "devices": [0, 1]})
     assert recorder.lines() == ["0,1", "done"]
-    assert recorder.reports[-1] == ("result", {"exit_code": 3, "stopped": False})
+    assert recorder.reports[-1] == ("result", {"exit_code": 3, "stopped": False, "outputs": []})
     assert bare.used == {0: 0, 1: 0}  # the devices are free again
     assert bare.running() == []
 
@@ -90,7 +90,7 @@ def test_a_run_outlives_its_agent_and_the_next_agent_reads_on(tmp_path: Path) ->
     after = asyncio.run(next_agent())
     assert 0 < len(before) < 6
     assert before + after.lines() == [f"line {i}" for i in range(6)]
-    assert after.reports[-1] == ("result", {"exit_code": 0, "stopped": False})
+    assert after.reports[-1] == ("result", {"exit_code": 0, "stopped": False, "outputs": []})
 
 
 def test_shares_go_on_one_device_and_whole_gpus_need_free_ones(tmp_path: Path) -> None:
@@ -131,7 +131,10 @@ def test_stop_sends_sigterm_then_sigkill_after_the_grace_period(tmp_path: Path) 
         return recorder, asyncio.get_running_loop().time() - started
 
     recorder, took = asyncio.run(scenario())
-    assert recorder.reports[-1] == ("result", {"exit_code": -9, "stopped": True})  # it ignored SIGTERM
+    assert recorder.reports[-1] == (
+        "result",
+        {"exit_code": -9, "stopped": True, "outputs": []},
+    )  # it ignored SIGTERM
     assert 0.5 <= took < 10
 
 
@@ -154,7 +157,10 @@ def test_a_polite_task_stops_on_sigterm(tmp_path: Path) -> None:
         await asyncio.wait_for(recorder.finished.wait(), timeout=30)
         return recorder
 
-    assert asyncio.run(scenario()).reports[-1] == ("result", {"exit_code": -15, "stopped": True})
+    assert asyncio.run(scenario()).reports[-1] == (
+        "result",
+        {"exit_code": -15, "stopped": True, "outputs": []},
+    )
 
 
 def test_huge_lines_are_cut_into_pieces_not_dropped() -> None:
@@ -189,3 +195,26 @@ def test_addresses_and_backoff() -> None:
     assert all(0 <= backoff.next() <= 8 for _ in range(6))
     backoff.reset()
     assert backoff.failures == 0
+
+
+def test_declared_outputs_are_uploaded_before_the_result(tmp_path: Path) -> None:
+    bare = backend(tmp_path)
+    uploaded: dict[str, bytes] = {}
+
+    async def upload(task_id: str, name: str, path: Path) -> None:
+        uploaded[name] = path.read_bytes()
+
+    bare.upload = upload
+    script = "import pathlib; pathlib.Path('out').mkdir(); pathlib.Path('out/metrics.json').write_text('{}')"
+
+    async def scenario() -> Recorder:
+        recorder = Recorder(bare.state)
+        task = assignment("t", UNITS_PER_GPU, [sys.executable, "-c", script])
+        task["spec"]["outputs"] = ["out/*.json", "../../etc/passwd", "missing.txt"]
+        await bare.start(task, recorder)
+        await asyncio.wait_for(recorder.finished.wait(), timeout=30)
+        return recorder
+
+    recorder = asyncio.run(scenario())
+    assert uploaded == {"out/metrics.json": b"{}"}  # nothing outside the task's folder
+    assert recorder.reports[-1][1]["outputs"] == ["out/metrics.json"]

@@ -72,6 +72,15 @@ def test_a_killed_agent_comes_back_to_its_task_and_nothing_is_lost_or_doubled(
             },
         )
 
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "klique.cli", "logs", "-f", task["id"]],
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**environment, "KLIQUE_URL": f"http://demo.localhost:{running.port}", "KLIQUE_TOKEN": token},
+        )
+
         def logged() -> list[str]:
             return [
                 line for chunk in call("GET", f"/api/v1/tasks/{task['id']}/logs/") for line in chunk["lines"]
@@ -97,6 +106,9 @@ def test_a_killed_agent_comes_back_to_its_task_and_nothing_is_lost_or_doubled(
         assert logged() == [f"step {i}" for i in range(12)]
         history = [event["to_state"] for event in call("GET", f"/api/v1/tasks/{task['id']}/history/")]
         assert history == ["queued", "placed", "dispatching", "running", "completed"]  # it ran once
+        # Someone following the output live saw every line once, across the agent's crash.
+        live = follower.communicate(timeout=60)[0].splitlines()
+        assert live == [*(f"step {i}" for i in range(12)), "-- task completed --"], live
     finally:
         if agent is not None and agent.poll() is None:
             agent.terminate()

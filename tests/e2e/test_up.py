@@ -115,6 +115,25 @@ def test_up_with_configured_services(fresh_database: str, redis_url: str, tmp_pa
         ]
         assert output[-1].startswith("epoch 3/3"), output
         assert output[0].startswith("GPUs: ")
+        followed = subprocess.run(
+            [sys.executable, "-m", "klique.cli", "logs", "-f", finished[0]],
+            env=cli_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout.splitlines()
+        assert followed[-2:] == ["epoch 3/3 loss=0.333", "-- task completed --"], followed
+        saved = subprocess.run(
+            [sys.executable, "-m", "klique.cli", "outputs", finished[0], "--download", str(tmp_path / "out")],
+            env=cli_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        assert "Saved 1 outputs" in saved
+        assert (tmp_path / "out" / "metrics.json").read_text() == '{"loss": 0.333}'
         history = [
             event["to_state"]
             for event in call(running, "GET", f"/api/v1/tasks/{task_id}/history/", token).json()

@@ -233,3 +233,35 @@ def test_agent_tokens_are_checked(world: World, db: None, presented: str, fragme
         agent_token_revoke(tenant=world.tenant_a, token=token)
         with pytest.raises(AgentRejected, match="was revoked; issue a new one for pool h100"):
             agent_authenticate(presented=world.agent_secret_a)
+
+
+def test_an_agent_uploads_outputs_of_its_own_pool_s_tasks_only(world: World, db: None) -> None:
+    from rest_framework.test import APIClient
+
+    with schema_context("acme"):
+        Task.objects.filter(pk=world.task_a).update(
+            state=TaskState.RUNNING, pool=Pool.objects.get(name="h100")
+        )
+    agent_client = APIClient(
+        HTTP_HOST="acme.klique.test", HTTP_AUTHORIZATION=f"Bearer {world.agent_secret_a}"
+    )
+    url = f"/agents/v1/tasks/{world.task_a}/outputs/model/weights.bin"
+    created = agent_client.put(url, b"\x00\x01weights", content_type="application/octet-stream")
+    assert created.status_code == 201, created.content
+    assert created.json()["size"] == 9
+    bad_name = agent_client.put(
+        f"/agents/v1/tasks/{world.task_a}/outputs/../escape", b"x", content_type="a/b"
+    )
+    assert bad_name.status_code in {400, 404}
+    user_token = APIClient(HTTP_HOST="acme.klique.test", HTTP_AUTHORIZATION=f"Bearer {world.tokens['bob']}")
+    assert user_token.put(url, b"x", content_type="a/b").status_code == 403  # user tokens open no agent door
+    with schema_context("acme"):
+        Task.objects.filter(pk=world.task_a).update(pool=Pool.objects.get(name="baremetal"))
+    assert agent_client.put(url, b"x", content_type="a/b").status_code == 403  # another pool's task
+
+    bob = APIClient(HTTP_HOST="acme.klique.test", HTTP_AUTHORIZATION=f"Bearer {world.tokens['bob']}")
+    listed = {output["name"] for output in bob.get(f"/api/v1/tasks/{world.task_a}/outputs/").json()}
+    assert listed == {"result.txt", "model/weights.bin"}
+    download = bob.get(f"/api/v1/tasks/{world.task_a}/outputs/model/weights.bin")
+    assert download.status_code == 200
+    assert download.getvalue() == b"\x00\x01weights"

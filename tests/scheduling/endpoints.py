@@ -135,3 +135,20 @@ ENDPOINTS += [
         names_object=True,
     ),
 ]
+
+ENDPOINTS += [
+    Endpoint(
+        "GET",
+        "api/v1/tasks/<uuid:task_id>/outputs/",
+        "viewer",
+        lambda w: f"/api/v1/tasks/{w.task_a}/outputs/",
+        names_object=True,
+    ),
+    Endpoint(
+        "GET",
+        "api/v1/tasks/<uuid:task_id>/outputs/<path:name>",
+        "viewer",
+        lambda w: f"/api/v1/tasks/{w.task_a}/outputs/result.txt",
+        names_object=True,
+    ),
+]

@@ -33,7 +33,9 @@ DEMO_TASK = (
     "for epoch in range(1, 4):\n"
     "    time.sleep(1)\n"
     "    print(f'epoch {epoch}/3 loss={1 / epoch:.3f}')\n"
+    "open('metrics.json', 'w').write('{\"loss\": 0.333}')\n"
 )
+DEMO_SPEC = {"command": ["python3", "-c", DEMO_TASK], "outputs": ["metrics.json"]}
 DEMO_CONFIGURATION = {
     "pools": [
         {
@@ -167,19 +169,19 @@ class Command(BaseCommand):
                         compute_resource="Research: 4 GPUs",
                         name="resnet-50",
                         project="vision",
-                        spec={"command": ["python3", "-c", DEMO_TASK]},
+                        spec=DEMO_SPEC,
                     ),
                     TaskRequest(
                         compute_resource="Research: shared GPU",
                         gpus="0.5",
                         name="notebook",
-                        spec={"command": ["python3", "-c", DEMO_TASK]},
+                        spec=DEMO_SPEC,
                     ),
                     TaskRequest(
                         compute_resource="Research: 4 GPUs",
                         name="sweep",
                         priority=1,
-                        spec={"command": ["python3", "-c", DEMO_TASK]},
+                        spec=DEMO_SPEC,
                     ),
                 ],
             )
