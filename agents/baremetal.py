@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -130,7 +131,12 @@ class BareMetal:
         }
         if units % UNITS_PER_GPU:
             environment["KLIQUE_GPU_MEMORY_FRACTION"] = f"{units / UNITS_PER_GPU:.4f}"
-        log_path, exit_path = directory / "output.log", directory / "exit-code"
+        log_path, exit_path, spec_path = (
+            directory / "output.log",
+            directory / "exit-code",
+            directory / "spec.json",
+        )
+        spec_path.write_text(json.dumps(assignment.get("spec") or {}))
         with contextlib.suppress(FileNotFoundError):
             exit_path.unlink()
         runner = await asyncio.create_subprocess_exec(
@@ -141,6 +147,10 @@ class BareMetal:
             str(log_path),
             "--exit",
             str(exit_path),
+            "--spec",
+            str(spec_path),
+            "--cache",
+            str(self.work_dir / "environments"),
             "--",
             *command,
             cwd=directory,

@@ -1,0 +1,144 @@
+"""Rebuilding a task's environment before its command runs (inside agents.runner, so it survives a crash
+of the agent). The spec may name:
+
+    "code":         {"git": URL, "commit": SHA or ref} (cloned into the task's folder as src/), or
+                    {"path": "/a/local/folder"} (used where it is)
+    "requirements": ["package==1.0", ...] and/or "requirements_file": "requirements.txt" (in the code):
+                    installed into a virtual environment cached by their hash, shared by the tasks that
+                    ask for the same set
+    "image":        a container image; run through docker or podman where an engine answers
+
+Every step writes its output to the task's log, so a task whose environment cannot be built fails with
+the build log attached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+BUILD_FAILED = 97  # the exit code of a task whose environment could not be built
+
+
+class BuildFailed(Exception):
+    """A step of the environment failed; its output is in the log already."""
+
+
+@dataclass
+class Environment:
+    cwd: Path
+    env: dict[str, str] = field(default_factory=dict)
+    prefix: list[str] = field(default_factory=list)  # put before the command (a container engine's run)
+
+
+def _run(argv: list[str], log: IO[bytes], *, cwd: Path | None = None, what: str) -> None:
+    log.write(f"klique: {what}: {' '.join(argv)}\n".encode())
+    log.flush()
+    code = subprocess.call(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
+    if code != 0:
+        raise BuildFailed(f"{what} failed with exit code {code}")
+
+
+def container_engine() -> str | None:
+    for engine in ("docker", "podman"):
+        path = shutil.which(engine)
+        if (
+            path
+            and subprocess.call([path, "info"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) == 0
+        ):
+            return path
+    return None
+
+
+def build(spec: dict[str, Any], folder: Path, cache: Path, log: IO[bytes]) -> Environment:
+    environment = Environment(cwd=folder)
+    code = spec.get("code") or {}
+    if "git" in code:
+        source = folder / "src"
+        if not (source / ".git").exists():
+            _run(
+                ["git", "clone", "--quiet", "--no-checkout", str(code["git"]), str(source)], log, what="clone"
+            )
+        _run(
+            [
+                "git",
+                "-c",
+                "advice.detachedHead=false",
+                "checkout",
+                "--quiet",
+                str(code.get("commit", "HEAD")),
+            ],
+            log,
+            cwd=source,
+            what="checkout",
+        )
+        environment.cwd = source
+    elif "path" in code:
+        path = Path(str(code["path"]))
+        if not path.is_dir():
+            log.write(f"klique: code path {path} is not a folder on this host\n".encode())
+            raise BuildFailed(f"no folder {path}")
+        environment.cwd = path
+
+    requirements = [str(item) for item in spec.get("requirements", [])]
+    if spec.get("requirements_file"):
+        file = environment.cwd / str(spec["requirements_file"])
+        if not file.is_file():
+            log.write(f"klique: requirements file {file} does not exist\n".encode())
+            raise BuildFailed(f"no file {file}")
+        requirements += [
+            line.strip()
+            for line in file.read_text().splitlines()
+            if line.strip() and not line.startswith("#")
+        ]
+    if requirements:
+        key = hashlib.sha256("\n".join([sys.version, *sorted(requirements)]).encode()).hexdigest()[:16]
+        venv = cache / key
+        if not (venv / ".complete").exists():
+            shutil.rmtree(venv, ignore_errors=True)
+            _run([sys.executable, "-m", "venv", str(venv)], log, what="virtual environment")
+            _run(
+                [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", *requirements],
+                log,
+                what="pip install",
+            )
+            (venv / ".complete").touch()
+        else:
+            log.write(
+                f"klique: reusing the environment {key} for {len(requirements)} requirements\n".encode()
+            )
+        environment.env = {
+            "VIRTUAL_ENV": str(venv),
+            "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
+
+    if spec.get("image"):
+        engine = container_engine()
+        if engine is None:
+            log.write(
+                b"klique: the task asks for a container image and no docker or podman engine runs here\n"
+            )
+            raise BuildFailed("no container engine")
+        environment.prefix = [
+            engine,
+            "run",
+            "--rm",
+            "--network",
+            "host",
+            "-v",
+            f"{environment.cwd}:/work",
+            "-w",
+            "/work",
+            "-e",
+            "CUDA_VISIBLE_DEVICES",
+            "-e",
+            "KLIQUE_TASK_ID",
+            str(spec["image"]),
+        ]
+    return environment
