@@ -37,6 +37,18 @@ def demo_curl(running: Running) -> tuple[str, str, dict[str, Any]]:
     return token, url, json.loads(output)
 
 
+def klique_cli(environment: dict[str, str], *arguments: str) -> str:
+    """Run the `klique` command as a user would, and return what it printed."""
+    return subprocess.run(
+        [sys.executable, "-m", "klique.cli", *arguments],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+
+
 def call(
     running: Running, method: str, path: str, token: str, host: str = "demo.localhost", **kwargs: Any
 ) -> Any:
@@ -91,14 +103,7 @@ def test_up_with_configured_services(fresh_database: str, redis_url: str, tmp_pa
             "KLIQUE_TOKEN": token,
         }
         for _ in range(120):
-            listing = subprocess.run(
-                [sys.executable, "-m", "klique.cli", "tasks"],
-                env=cli_env,
-                capture_output=True,
-                text=True,
-                timeout=60,
-                check=True,
-            ).stdout
+            listing = klique_cli(cli_env, "tasks")
             if listing.count(" completed ") == 2:
                 break
             asyncio.run(asyncio.sleep(0.5))
@@ -115,23 +120,9 @@ def test_up_with_configured_services(fresh_database: str, redis_url: str, tmp_pa
         ]
         assert output[-1].startswith("epoch 3/3"), output
         assert output[0].startswith("GPUs: ")
-        followed = subprocess.run(
-            [sys.executable, "-m", "klique.cli", "logs", "-f", finished[0]],
-            env=cli_env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout.splitlines()
+        followed = klique_cli(cli_env, "logs", "-f", finished[0]).splitlines()
         assert followed[-2:] == ["epoch 3/3 loss=0.333", "-- task completed --"], followed
-        saved = subprocess.run(
-            [sys.executable, "-m", "klique.cli", "outputs", finished[0], "--download", str(tmp_path / "out")],
-            env=cli_env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout
+        saved = klique_cli(cli_env, "outputs", finished[0], "--download", str(tmp_path / "out"))
         assert "Saved 1 outputs" in saved
         assert (tmp_path / "out" / "metrics.json").read_text() == '{"loss": 0.333}'
         history = [
@@ -139,14 +130,7 @@ def test_up_with_configured_services(fresh_database: str, redis_url: str, tmp_pa
             for event in call(running, "GET", f"/api/v1/tasks/{task_id}/history/", token).json()
         ]
         assert history == ["queued", "placed", "dispatching", "running", "completed"]
-        queues = subprocess.run(
-            [sys.executable, "-m", "klique.cli", "queues"],
-            env=cli_env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout
+        queues = klique_cli(cli_env, "queues")
         assert "Research: 4 GPUs" in queues
 
         # The Celery worker runs tenant tasks in the schema named in the message.
