@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -57,31 +58,25 @@ def test_code_comes_from_git_at_the_commit_asked_for(tmp_path: Path) -> None:
     assert recorder.reports[-1][1]["exit_code"] == 0
 
 
+def tiny_wheel(folder: Path) -> Path:
+    """A one-module wheel written by hand (a wheel is a zip with its metadata): no build tool needed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / "tinypkg-1.0-py3-none-any.whl"
+    info = "tinypkg-1.0.dist-info"
+    files = {
+        "tinypkg/__init__.py": "GREETING = 'hello from tinypkg'\n",
+        f"{info}/METADATA": "Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, text in files.items():
+            archive.writestr(name, text)
+        archive.writestr(f"{info}/RECORD", "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"]))
+    return wheel
+
+
 def test_requirements_go_into_a_cached_virtual_environment(tmp_path: Path) -> None:
-    package = tmp_path / "tinypkg"
-    (package / "tinypkg").mkdir(parents=True)
-    (package / "tinypkg" / "__init__.py").write_text("GREETING = 'hello from tinypkg'\n")
-    (package / "pyproject.toml").write_text(
-        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
-        '[project]\nname = "tinypkg"\nversion = "1.0"\n'
-    )
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--quiet",
-            "--no-deps",
-            "--no-build-isolation",
-            str(package),
-            "-w",
-            str(tmp_path / "wheels"),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    wheel = next((tmp_path / "wheels").glob("tinypkg-*.whl"))
+    wheel = tiny_wheel(tmp_path / "wheels")
     spec = {
         "command": ["python", "-c", "import tinypkg; print(tinypkg.GREETING)"],
         "requirements": [str(wheel)],
