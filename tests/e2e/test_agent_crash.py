@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import ROOT, clean_environment, start_up
+from tests.e2e.conftest import ROOT, clean_environment, free_port, start_up
 from tests.e2e.test_up import BANNER_CURL
 
 pytestmark = pytest.mark.e2e
@@ -113,4 +113,100 @@ def test_a_killed_agent_comes_back_to_its_task_and_nothing_is_lost_or_doubled(
         if agent is not None and agent.poll() is None:
             agent.terminate()
             agent.wait(timeout=30)
+        assert running.interrupt() == 0
+
+
+def test_a_cut_connection_loses_and_doubles_nothing(
+    fresh_database: str, redis_url: str, tmp_path: Path
+) -> None:
+    """The agent talks to a web process of its own; that process dies mid-task (the socket is cut) and a new
+    one takes its port. The agent reconnects and replays what was not acknowledged: each line once."""
+    environment = clean_environment(DATABASE_URL=fresh_database, REDIS_URL=redis_url)
+    running = start_up(environment, tmp_path / "data")
+    agent = web = None
+    try:
+        token = running.wait_for(BANNER_CURL)[1]
+        headers = {"Host": f"demo.localhost:{running.port}", "Authorization": f"Bearer {token}"}
+
+        def call(method: str, path: str, **kwargs: Any) -> Any:
+            response = httpx.request(
+                method, f"http://127.0.0.1:{running.port}{path}", headers=headers, timeout=30, **kwargs
+            )
+            assert response.status_code < 300, response.text
+            return response.json() if response.content else None
+
+        document = call("GET", "/api/v1/configuration/draft/")["document"]
+        document["pools"].append({"name": "rack", "environment": "baremetal", "capacity_gpus": 2})
+        document["profiles"].append({"name": "one-gpu", "gpus": "1", "pools": [{"pool": "rack"}]})
+        document["policies"][0]["compute_resources"].append({"profile": "one-gpu", "name": "Research: rack"})
+        call("PUT", "/api/v1/configuration/draft/", json={"document": document})
+        call("POST", "/api/v1/configuration/draft/provision/")
+        rack = next(pool for pool in call("GET", "/api/v1/pools/")["results"] if pool["name"] == "rack")
+        agent_token = call("POST", f"/api/v1/pools/{rack['id']}/agent-tokens/", json={"name": "rack"})[
+            "token"
+        ]
+
+        port = free_port()
+        web_argv = [sys.executable, "-m", "klique.cli", "web", "--port", str(port)]
+        web = subprocess.Popen(
+            web_argv, cwd=ROOT, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        agent = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "agents.main",
+                "--url",
+                f"http://demo.localhost:{port}",
+                "--token",
+                agent_token,
+                "--gpus",
+                "2",
+                "--agent-id",
+                "rack-cut",
+                "--work-dir",
+                str(tmp_path / "agent"),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        task = call(
+            "POST",
+            "/api/v1/tasks/",
+            json={
+                "compute_resource": "Research: rack",
+                "spec": {"command": [sys.executable, "-c", COUNTING]},
+            },
+        )
+
+        def logged() -> list[str]:
+            return [
+                line for chunk in call("GET", f"/api/v1/tasks/{task['id']}/logs/") for line in chunk["lines"]
+            ]
+
+        deadline = time.monotonic() + 60
+        while len(logged()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert 3 <= len(logged()) < 12
+        web.kill()  # the socket is cut mid-stream; the task goes on and its output piles up in the outbox
+        web.wait(timeout=10)
+        time.sleep(1.5)
+        web = subprocess.Popen(
+            web_argv, cwd=ROOT, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+
+        deadline = time.monotonic() + 90
+        while (
+            call("GET", f"/api/v1/tasks/{task['id']}/")["state"] != "completed"
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.3)
+        assert call("GET", f"/api/v1/tasks/{task['id']}/")["state"] == "completed"
+        assert logged() == [f"step {i}" for i in range(12)]
+    finally:
+        for process in (agent, web):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                process.wait(timeout=30)
         assert running.interrupt() == 0
