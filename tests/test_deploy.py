@@ -36,3 +36,11 @@ def test_the_image_copies_every_package_the_server_needs() -> None:
     for package in ("config", "tenants", "apps", "klique", "agents", "requirements"):
         assert package in copied, f"the image does not copy {package}/"
     assert "config.settings.production" in dockerfile
+
+
+def test_the_slurm_script_is_valid_shell() -> None:
+    import subprocess
+
+    script = ROOT / "deploy" / "slurm" / "single-node.sh"
+    checked = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, check=False)
+    assert checked.returncode == 0, checked.stderr

@@ -1,0 +1,229 @@
+"""Drain N trivial tasks through one Klique agent, and the same N `sbatch --wrap true` jobs through a real
+single-node Slurm on this machine, at the same concurrency; print tasks per second for both, their ratio,
+and Klique's submit-to-dispatch p50/p99.
+
+Klique: a fresh database, `klique web`, `klique worker` and one bare-metal agent serving a pool of
+`--concurrency` GPUs; the tasks (1 GPU each, `true`) are submitted through the API in batches. Slurm: the
+single node of deploy/slurm/single-node.sh, whose `--concurrency` cores run one job each.
+Usage: .venv/bin/python bench/drain.py [--tasks 2000] [--concurrency 2]
+Needs PostgreSQL and Redis on 127.0.0.1, and root for Slurm (it is installed if missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+PROBES = 30  # tasks submitted one at a time into an idle pool, for submit-to-dispatch latency
+
+
+def completed(client: httpx.Client) -> int:
+    query: dict[str, str | int] = {"state": "completed", "compute_resource": "Drain", "limit": 1}
+    return int(client.get("/api/v1/tasks/", params=query).json()["count"])
+
+
+def free_capacity_latency(client: httpx.Client, database: str) -> tuple[float, float]:
+    """Submit-to-dispatch p50 and p99, in seconds, of tasks sent one at a time into the idle pool."""
+    # With free capacity: one task at a time into the idle pool, each waited for.
+    for index in range(PROBES):
+        task = client.post(
+            "/api/v1/tasks/",
+            json={"compute_resource": "Drain", "name": f"probe-{index}", "spec": {"command": ["true"]}},
+        ).json()
+        while client.get(f"/api/v1/tasks/{task['id']}/").json()["state"] != "completed":
+            time.sleep(0.05)
+    with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{database}") as connection:
+        row = connection.execute(
+            """SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM d.at - q.at)),
+                      percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM d.at - q.at))
+                 FROM demo.scheduling_task t
+                 JOIN demo.scheduling_taskevent q ON q.task_id = t.id AND q.to_state = 'queued'
+                 JOIN demo.scheduling_taskevent d ON d.task_id = t.id AND d.to_state = 'dispatching'
+                WHERE t.name LIKE 'probe-%%'"""
+        ).fetchone()
+    assert row is not None
+    p50, p99 = row
+    return float(p50), float(p99)
+
+
+def klique_drain(count: int, concurrency: int, work: Path) -> tuple[float, float, float]:
+    """Seconds to drain, and submit-to-dispatch p50 and p99 in seconds with free capacity."""
+    database = f"klique_drain_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
+        connection.execute(f'CREATE DATABASE "{database}"')
+    environment = {
+        **os.environ,
+        "DATABASE_URL": f"postgres://postgres@127.0.0.1:5432/{database}",
+        "REDIS_URL": "redis://127.0.0.1:6379/12",
+        "DJANGO_SETTINGS_MODULE": "config.settings.production",
+        "SECRET_KEY": uuid.uuid4().hex * 2,
+        "KLIQUE_LOG_LEVEL": "WARNING",
+        "KLIQUE_CYCLE_DEBOUNCE_MS": "100",
+    }
+    klique = [sys.executable, "-m", "klique.cli"]
+    children: list[subprocess.Popen[bytes]] = []
+    try:
+        subprocess.run([*klique, "migrate"], env=environment, check=True, capture_output=True, cwd=ROOT)
+        demo = json.loads(
+            subprocess.run(
+                [*klique, "manage", "demo_setup"],
+                env=environment,
+                check=True,
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        headers = {"Host": f"demo.localhost:{port}", "Authorization": f"Bearer {demo['admin_token']}"}
+        quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "cwd": ROOT, "env": environment}
+        children.append(subprocess.Popen([*klique, "web", "--port", str(port)], **quiet))  # type: ignore[call-overload]
+        children.append(subprocess.Popen([*klique, "worker", "--concurrency", "1"], **quiet))  # type: ignore[call-overload]
+        client = httpx.Client(base_url=base, headers=headers, timeout=60)
+        for _ in range(300):
+            try:
+                if client.get("/readyz").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        document = client.get("/api/v1/configuration/draft/").json()["document"]
+        document["pools"].append({"name": "drain", "environment": "baremetal", "capacity_gpus": concurrency})
+        document["profiles"].append({"name": "one", "gpus": "1", "pools": [{"pool": "drain"}]})
+        document["policies"][0]["limit_gpus"] = str(10_000)
+        document["policies"][0]["compute_resources"].append({"profile": "one", "name": "Drain"})
+        client.put("/api/v1/configuration/draft/", json={"document": document}).raise_for_status()
+        client.post("/api/v1/configuration/draft/provision/").raise_for_status()
+        pool = next(p for p in client.get("/api/v1/pools/").json()["results"] if p["name"] == "drain")
+        token = client.post(f"/api/v1/pools/{pool['id']}/agent-tokens/", json={"name": "drain"}).json()[
+            "token"
+        ]
+        children.append(
+            subprocess.Popen(  # type: ignore[call-overload]
+                [
+                    sys.executable,
+                    "-m",
+                    "agents.main",
+                    "--url",
+                    f"http://demo.localhost:{port}",
+                    "--token",
+                    token,
+                    "--gpus",
+                    str(concurrency),
+                    "--agent-id",
+                    "drain",
+                    "--work-dir",
+                    str(work / "agent"),
+                ],
+                **quiet,
+            )
+        )
+        for _ in range(300):
+            if any(
+                p["name"] == "drain" and p["online"] for p in client.get("/api/v1/pools/").json()["results"]
+            ):
+                break
+            time.sleep(0.1)
+        started = time.perf_counter()
+        for first in range(0, count, 1000):
+            batch = [{"compute_resource": "Drain", "spec": {"command": ["true"]}}] * min(1000, count - first)
+            client.post("/api/v1/tasks/", json=batch).raise_for_status()
+        deadline = time.monotonic() + 3600
+        while completed(client) < count and time.monotonic() < deadline:
+            time.sleep(0.2)
+        elapsed = time.perf_counter() - started
+        p50, p99 = free_capacity_latency(client, database)
+        return elapsed, float(p50), float(p99)
+    finally:
+        for child in reversed(children):
+            child.terminate()
+            child.wait(timeout=30)
+        with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
+            connection.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+
+
+def slurm_drain(count: int, work: Path) -> float:
+    conf = (
+        subprocess.run(
+            [str(ROOT / "deploy" / "slurm" / "single-node.sh"), "start", str(work / "slurm")],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
+    environment = {**os.environ, "SLURM_CONF": conf}
+    try:
+        started = time.perf_counter()
+        for _ in range(count):
+            subprocess.run(
+                ["sbatch", "--quiet", "--wrap", "true", "-o", "/dev/null"], env=environment, check=True
+            )
+        deadline = time.monotonic() + 3600
+        while (
+            time.monotonic() < deadline
+            and subprocess.run(
+                ["squeue", "-h"], env=environment, capture_output=True, text=True, check=True
+            ).stdout.strip()
+        ):
+            time.sleep(0.2)
+        return time.perf_counter() - started
+    finally:
+        subprocess.run(
+            [str(ROOT / "deploy" / "slurm" / "single-node.sh"), "stop", str(work / "slurm")], check=False
+        )
+        time.sleep(1)  # let slurmctld save its state and exit before its folder goes
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument(
+        "--concurrency", type=int, default=2, help="GPUs of the pool; cores of the Slurm node"
+    )
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="klique-drain-", ignore_cleanup_errors=True) as folder:
+        work = Path(folder)
+        klique_seconds, p50, p99 = klique_drain(args.tasks, args.concurrency, work)
+        slurm_seconds = slurm_drain(args.tasks, work)
+    klique_rate, slurm_rate = args.tasks / klique_seconds, args.tasks / slurm_seconds
+    print(f"{args.tasks} trivial tasks at concurrency {args.concurrency}")
+    print(f"{'':32}{'seconds':>10}{'tasks/s':>10}")
+    print(f"{'Klique (one bare-metal agent)':32}{klique_seconds:>10.1f}{klique_rate:>10.1f}")
+    print(f"{'Slurm (sbatch --wrap true)':32}{slurm_seconds:>10.1f}{slurm_rate:>10.1f}")
+    print(
+        f"Klique submit-to-dispatch with free capacity ({PROBES} tasks): "
+        f"p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms"
+    )
+    rates = f"{klique_rate:.1f} / {slurm_rate:.1f} tasks/s"
+    print(f"ratio: {klique_rate / slurm_rate:.3f} ({rates}, Klique / Slurm)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# A single-node Slurm with four fake GPUs, for benchmarks and tests on one machine (root, no systemd).
+#   deploy/slurm/single-node.sh start DIR   install if needed, configure under DIR, start munge/slurmctld/slurmd
+#   deploy/slurm/single-node.sh stop DIR
+# Prints the slurm.conf path on start; use it as SLURM_CONF for sbatch, squeue, scontrol.
+set -euo pipefail
+action=${1:?start or stop}
+dir=$(realpath -m "${2:?a folder for the state of Slurm}")
+conf="$dir/slurm.conf"
+
+if [ "$action" = stop ]; then
+  for pidfile in "$dir/slurmd.pid" "$dir/slurmctld.pid"; do
+    [ -f "$pidfile" ] && kill "$(cat "$pidfile")" 2>/dev/null || true
+  done
+  exit 0
+fi
+
+if ! command -v slurmctld >/dev/null; then
+  apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm >/dev/null
+fi
+mkdir -p "$dir/dev" "$dir/state" "$dir/spool" "$dir/log"
+for n in 0 1 2 3; do [ -e "$dir/dev/nvidia$n" ] || mknod "$dir/dev/nvidia$n" c 1 3; done
+
+mkdir -p /run/munge /etc/munge
+chown munge:munge /run/munge 2>/dev/null || true
+if [ ! -f /etc/munge/munge.key ]; then
+  dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 2>/dev/null
+  chown munge:munge /etc/munge/munge.key; chmod 400 /etc/munge/munge.key
+fi
+pgrep -x munged >/dev/null || runuser -u munge -- /usr/sbin/munged
+
+cat > "$dir/gres.conf" <<GRES
+AutoDetect=off
+NodeName=localhost Name=gpu File=$dir/dev/nvidia[0-3]
+GRES
+cat > "$conf" <<CONF
+ClusterName=klique
+SlurmctldHost=localhost(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation=$dir/state
+SlurmdSpoolDir=$dir/spool
+SlurmctldPidFile=$dir/slurmctld.pid
+SlurmdPidFile=$dir/slurmd.pid
+SlurmctldLogFile=$dir/log/slurmctld.log
+SlurmdLogFile=$dir/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+DefMemPerCPU=500
+GresTypes=gpu
+ReturnToService=2
+MaxJobCount=100000
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+NodeName=localhost NodeHostname=localhost NodeAddr=127.0.0.1 CPUs=$(nproc) RealMemory=2000 Gres=gpu:4
+PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+CONF
+
+export SLURM_CONF=$conf
+if ! timeout 5 scontrol ping 2>/dev/null | grep -q UP; then
+  slurmctld -f "$conf" -i
+  for _ in $(seq 1 50); do timeout 5 scontrol ping 2>/dev/null | grep -q UP && break; sleep 0.2; done
+fi
+if [ ! -f "$dir/slurmd.pid" ] || ! kill -0 "$(cat "$dir/slurmd.pid")" 2>/dev/null; then
+  timeout 60 slurmd -f "$conf" -N localhost
+fi
+for _ in $(seq 1 100); do
+  state=$(timeout 5 sinfo -h -o %T 2>/dev/null || true)
+  case "$state" in idle*|mix*|alloc*) echo "$conf"; exit 0 ;; esac
+  sleep 0.2
+done
+echo "Slurm did not become ready; see $dir/log" >&2
+exit 1
