@@ -39,20 +39,56 @@ class Refused(Exception):
     """This host cannot run the task; the message goes back to the plane as the rejection's reason."""
 
 
-def detect_gpus() -> int | None:
-    """The number of GPUs NVML sees, or None where there is no NVIDIA driver."""
+@dataclass(frozen=True)
+class MigDevice:
+    uuid: str  # what CUDA_VISIBLE_DEVICES takes for a MIG slice
+    profile: str  # "1g.10gb"
+    parent: int  # the physical GPU's index
+
+
+def _mig_profile(name: str) -> str:
+    """ "NVIDIA H100 80GB HBM3 MIG 1g.10gb" -> "1g.10gb" """
+    return name.rsplit(" ", 1)[-1].lower()
+
+
+def detect_gpus() -> tuple[int, list[MigDevice]] | None:
+    """The GPUs NVML sees and the MIG slices configured on them, or None where there is no NVIDIA driver.
+    A GPU in MIG mode serves its slices only; its index is not handed out whole."""
     try:
         import pynvml
     except ImportError:
         return None
     try:
         pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetCount())
-        finally:
-            pynvml.nvmlShutdown()
     except pynvml.NVMLError:
         return None
+    try:
+        count = int(pynvml.nvmlDeviceGetCount())
+        slices = []
+        for index in range(count):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            try:
+                current, _ = pynvml.nvmlDeviceGetMigMode(handle)
+            except pynvml.NVMLError:  # a GPU without MIG
+                continue
+            if current != pynvml.NVML_DEVICE_MIG_ENABLE:
+                continue
+            for slot in range(int(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle))):
+                try:
+                    mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+                except pynvml.NVMLError:
+                    continue
+                uuid, name = pynvml.nvmlDeviceGetUUID(mig), pynvml.nvmlDeviceGetName(mig)
+                slices.append(MigDevice(_text(uuid), _mig_profile(_text(name)), index))
+        return count, slices
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _alive(pid: int) -> bool:
@@ -80,6 +116,7 @@ class BareMetal:
     state: State
     source: str = "configured"
     upload: Upload | None = None
+    mig: list[MigDevice] = field(default_factory=list)
     used: dict[int, int] = field(default_factory=dict)  # device -> units in use
     children: dict[str, asyncio.subprocess.Process] = field(
         default_factory=dict
@@ -88,19 +125,32 @@ class BareMetal:
     followers: set[asyncio.Task[None]] = field(default_factory=set)  # kept so they are not collected mid-run
 
     def inventory(self) -> dict[str, Any]:
-        return {"gpus": self.gpus, "source": self.source}
+        slices = [
+            {"uuid": device.uuid, "profile": device.profile, "gpu": device.parent} for device in self.mig
+        ]
+        return {"gpus": self.gpus, "source": self.source, "mig": slices}
+
+    def _pick_mig(self, profile: str) -> str:
+        """A free MIG slice of the profile asked for; its UUID goes into CUDA_VISIBLE_DEVICES."""
+        taken = {device for run in self.state.runs() for device in run.mig}
+        for device in self.mig:
+            if device.profile == profile.lower() and device.uuid not in taken:
+                return device.uuid
+        raise Refused(f"No free MIG slice {profile} on this host.")
 
     def running(self) -> list[str]:
         return sorted(run.task_id for run in self.state.runs())
 
     def _pick(self, units: int) -> list[int]:
+        in_mig_mode = {device.parent for device in self.mig}  # those GPUs serve their slices only
+        usable = [device for device in range(self.gpus) if device not in in_mig_mode]
         if units % UNITS_PER_GPU == 0:
             wanted = units // UNITS_PER_GPU
-            free = [device for device in range(self.gpus) if not self.used.get(device)]
+            free = [device for device in usable if not self.used.get(device)]
             if len(free) < wanted:
                 raise Refused(f"{wanted} free GPUs are needed and this host has {len(free)}.")
             return free[:wanted]
-        shared = [device for device in range(self.gpus) if self.used.get(device, 0) + units <= UNITS_PER_GPU]
+        shared = [device for device in usable if self.used.get(device, 0) + units <= UNITS_PER_GPU]
         if not shared:
             raise Refused("No GPU on this host has room for this share.")
         # The fullest device that still fits keeps whole devices free for whole-GPU work.
@@ -120,16 +170,20 @@ class BareMetal:
         if any(run.task_id == task_id for run in self.state.runs()):
             return  # a repeated assignment of a task this agent already runs
         units = int(assignment["size_units"])
-        devices = self._pick(units)
+        mig: list[str] = []
+        if assignment.get("sharing") == "mig" and self.mig:
+            mig, devices = [self._pick_mig(str(assignment.get("mig_profile") or ""))], []
+        else:
+            devices = self._pick(units)
         directory = self.work_dir / task_id
         directory.mkdir(parents=True, exist_ok=True)
         environment = {
             **os.environ,
-            "CUDA_VISIBLE_DEVICES": ",".join(str(device) for device in devices),
+            "CUDA_VISIBLE_DEVICES": ",".join(mig or [str(device) for device in devices]),
             "KLIQUE_TASK_ID": task_id,
             "PYTHONUNBUFFERED": "1",
         }
-        if units % UNITS_PER_GPU:
+        if units % UNITS_PER_GPU and not mig:
             environment["KLIQUE_GPU_MEMORY_FRACTION"] = f"{units / UNITS_PER_GPU:.4f}"
         log_path, exit_path, spec_path = (
             directory / "output.log",
@@ -163,7 +217,7 @@ class BareMetal:
         self._hold(devices, units, +1)
         outputs = [str(pattern) for pattern in (assignment.get("spec") or {}).get("outputs", [])]
         self.state.add_run(
-            RunRecord(task_id, runner.pid, str(log_path), str(exit_path), 0, devices, units, outputs)
+            RunRecord(task_id, runner.pid, str(log_path), str(exit_path), 0, devices, units, outputs, mig)
         )
         await report(task_id, "status", {"state": "running", "devices": devices}, None)
         self._follow(task_id, report)

@@ -200,11 +200,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     work_dir = args.work_dir.resolve()
+    gpus, mig = detected if detected is not None else (args.gpus, [])
     backend = BareMetal(
-        detected if detected is not None else args.gpus,
+        gpus,
         work_dir,
         State(work_dir / "agent.sqlite"),
         "nvml" if detected is not None else "configured",
+        mig=mig,
     )
     agent = Agent(url=args.url, token=args.token, backend=backend, agent_id=args.agent_id)
     backend.upload = agent.upload

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ class RunRecord:
     devices: list[int]
     units: int
     outputs: list[str]  # file patterns the task declared, uploaded when it ends
+    mig: list[str] = field(default_factory=list)  # UUIDs of the MIG slices it holds
 
 
 class State:
@@ -35,7 +36,8 @@ class State:
         self.db.executescript(
             """
             CREATE TABLE IF NOT EXISTS runs (task_id TEXT PRIMARY KEY, pid INTEGER, log_path TEXT,
-                exit_path TEXT, "offset" INTEGER, devices TEXT, units INTEGER, outputs TEXT DEFAULT '[]');
+                exit_path TEXT, "offset" INTEGER, devices TEXT, units INTEGER, outputs TEXT DEFAULT '[]',
+                mig TEXT DEFAULT '[]');
             CREATE TABLE IF NOT EXISTS outbox (
                 task_id TEXT, seq INTEGER, message TEXT, PRIMARY KEY (task_id, seq));
             CREATE TABLE IF NOT EXISTS sequences (task_id TEXT PRIMARY KEY, last INTEGER);
@@ -44,7 +46,7 @@ class State:
 
     def add_run(self, run: RunRecord) -> None:
         self.db.execute(
-            "INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 run.task_id,
                 run.pid,
@@ -54,6 +56,7 @@ class State:
                 json.dumps(run.devices),
                 run.units,
                 json.dumps(run.outputs),
+                json.dumps(run.mig),
             ),
         )
 
@@ -62,11 +65,21 @@ class State:
 
     def runs(self) -> list[RunRecord]:
         rows = self.db.execute(
-            'SELECT task_id, pid, log_path, exit_path, "offset", devices, units, outputs FROM runs'
+            'SELECT task_id, pid, log_path, exit_path, "offset", devices, units, outputs, mig FROM runs'
         ).fetchall()
         return [
-            RunRecord(task, pid, log, exit_path, offset, json.loads(devices), units, json.loads(outputs))
-            for task, pid, log, exit_path, offset, devices, units, outputs in rows
+            RunRecord(
+                task,
+                pid,
+                log,
+                exit_path,
+                offset,
+                json.loads(devices),
+                units,
+                json.loads(outputs),
+                json.loads(mig),
+            )
+            for task, pid, log, exit_path, offset, devices, units, outputs, mig in rows
         ]
 
     def offset(self, task_id: str) -> int:

@@ -226,7 +226,10 @@ def dispatch(*, pool: Pool) -> list[dict[str, Any]]:
     """Hand the pool's placed tasks to its agent under a lease; returns the assign messages to send."""
     now = timezone.now()
     messages = []
-    for task in Task.objects.select_for_update(skip_locked=True).filter(pool=pool, state=TaskState.PLACED):
+    placed = Task.objects.select_for_update(skip_locked=True, of=("self",)).select_related(
+        "compute_resource__profile"
+    )
+    for task in placed.filter(pool=pool, state=TaskState.PLACED):
         lease = uuid.uuid4()
         transition(
             task,
@@ -247,6 +250,7 @@ def dispatch(*, pool: Pool) -> list[dict[str, Any]]:
                 "size_units": task.size_units,
                 "nodes": task.nodes,
                 "sharing": task.sharing,
+                "mig_profile": task.compute_resource.profile.mig_profile if task.compute_resource else "",
             }
         )
     return messages

@@ -218,3 +218,80 @@ def test_declared_outputs_are_uploaded_before_the_result(tmp_path: Path) -> None
     recorder = asyncio.run(scenario())
     assert uploaded == {"out/metrics.json": b"{}"}  # nothing outside the task's folder
     assert recorder.reports[-1][1]["outputs"] == ["out/metrics.json"]
+
+
+class FakeNVML:
+    """A stand-in for pynvml on a host with one H100 in MIG mode (two 1g.10gb and one 3g.40gb slice) and one
+    whole GPU: no GPU is lent to the test machines, so NVML's answers are played back."""
+
+    NVML_DEVICE_MIG_ENABLE = 1
+
+    class NVMLError(Exception):
+        pass
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlShutdown(self) -> None:
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        return index
+
+    def nvmlDeviceGetMigMode(self, handle: int) -> tuple[int, int]:
+        if handle == 1:
+            raise self.NVMLError("not supported")
+        return 1, 1
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: int) -> int:
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: int, slot: int) -> tuple[int, int]:
+        if slot > 2:
+            raise self.NVMLError("no such slot")
+        return handle, slot
+
+    def nvmlDeviceGetUUID(self, mig: tuple[int, int]) -> bytes:
+        return f"MIG-{mig[0]}-{mig[1]}".encode()
+
+    def nvmlDeviceGetName(self, mig: tuple[int, int]) -> str:
+        return "NVIDIA H100 80GB HBM3 MIG " + ("3g.40gb" if mig[1] == 2 else "1g.10gb")
+
+
+def test_mig_slices_are_found_and_handed_out_by_uuid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from agents.baremetal import MigDevice, detect_gpus
+
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML())
+    gpus, slices = detect_gpus() or (0, [])
+    assert gpus == 2
+    assert slices == [
+        MigDevice("MIG-0-0", "1g.10gb", 0),
+        MigDevice("MIG-0-1", "1g.10gb", 0),
+        MigDevice("MIG-0-2", "3g.40gb", 0),
+    ]
+    bare = BareMetal(gpus, tmp_path / "work", State(tmp_path / "work" / "agent.sqlite"), mig=slices)
+    assert bare._pick(UNITS_PER_GPU) == [1]  # GPU 0 serves its slices only
+    script = "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"
+
+    async def scenario() -> list[str]:
+        seen = []
+        for task_id in ("a", "b"):
+            recorder = Recorder(bare.state)
+            task = assignment(
+                task_id, UNITS_PER_GPU // 7, [sys.executable, "-c", script + "; import time; time.sleep(0.5)"]
+            )
+            task |= {"sharing": "mig", "mig_profile": "1g.10gb"}
+            await bare.start(task, recorder)
+            seen.append(recorder)
+        lines = []
+        for recorder in seen:
+            await asyncio.wait_for(recorder.finished.wait(), timeout=30)
+            lines += recorder.lines()
+        return lines
+
+    assert asyncio.run(scenario()) == ["MIG-0-0", "MIG-0-1"]
+    with pytest.raises(Refused, match=r"No free MIG slice 2g\.20gb"):
+        bare._pick_mig("2g.20gb")
