@@ -295,3 +295,33 @@ def test_mig_slices_are_found_and_handed_out_by_uuid(tmp_path: Path, monkeypatch
     assert asyncio.run(scenario()) == ["MIG-0-0", "MIG-0-1"]
     with pytest.raises(Refused, match=r"No free MIG slice 2g\.20gb"):
         bare._pick_mig("2g.20gb")
+
+
+def test_sigterm_stops_the_agent_and_its_tasks_cleanly(tmp_path: Path) -> None:
+    """An agent that cannot reach its plane keeps retrying; SIGTERM ends it at once, with exit code 0."""
+    import signal
+    import subprocess
+    import time
+
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "agents.main",
+            "--url",
+            "http://127.0.0.1:9",
+            "--token",
+            "kqa_x_y",
+            "--gpus",
+            "1",
+            "--work-dir",
+            str(tmp_path / "agent"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(2)  # it has failed to connect at least once by now, and is waiting to retry
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(timeout=15) == 0
+    assert "reconnecting in" in (agent.stderr.read() if agent.stderr else "")
