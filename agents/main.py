@@ -104,7 +104,7 @@ class Agent:
                     "backend": "baremetal",
                     "version": __version__,
                     "inventory": self.backend.inventory(),
-                    "running": self.backend.running(),
+                    "running": self.holding(),
                 }
             )
         )
@@ -120,6 +120,12 @@ class Agent:
         finally:
             heartbeat.cancel()
             stop.cancel()
+
+    def holding(self) -> list[str]:
+        """The tasks this agent still has something of: those running, and those whose reports (a result
+        above all) the plane has not acknowledged. A task that ended while the agent was cut off is still
+        the agent's until its result is in; otherwise the plane would take it for lost and run it again."""
+        return sorted(set(self.backend.running()) | {message["task_id"] for message in self.state.pending()})
 
     async def _heartbeats(self, socket_: Any) -> None:
         while True:

@@ -325,3 +325,17 @@ def test_sigterm_stops_the_agent_and_its_tasks_cleanly(tmp_path: Path) -> None:
     agent.send_signal(signal.SIGTERM)
     assert agent.wait(timeout=15) == 0
     assert "reconnecting in" in (agent.stderr.read() if agent.stderr else "")
+
+
+def test_a_task_that_ended_unreported_is_still_held_at_hello(tmp_path: Path) -> None:
+    """Cut off while a task ends, the agent holds its result in the outbox; it must name the task as its own
+    when it says hello again, or the plane would take it for lost and run it a second time."""
+    bare = backend(tmp_path)
+    agent = Agent(url="http://acme.localhost:8000", token="kqa_x_y", backend=bare, agent_id="a")
+
+    async def scenario() -> None:
+        await agent.report("done-task", "result", {"exit_code": 0})
+
+    asyncio.run(scenario())
+    assert bare.running() == []
+    assert agent.holding() == ["done-task"]
