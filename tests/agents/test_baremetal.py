@@ -74,7 +74,9 @@ def test_a_run_outlives_its_agent_and_the_next_agent_reads_on(tmp_path: Path) ->
         bare = backend(tmp_path)
         recorder = Recorder(bare.state)
         await bare.start(assignment("t", UNITS_PER_GPU, [sys.executable, "-c", script]), recorder)
-        await asyncio.sleep(0.8)
+        deadline = asyncio.get_running_loop().time() + 20
+        while not recorder.lines() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
         for follower in list(bare.followers):
             follower.cancel()  # the agent dies here; its runner goes on
         return recorder.lines()
