@@ -27,7 +27,7 @@ class WebsocketIdentity:
     username: str
 
 
-def _header(scope: dict[str, Any], name: bytes) -> str:
+def header(scope: dict[str, Any], name: bytes) -> str:
     for key, value in scope.get("headers", []):
         if key.lower() == name:
             return str(value.decode("latin-1"))
@@ -39,13 +39,13 @@ def resolve_identity(scope: dict[str, Any]) -> WebsocketIdentity:
     from apps.accounts.services import TokenRejected, token_authenticate
     from tenants.selectors import tenant_for_host
 
-    host = _header(scope, b"host").split(":")[0].lower()
+    host = header(scope, b"host").split(":")[0].lower()
     tenant = tenant_for_host(host)
     if tenant is None:
         raise WebsocketRejected(f"No tenant is served at {host!r}; check the address.", 4404)
     if tenant.is_suspended:
         raise WebsocketRejected(f"Tenant {tenant.slug} is suspended: {tenant.suspended_reason}", 4403)
-    scheme, _, presented = _header(scope, b"authorization").partition(" ")
+    scheme, _, presented = header(scope, b"authorization").partition(" ")
     if scheme.lower() != "bearer" or not presented:
         raise WebsocketRejected("Send 'Authorization: Bearer <token>' when opening the websocket.", 4401)
     with schema_context(tenant.schema_name):

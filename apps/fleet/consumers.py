@@ -9,7 +9,7 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django_tenants.utils import schema_context
 
-from apps.core.consumers import _header
+from apps.core.consumers import header
 from apps.fleet import services
 from apps.fleet.models import AgentToken
 
@@ -45,11 +45,11 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
     def _authenticate(self) -> tuple[Any, AgentToken]:
         from tenants.selectors import tenant_for_host
 
-        host = _header(self.scope, b"host").split(":")[0].lower()
+        host = header(self.scope, b"host").split(":")[0].lower()
         tenant = tenant_for_host(host)
         if tenant is None or tenant.is_suspended:
             raise services.AgentRejected(f"No active tenant is served at {host!r}.")
-        scheme, _, presented = _header(self.scope, b"authorization").partition(" ")
+        scheme, _, presented = header(self.scope, b"authorization").partition(" ")
         if scheme.lower() != "bearer":
             raise services.AgentRejected("Send 'Authorization: Bearer <agent token>' when connecting.")
         with schema_context(tenant.schema_name):
