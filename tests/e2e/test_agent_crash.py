@@ -20,6 +20,84 @@ pytestmark = pytest.mark.e2e
 COUNTING = "import time\nfor i in range(12):\n    print(f'step {i}', flush=True)\n    time.sleep(0.25)\n"
 
 
+class Demo:
+    """The demo tenant of a running `klique up`, through its API, as its admin."""
+
+    def __init__(self, port: int, token: str) -> None:
+        self.port, self.token = port, token
+        self.headers = {"Host": f"demo.localhost:{port}", "Authorization": f"Bearer {token}"}
+
+    def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = httpx.request(
+            method, f"http://127.0.0.1:{self.port}{path}", headers=self.headers, timeout=30, **kwargs
+        )
+        assert response.status_code < 300, response.text
+        return response.json() if response.content else None
+
+    def rack_pool_token(self) -> str:
+        """Provision a pool "rack" of 2 GPUs with compute resource "Research: rack"; its agent token."""
+        document = self.call("GET", "/api/v1/configuration/draft/")["document"]
+        document["pools"].append({"name": "rack", "environment": "baremetal", "capacity_gpus": 2})
+        document["profiles"].append({"name": "one-gpu", "gpus": "1", "pools": [{"pool": "rack"}]})
+        document["policies"][0]["compute_resources"].append({"profile": "one-gpu", "name": "Research: rack"})
+        self.call("PUT", "/api/v1/configuration/draft/", json={"document": document})
+        self.call("POST", "/api/v1/configuration/draft/provision/")
+        rack = next(pool for pool in self.call("GET", "/api/v1/pools/")["results"] if pool["name"] == "rack")
+        token: str = self.call("POST", f"/api/v1/pools/{rack['id']}/agent-tokens/", json={"name": "rack"})[
+            "token"
+        ]
+        return token
+
+    def submit_counting(self) -> dict[str, Any]:
+        task: dict[str, Any] = self.call(
+            "POST",
+            "/api/v1/tasks/",
+            json={
+                "compute_resource": "Research: rack",
+                "spec": {"command": [sys.executable, "-c", COUNTING]},
+            },
+        )
+        return task
+
+    def logged(self, task_id: str) -> list[str]:
+        return [
+            line for chunk in self.call("GET", f"/api/v1/tasks/{task_id}/logs/") for line in chunk["lines"]
+        ]
+
+    def wait_for_lines(self, task_id: str, count: int) -> None:
+        deadline = time.monotonic() + 60
+        while len(self.logged(task_id)) < count and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    def wait_until_completed(self, task_id: str) -> dict[str, Any]:
+        deadline = time.monotonic() + 90
+        while (
+            self.call("GET", f"/api/v1/tasks/{task_id}/")["state"] != "completed"
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.3)
+        task: dict[str, Any] = self.call("GET", f"/api/v1/tasks/{task_id}/")
+        return task
+
+
+def agent_argv(url: str, token: str, agent_id: str, work_dir: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "agents.main",
+        "--url",
+        url,
+        "--token",
+        token,
+        "--gpus",
+        "2",
+        "--agent-id",
+        agent_id,
+        "--work-dir",
+        str(work_dir),
+    ]
+
+
 def test_a_killed_agent_comes_back_to_its_task_and_nothing_is_lost_or_doubled(
     fresh_database: str, redis_url: str, tmp_path: Path
 ) -> None:
@@ -28,50 +106,12 @@ def test_a_killed_agent_comes_back_to_its_task_and_nothing_is_lost_or_doubled(
     agent = None
     try:
         token = running.wait_for(BANNER_CURL)[1]
-        base = f"http://127.0.0.1:{running.port}"
-        headers = {"Host": f"demo.localhost:{running.port}", "Authorization": f"Bearer {token}"}
-
-        def call(method: str, path: str, **kwargs: Any) -> Any:
-            response = httpx.request(method, base + path, headers=headers, timeout=30, **kwargs)
-            assert response.status_code < 300, response.text
-            return response.json() if response.content else None
-
-        # A pool of its own, served by an agent this test controls.
-        document = call("GET", "/api/v1/configuration/draft/")["document"]
-        document["pools"].append({"name": "rack", "environment": "baremetal", "capacity_gpus": 2})
-        document["profiles"].append({"name": "one-gpu", "gpus": "1", "pools": [{"pool": "rack"}]})
-        document["policies"][0]["compute_resources"].append({"profile": "one-gpu", "name": "Research: rack"})
-        call("PUT", "/api/v1/configuration/draft/", json={"document": document})
-        call("POST", "/api/v1/configuration/draft/provision/")
-        rack = next(pool for pool in call("GET", "/api/v1/pools/")["results"] if pool["name"] == "rack")
-        agent_token = call("POST", f"/api/v1/pools/{rack['id']}/agent-tokens/", json={"name": "rack"})[
-            "token"
-        ]
-        agent_argv = [
-            sys.executable,
-            "-m",
-            "agents.main",
-            "--url",
-            f"http://demo.localhost:{running.port}",
-            "--token",
-            agent_token,
-            "--gpus",
-            "2",
-            "--agent-id",
-            "rack-1",
-            "--work-dir",
-            str(tmp_path / "agent"),
-        ]
-        agent = subprocess.Popen(agent_argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        task = call(
-            "POST",
-            "/api/v1/tasks/",
-            json={
-                "compute_resource": "Research: rack",
-                "spec": {"command": [sys.executable, "-c", COUNTING]},
-            },
+        demo = Demo(running.port, token)
+        argv = agent_argv(
+            f"http://demo.localhost:{running.port}", demo.rack_pool_token(), "rack-1", tmp_path / "agent"
         )
-
+        agent = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        task = demo.submit_counting()
         follower = subprocess.Popen(
             [sys.executable, "-m", "klique.cli", "logs", "-f", task["id"]],
             cwd=ROOT,
@@ -80,31 +120,17 @@ def test_a_killed_agent_comes_back_to_its_task_and_nothing_is_lost_or_doubled(
             stderr=subprocess.STDOUT,
             env={**environment, "KLIQUE_URL": f"http://demo.localhost:{running.port}", "KLIQUE_TOKEN": token},
         )
-
-        def logged() -> list[str]:
-            return [
-                line for chunk in call("GET", f"/api/v1/tasks/{task['id']}/logs/") for line in chunk["lines"]
-            ]
-
-        deadline = time.monotonic() + 60
-        while len(logged()) < 3 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert 3 <= len(logged()) < 12, logged()
+        demo.wait_for_lines(task["id"], 3)
+        assert 3 <= len(demo.logged(task["id"])) < 12, demo.logged(task["id"])
         agent.send_signal(signal.SIGKILL)
         agent.wait(timeout=10)
         time.sleep(1)  # the task goes on without its agent
-        agent = subprocess.Popen(agent_argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        agent = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-        deadline = time.monotonic() + 60
-        while (
-            call("GET", f"/api/v1/tasks/{task['id']}/")["state"] != "completed"
-            and time.monotonic() < deadline
-        ):
-            time.sleep(0.3)
-        final = call("GET", f"/api/v1/tasks/{task['id']}/")
+        final = demo.wait_until_completed(task["id"])
         assert (final["state"], final["attempts"], final["exit_code"]) == ("completed", 1, 0)
-        assert logged() == [f"step {i}" for i in range(12)]
-        history = [event["to_state"] for event in call("GET", f"/api/v1/tasks/{task['id']}/history/")]
+        assert demo.logged(task["id"]) == [f"step {i}" for i in range(12)]
+        history = [event["to_state"] for event in demo.call("GET", f"/api/v1/tasks/{task['id']}/history/")]
         assert history == ["queued", "placed", "dispatching", "running", "completed"]  # it ran once
         # Someone following the output live saw every line once, across the agent's crash.
         live = follower.communicate(timeout=60)[0].splitlines()
@@ -125,85 +151,25 @@ def test_a_cut_connection_loses_and_doubles_nothing(
     running = start_up(environment, tmp_path / "data")
     agent = web = None
     try:
-        token = running.wait_for(BANNER_CURL)[1]
-        headers = {"Host": f"demo.localhost:{running.port}", "Authorization": f"Bearer {token}"}
-
-        def call(method: str, path: str, **kwargs: Any) -> Any:
-            response = httpx.request(
-                method, f"http://127.0.0.1:{running.port}{path}", headers=headers, timeout=30, **kwargs
-            )
-            assert response.status_code < 300, response.text
-            return response.json() if response.content else None
-
-        document = call("GET", "/api/v1/configuration/draft/")["document"]
-        document["pools"].append({"name": "rack", "environment": "baremetal", "capacity_gpus": 2})
-        document["profiles"].append({"name": "one-gpu", "gpus": "1", "pools": [{"pool": "rack"}]})
-        document["policies"][0]["compute_resources"].append({"profile": "one-gpu", "name": "Research: rack"})
-        call("PUT", "/api/v1/configuration/draft/", json={"document": document})
-        call("POST", "/api/v1/configuration/draft/provision/")
-        rack = next(pool for pool in call("GET", "/api/v1/pools/")["results"] if pool["name"] == "rack")
-        agent_token = call("POST", f"/api/v1/pools/{rack['id']}/agent-tokens/", json={"name": "rack"})[
-            "token"
-        ]
-
+        demo = Demo(running.port, running.wait_for(BANNER_CURL)[1])
+        agent_token = demo.rack_pool_token()
         port = free_port()
         web_argv = [sys.executable, "-m", "klique.cli", "web", "--port", str(port)]
-        web = subprocess.Popen(
-            web_argv, cwd=ROOT, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        quiet = {"cwd": ROOT, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+        web = subprocess.Popen(web_argv, env=environment, **quiet)  # type: ignore[call-overload]
+        agent = subprocess.Popen(  # type: ignore[call-overload]
+            agent_argv(f"http://demo.localhost:{port}", agent_token, "rack-cut", tmp_path / "agent"), **quiet
         )
-        agent = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "agents.main",
-                "--url",
-                f"http://demo.localhost:{port}",
-                "--token",
-                agent_token,
-                "--gpus",
-                "2",
-                "--agent-id",
-                "rack-cut",
-                "--work-dir",
-                str(tmp_path / "agent"),
-            ],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        task = call(
-            "POST",
-            "/api/v1/tasks/",
-            json={
-                "compute_resource": "Research: rack",
-                "spec": {"command": [sys.executable, "-c", COUNTING]},
-            },
-        )
-
-        def logged() -> list[str]:
-            return [
-                line for chunk in call("GET", f"/api/v1/tasks/{task['id']}/logs/") for line in chunk["lines"]
-            ]
-
-        deadline = time.monotonic() + 60
-        while len(logged()) < 3 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert 3 <= len(logged()) < 12
+        task = demo.submit_counting()
+        demo.wait_for_lines(task["id"], 3)
+        assert 3 <= len(demo.logged(task["id"])) < 12
         web.kill()  # the socket is cut mid-stream; the task goes on and its output piles up in the outbox
         web.wait(timeout=10)
         time.sleep(4)  # long enough for the task to end while cut off: its result waits in the outbox
-        web = subprocess.Popen(
-            web_argv, cwd=ROOT, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        web = subprocess.Popen(web_argv, env=environment, **quiet)  # type: ignore[call-overload]
 
-        deadline = time.monotonic() + 90
-        while (
-            call("GET", f"/api/v1/tasks/{task['id']}/")["state"] != "completed"
-            and time.monotonic() < deadline
-        ):
-            time.sleep(0.3)
-        assert call("GET", f"/api/v1/tasks/{task['id']}/")["state"] == "completed"
-        assert logged() == [f"step {i}" for i in range(12)]
+        assert demo.wait_until_completed(task["id"])["state"] == "completed"
+        assert demo.logged(task["id"]) == [f"step {i}" for i in range(12)]
     finally:
         for process in (agent, web):
             if process is not None and process.poll() is None:
