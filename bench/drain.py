@@ -12,20 +12,16 @@ Needs PostgreSQL and Redis on 127.0.0.1, and root for Slurm (it is installed if 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import httpx
 import psycopg
-
-ROOT = Path(__file__).resolve().parent.parent
-ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+from scratch import KLIQUE, ROOT, scratch_klique
 
 
 def free_port() -> int:
@@ -44,7 +40,7 @@ def completed(client: httpx.Client) -> int:
     return int(client.get("/api/v1/tasks/", params=query).json()["count"])
 
 
-def free_capacity_latency(client: httpx.Client, database: str) -> tuple[float, float]:
+def free_capacity_latency(client: httpx.Client, database_url: str) -> tuple[float, float]:
     """Submit-to-dispatch p50 and p99, in seconds, of tasks sent one at a time into the idle pool."""
     # With free capacity: one task at a time into the idle pool, each waited for.
     for index in range(PROBES):
@@ -54,7 +50,7 @@ def free_capacity_latency(client: httpx.Client, database: str) -> tuple[float, f
         ).json()
         while client.get(f"/api/v1/tasks/{task['id']}/").json()["state"] != "completed":
             time.sleep(0.05)
-    with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{database}") as connection:
+    with psycopg.connect(database_url) as connection:
         row = connection.execute(
             """SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM d.at - q.at)),
                       percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM d.at - q.at))
@@ -70,100 +66,77 @@ def free_capacity_latency(client: httpx.Client, database: str) -> tuple[float, f
 
 def klique_drain(count: int, concurrency: int, work: Path) -> tuple[float, float, float]:
     """Seconds to drain, and submit-to-dispatch p50 and p99 in seconds with free capacity."""
-    database = f"klique_drain_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
-        connection.execute(f'CREATE DATABASE "{database}"')
-    environment = {
-        **os.environ,
-        "DATABASE_URL": f"postgres://postgres@127.0.0.1:5432/{database}",
-        "REDIS_URL": "redis://127.0.0.1:6379/12",
-        "DJANGO_SETTINGS_MODULE": "config.settings.production",
-        "SECRET_KEY": uuid.uuid4().hex * 2,
-        "KLIQUE_LOG_LEVEL": "WARNING",
-        "KLIQUE_CYCLE_DEBOUNCE_MS": "100",
-    }
-    klique = [sys.executable, "-m", "klique.cli"]
-    children: list[subprocess.Popen[bytes]] = []
-    try:
-        subprocess.run([*klique, "migrate"], env=environment, check=True, capture_output=True, cwd=ROOT)
-        demo = json.loads(
-            subprocess.run(
-                [*klique, "manage", "demo_setup"],
-                env=environment,
-                check=True,
-                capture_output=True,
-                text=True,
-                cwd=ROOT,
-            )
-            .stdout.strip()
-            .splitlines()[-1]
-        )
+    with scratch_klique(redis_db=12, KLIQUE_CYCLE_DEBOUNCE_MS="100") as (environment, demo):
         port = free_port()
-        base = f"http://127.0.0.1:{port}"
         headers = {"Host": f"demo.localhost:{port}", "Authorization": f"Bearer {demo['admin_token']}"}
         quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "cwd": ROOT, "env": environment}
-        children.append(subprocess.Popen([*klique, "web", "--port", str(port)], **quiet))  # type: ignore[call-overload]
-        children.append(subprocess.Popen([*klique, "worker", "--concurrency", "1"], **quiet))  # type: ignore[call-overload]
-        client = httpx.Client(base_url=base, headers=headers, timeout=60)
-        for _ in range(300):
-            try:
-                if client.get("/readyz").status_code == 200:
+        children: list[subprocess.Popen[bytes]] = []
+        try:
+            children.append(subprocess.Popen([*KLIQUE, "web", "--port", str(port)], **quiet))  # type: ignore[call-overload]
+            children.append(subprocess.Popen([*KLIQUE, "worker", "--concurrency", "1"], **quiet))  # type: ignore[call-overload]
+            client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=headers, timeout=60)
+            for _ in range(300):
+                try:
+                    if client.get("/readyz").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.1)
+            token = drain_pool_token(client, concurrency)
+            agent = [
+                sys.executable,
+                "-m",
+                "agents.main",
+                "--url",
+                f"http://demo.localhost:{port}",
+                "--token",
+                token,
+                "--gpus",
+                str(concurrency),
+                "--agent-id",
+                "drain",
+                "--work-dir",
+                str(work / "agent"),
+            ]
+            children.append(subprocess.Popen(agent, **quiet))  # type: ignore[call-overload]
+            for _ in range(300):
+                if any(
+                    p["name"] == "drain" and p["online"]
+                    for p in client.get("/api/v1/pools/").json()["results"]
+                ):
                     break
-            except httpx.HTTPError:
                 time.sleep(0.1)
-        document = client.get("/api/v1/configuration/draft/").json()["document"]
-        document["pools"].append({"name": "drain", "environment": "baremetal", "capacity_gpus": concurrency})
-        document["profiles"].append({"name": "one", "gpus": "1", "pools": [{"pool": "drain"}]})
-        document["policies"][0]["limit_gpus"] = str(10_000)
-        document["policies"][0]["compute_resources"].append({"profile": "one", "name": "Drain"})
-        client.put("/api/v1/configuration/draft/", json={"document": document}).raise_for_status()
-        client.post("/api/v1/configuration/draft/provision/").raise_for_status()
-        pool = next(p for p in client.get("/api/v1/pools/").json()["results"] if p["name"] == "drain")
-        token = client.post(f"/api/v1/pools/{pool['id']}/agent-tokens/", json={"name": "drain"}).json()[
-            "token"
-        ]
-        children.append(
-            subprocess.Popen(  # type: ignore[call-overload]
-                [
-                    sys.executable,
-                    "-m",
-                    "agents.main",
-                    "--url",
-                    f"http://demo.localhost:{port}",
-                    "--token",
-                    token,
-                    "--gpus",
-                    str(concurrency),
-                    "--agent-id",
-                    "drain",
-                    "--work-dir",
-                    str(work / "agent"),
-                ],
-                **quiet,
-            )
-        )
-        for _ in range(300):
-            if any(
-                p["name"] == "drain" and p["online"] for p in client.get("/api/v1/pools/").json()["results"]
-            ):
-                break
-            time.sleep(0.1)
-        started = time.perf_counter()
-        for first in range(0, count, 1000):
-            batch = [{"compute_resource": "Drain", "spec": {"command": ["true"]}}] * min(1000, count - first)
-            client.post("/api/v1/tasks/", json=batch).raise_for_status()
-        deadline = time.monotonic() + 3600
-        while completed(client) < count and time.monotonic() < deadline:
-            time.sleep(0.2)
-        elapsed = time.perf_counter() - started
-        p50, p99 = free_capacity_latency(client, database)
-        return elapsed, float(p50), float(p99)
-    finally:
-        for child in reversed(children):
-            child.terminate()
-            child.wait(timeout=30)
-        with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
-            connection.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+            started = time.perf_counter()
+            for first in range(0, count, 1000):
+                batch = [{"compute_resource": "Drain", "spec": {"command": ["true"]}}] * min(
+                    1000, count - first
+                )
+                client.post("/api/v1/tasks/", json=batch).raise_for_status()
+            deadline = time.monotonic() + 3600
+            while completed(client) < count and time.monotonic() < deadline:
+                time.sleep(0.2)
+            elapsed = time.perf_counter() - started
+            p50, p99 = free_capacity_latency(client, environment["DATABASE_URL"])
+            return elapsed, p50, p99
+        finally:
+            for child in reversed(children):
+                child.terminate()
+                child.wait(timeout=30)
+
+
+def drain_pool_token(client: httpx.Client, concurrency: int) -> str:
+    """Provision a pool "drain" of `concurrency` GPUs with compute resource "Drain"; an agent token for it."""
+    document = client.get("/api/v1/configuration/draft/").json()["document"]
+    document["pools"].append({"name": "drain", "environment": "baremetal", "capacity_gpus": concurrency})
+    document["profiles"].append({"name": "one", "gpus": "1", "pools": [{"pool": "drain"}]})
+    document["policies"][0]["limit_gpus"] = str(10_000)
+    document["policies"][0]["compute_resources"].append({"profile": "one", "name": "Drain"})
+    client.put("/api/v1/configuration/draft/", json={"document": document}).raise_for_status()
+    client.post("/api/v1/configuration/draft/provision/").raise_for_status()
+    pool = next(p for p in client.get("/api/v1/pools/").json()["results"] if p["name"] == "drain")
+    token: str = client.post(f"/api/v1/pools/{pool['id']}/agent-tokens/", json={"name": "drain"}).json()[
+        "token"
+    ]
+    return token
 
 
 def slurm_drain(count: int, work: Path) -> float:

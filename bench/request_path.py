@@ -15,20 +15,13 @@ Needs PostgreSQL and Redis on 127.0.0.1 (as `make test` does).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import subprocess
 import sys
 import time
-import uuid
-from pathlib import Path
 
 import httpx
-import psycopg
-
-ROOT = Path(__file__).resolve().parent.parent
-ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+from scratch import KLIQUE, ROOT, scratch_klique
 
 
 def measure(client: httpx.Client, url: str, headers: dict[str, str], count: int) -> tuple[float, float]:
@@ -50,54 +43,32 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8765)
     args = parser.parse_args()
 
-    database = f"klique_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
-        connection.execute(f'CREATE DATABASE "{database}"')
-    environment = {
-        **os.environ,
-        "DATABASE_URL": f"postgres://postgres@127.0.0.1:5432/{database}",
-        "REDIS_URL": "redis://127.0.0.1:6379/11",
-        "DJANGO_SETTINGS_MODULE": "config.settings.production",
-        "SECRET_KEY": uuid.uuid4().hex * 2,
-        "KLIQUE_LOG_LEVEL": "WARNING",
-    }
-    klique = [sys.executable, "-m", "klique.cli"]
-    web = None
-    try:
-        subprocess.run([*klique, "migrate"], env=environment, check=True, capture_output=True, cwd=ROOT)
-        demo = subprocess.run(
-            [*klique, "manage", "demo_setup"],
-            env=environment,
-            check=True,
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-        )
-        token = json.loads(demo.stdout.strip().splitlines()[-1])["admin_token"]
+    with scratch_klique(redis_db=11) as (environment, demo):
         web = subprocess.Popen(
-            [*klique, "web", "--port", str(args.port)],
+            [*KLIQUE, "web", "--port", str(args.port)],
             env=environment,
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        base = f"http://127.0.0.1:{args.port}"
-        with httpx.Client(timeout=10) as client:
-            for _ in range(200):
-                try:
-                    if client.get(f"{base}/healthz").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.1)
-            baseline_rps, baseline_ms = measure(client, f"{base}/healthz", {}, args.requests)
-            tenant_headers = {"Host": f"demo.localhost:{args.port}", "Authorization": f"Bearer {token}"}
-            klique_rps, klique_ms = measure(client, f"{base}/api/v1/me/", tenant_headers, args.requests)
-    finally:
-        if web is not None:
+        try:
+            base = f"http://127.0.0.1:{args.port}"
+            with httpx.Client(timeout=10) as client:
+                for _ in range(200):
+                    try:
+                        if client.get(f"{base}/healthz").status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        time.sleep(0.1)
+                baseline_rps, baseline_ms = measure(client, f"{base}/healthz", {}, args.requests)
+                tenant = {
+                    "Host": f"demo.localhost:{args.port}",
+                    "Authorization": f"Bearer {demo['admin_token']}",
+                }
+                klique_rps, klique_ms = measure(client, f"{base}/api/v1/me/", tenant, args.requests)
+        finally:
             web.terminate()
             web.wait(timeout=30)
-        with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
-            connection.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 
     print(f"requests per endpoint: {args.requests}, sequential, one keep-alive connection, one web process")
     print(f"{'':34}{'req/s':>10}{'median ms':>12}")

@@ -1,0 +1,51 @@
+"""A throwaway Klique for benchmarks: a fresh database on the machine's PostgreSQL, migrated, with the demo
+tenant; dropped afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+KLIQUE = [sys.executable, "-m", "klique.cli"]
+
+
+@contextmanager
+def scratch_klique(*, redis_db: int, **settings: str) -> Iterator[tuple[dict[str, str], dict[str, Any]]]:
+    """The environment for Klique's processes, and what demo_setup printed (tokens, the tenant's address)."""
+    database = f"klique_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
+        connection.execute(f'CREATE DATABASE "{database}"')
+    environment = {
+        **os.environ,
+        "DATABASE_URL": f"postgres://postgres@127.0.0.1:5432/{database}",
+        "REDIS_URL": f"redis://127.0.0.1:6379/{redis_db}",
+        "DJANGO_SETTINGS_MODULE": "config.settings.production",
+        "SECRET_KEY": uuid.uuid4().hex * 2,
+        "KLIQUE_LOG_LEVEL": "WARNING",
+        **settings,
+    }
+    try:
+        subprocess.run([*KLIQUE, "migrate"], env=environment, check=True, capture_output=True, cwd=ROOT)
+        printed = subprocess.run(
+            [*KLIQUE, "manage", "demo_setup"],
+            env=environment,
+            check=True,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        ).stdout
+        yield environment, json.loads(printed.strip().splitlines()[-1])
+    finally:
+        with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
+            connection.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
