@@ -1,23 +1,31 @@
 #!/usr/bin/env bash
 # A single-node Slurm with four fake GPUs, for benchmarks and tests on one machine (root, no systemd).
-#   deploy/slurm/single-node.sh start DIR   install if needed, configure under DIR, start munge/slurmctld/slurmd
+#   deploy/slurm/single-node.sh start DIR   install if needed, configure under DIR, start munge, slurmdbd
+#                                           (when MariaDB answers on 127.0.0.1:3306), slurmctld, slurmd
 #   deploy/slurm/single-node.sh stop DIR
-# Prints the slurm.conf path on start; use it as SLURM_CONF for sbatch, squeue, scontrol.
+# Prints the slurm.conf path on start; use it as SLURM_CONF for sbatch, squeue, sacct, scontrol.
+# With slurmdbd, `sacct` reports exit codes and allocated GPUs; without it, accounting is off.
 set -euo pipefail
 action=${1:?start or stop}
 dir=$(realpath -m "${2:?a folder for the state of Slurm}")
 conf="$dir/slurm.conf"
 
 if [ "$action" = stop ]; then
-  for pidfile in "$dir/slurmd.pid" "$dir/slurmctld.pid"; do
-    [ -f "$pidfile" ] && kill "$(cat "$pidfile")" 2>/dev/null || true
+  pids=""
+  for pidfile in "$dir/slurmd.pid" "$dir/slurmctld.pid" "$dir/slurmdbd.pid"; do
+    pid=$(cat "$pidfile" 2>/dev/null || true)
+    if [ -n "$pid" ] && kill "$pid" 2>/dev/null; then pids="$pids $pid"; fi
+  done
+  for pid in $pids; do  # wait until they are gone, so that a new start finds the ports free
+    for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
   done
   exit 0
 fi
 
-if ! command -v slurmctld >/dev/null; then
+if ! command -v slurmctld >/dev/null || ! command -v slurmdbd >/dev/null || ! command -v qsub >/dev/null; then
   apt-get update -qq >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm >/dev/null
+  # slurm-wlm-torque adds the PBS-style qsub/qstat/qdel on top of Slurm.
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm slurmdbd slurm-wlm-torque >/dev/null
 fi
 mkdir -p "$dir/dev" "$dir/state" "$dir/spool" "$dir/log"
 for n in 0 1 2 3; do [ -e "$dir/dev/nvidia$n" ] || mknod "$dir/dev/nvidia$n" c 1 3; done
@@ -29,6 +37,32 @@ if [ ! -f /etc/munge/munge.key ]; then
   chown munge:munge /etc/munge/munge.key; chmod 400 /etc/munge/munge.key
 fi
 pgrep -x munged >/dev/null || runuser -u munge -- /usr/sbin/munged
+
+accounting="AccountingStorageType=accounting_storage/none"
+if command -v mysql >/dev/null && mysql -uroot -h127.0.0.1 -e "CREATE DATABASE IF NOT EXISTS slurm_acct_db" 2>/dev/null; then
+  cat > "$dir/slurmdbd.conf" <<DBD
+AuthType=auth/munge
+DbdHost=localhost
+DbdAddr=127.0.0.1
+SlurmUser=root
+PidFile=$dir/slurmdbd.pid
+LogFile=$dir/log/slurmdbd.log
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=3306
+StorageUser=root
+StorageLoc=slurm_acct_db
+DBD
+  chmod 600 "$dir/slurmdbd.conf"
+  if [ ! -f "$dir/slurmdbd.pid" ] || ! kill -0 "$(cat "$dir/slurmdbd.pid")" 2>/dev/null; then
+    SLURM_CONF=$conf slurmdbd  # reads the slurmdbd.conf beside SLURM_CONF
+    for _ in $(seq 1 50); do (echo > /dev/tcp/127.0.0.1/6819) 2>/dev/null && break; sleep 0.2; done
+  fi
+  accounting="AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+JobAcctGatherType=jobacct_gather/linux
+AccountingStorageTRES=gres/gpu"
+fi
 
 cat > "$dir/gres.conf" <<GRES
 AutoDetect=off
@@ -55,13 +89,16 @@ DefMemPerCPU=500
 GresTypes=gpu
 ReturnToService=2
 MaxJobCount=100000
-AccountingStorageType=accounting_storage/none
+$accounting
 JobCompType=jobcomp/none
 NodeName=localhost NodeHostname=localhost NodeAddr=127.0.0.1 CPUs=$(nproc) RealMemory=2000 Gres=gpu:4
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 CONF
 
 export SLURM_CONF=$conf
+if [ -f "$dir/slurmdbd.conf" ]; then
+  timeout 20 sacctmgr -i add cluster klique >/dev/null 2>&1 || true
+fi
 if ! timeout 5 scontrol ping 2>/dev/null | grep -q UP; then
   slurmctld -f "$conf" -i
   for _ in $(seq 1 50); do timeout 5 scontrol ping 2>/dev/null | grep -q UP && break; sleep 0.2; done
