@@ -18,25 +18,18 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agents.backend import Refused, Report, Upload
 from agents.state import RunRecord, State
 
 UNITS_PER_GPU = 840  # the control plane's unit: 1/840 of a GPU
 MAX_LINE = 64 * 1024  # longer lines go out in pieces of this many characters, never dropped
 POLL_SECONDS = 0.2
 
-# (task id, kind, body, log offset reached or None) -> sent when it may be
-Report = Callable[[str, str, dict[str, Any], int | None], Awaitable[None]]
-# (task id, name relative to its folder, file) -> upload it to the plane's file store
-Upload = Callable[[str, str, Path], Awaitable[None]]
-
-
-class Refused(Exception):
-    """This host cannot run the task; the message goes back to the plane as the rejection's reason."""
+__all__ = ["BareMetal", "MigDevice", "Refused", "Report", "Upload", "detect_gpus", "split_lines"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +104,7 @@ def split_lines(text: str) -> list[str]:
 
 @dataclass
 class BareMetal:
+    name = "baremetal"
     gpus: int
     work_dir: Path
     state: State
@@ -140,6 +134,9 @@ class BareMetal:
 
     def running(self) -> list[str]:
         return sorted(run.task_id for run in self.state.runs())
+
+    def queue(self) -> list[dict[str, Any]]:
+        return []  # no queue of its own: what runs is what `running` lists
 
     def _pick(self, units: int) -> list[int]:
         in_mig_mode = {device.parent for device in self.mig}  # those GPUs serve their slices only

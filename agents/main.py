@@ -1,6 +1,7 @@
 """`klique-agent`: connects out to the control plane, pulls the work of its pool and runs it.
 
     klique-agent --url http://demo.localhost:8000 --token kqa_... --backend baremetal --gpus 4
+    klique-agent --url https://acme.klique.example --token kqa_... --backend slurm --config agent.toml
 
 The agent only ever opens an outbound websocket. It reconnects with exponential backoff and jitter;
 every report (status, log, result) carries a per-task sequence number and stays in the outbox until the
@@ -20,6 +21,7 @@ import random
 import signal
 import socket
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -28,7 +30,9 @@ import httpx
 import websockets
 
 from agents import __version__
-from agents.baremetal import BareMetal, Refused, detect_gpus
+from agents.backend import Backend, Refused
+from agents.baremetal import BareMetal, detect_gpus
+from agents.hpc import DIALECTS, Batch, Settings
 from agents.state import State
 from klique.sdk import loopback
 
@@ -64,7 +68,7 @@ class Backoff:
 
 
 class Agent:
-    def __init__(self, *, url: str, token: str, backend: BareMetal, agent_id: str) -> None:
+    def __init__(self, *, url: str, token: str, backend: Backend, agent_id: str) -> None:
         self.url, self.token, self.backend, self.agent_id = url, token, backend, agent_id
         self.state = backend.state  # the outbox and sequence numbers live beside the runs, in SQLite
         self.socket: Any = None
@@ -101,7 +105,7 @@ class Agent:
                 {
                     "type": "hello",
                     "agent_id": self.agent_id,
-                    "backend": "baremetal",
+                    "backend": self.backend.name,
                     "version": __version__,
                     "inventory": self.backend.inventory(),
                     "running": self.holding(),
@@ -130,7 +134,12 @@ class Agent:
     async def _heartbeats(self, socket_: Any) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_seconds)
-            await socket_.send(json.dumps({"type": "heartbeat", "running": self.backend.running()}))
+            heartbeat = {
+                "type": "heartbeat",
+                "running": self.backend.running(),
+                "queue": self.backend.queue(),
+            }
+            await socket_.send(json.dumps(heartbeat))
 
     async def _on_message(self, message: dict[str, Any]) -> None:
         kind = message.get("type")
@@ -152,9 +161,8 @@ class Agent:
         try:
             await self.backend.start(assignment, self.report)
         except Refused as refused:
-            await self._send(
-                {"type": "rejected", "task_id": task_id, "lease_id": lease, "reason": str(refused)}
-            )
+            rejection = {"type": "rejected", "task_id": task_id, "lease_id": lease, "reason": str(refused)}
+            await self._send({**rejection, "permanent": refused.permanent})
             return
         await self._send({"type": "accepted", "task_id": task_id, "lease_id": lease})
 
@@ -187,40 +195,47 @@ class Agent:
             await self.socket.close()
 
 
+def _backend(args: argparse.Namespace) -> Backend | str:
+    """The backend the arguments ask for, or a sentence saying what is missing."""
+    work_dir = args.work_dir.resolve()
+    state = State(work_dir / "agent.sqlite")
+    if args.backend in DIALECTS:
+        try:
+            config = tomllib.loads(args.config.read_text()) if args.config else {}
+            settings = Settings.read(config, args.backend, work_dir)
+        except (OSError, tomllib.TOMLDecodeError, ValueError, TypeError) as error:
+            return f"klique-agent: the configuration {args.config} cannot be used: {error}"
+        return Batch(DIALECTS[args.backend](), settings, state, args.url)
+    detected = detect_gpus()
+    if detected is None and args.gpus is None:
+        return "klique-agent: NVML finds no GPU here; pass --gpus N to offer a configured inventory."
+    gpus, mig = detected if detected is not None else (args.gpus, [])
+    return BareMetal(gpus, work_dir, state, "nvml" if detected is not None else "configured", mig=mig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="klique-agent", description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True, help="the tenant's address, e.g. https://acme.klique.example")
     parser.add_argument("--token", required=True, help="an agent token issued for this pool")
-    parser.add_argument("--backend", choices=["baremetal"], default="baremetal")
+    parser.add_argument("--backend", choices=["baremetal", *DIALECTS], default="baremetal")
+    parser.add_argument("--config", type=Path, help="a TOML file: [agent.slurm] (or pbs, lsf) settings")
     parser.add_argument("--gpus", type=int, help="GPUs to offer when NVML finds none (tests, demos)")
     parser.add_argument("--agent-id", default=socket.gethostname())
     parser.add_argument("--work-dir", type=Path, default=Path(".klique-agent"))
     parser.add_argument("--grace-seconds", type=float, default=30.0, help="for running tasks at shutdown")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)-7s %(name)s: %(message)s")
-    detected = detect_gpus()
-    if detected is None and args.gpus is None:
-        print(
-            "klique-agent: NVML finds no GPU here; pass --gpus N to offer a configured inventory.",
-            file=sys.stderr,
-        )
+    backend = _backend(args)
+    if isinstance(backend, str):
+        print(backend, file=sys.stderr)
         return 2
-    work_dir = args.work_dir.resolve()
-    gpus, mig = detected if detected is not None else (args.gpus, [])
-    backend = BareMetal(
-        gpus,
-        work_dir,
-        State(work_dir / "agent.sqlite"),
-        "nvml" if detected is not None else "configured",
-        mig=mig,
-    )
     agent = Agent(url=args.url, token=args.token, backend=backend, agent_id=args.agent_id)
     backend.upload = agent.upload
 
     async def serve() -> None:
         adopted = backend.adopt(agent.report)
         if adopted:
-            logger.info("took back %d running tasks: %s", len(adopted), ", ".join(adopted))
+            logger.info("took back %d tasks: %s", len(adopted), ", ".join(adopted))
         loop = asyncio.get_running_loop()
         for sign in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sign, lambda: asyncio.ensure_future(agent.shutdown(args.grace_seconds)))

@@ -28,6 +28,18 @@ class RunRecord:
     mig: list[str] = field(default_factory=list)  # UUIDs of the MIG slices it holds
 
 
+@dataclass(frozen=True)
+class JobRecord:
+    """A task handed to a batch system (Slurm, PBS, LSF) as a job, followed by its job id."""
+
+    task_id: str
+    job_id: str
+    folder: str  # the task's folder on the cluster: token, script, output, exit code
+    account: str  # the Linux account it runs as
+    stopping: bool = False
+    last: str = ""  # the state and reason last reported, so that only changes go out
+
+
 class State:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -41,6 +53,8 @@ class State:
             CREATE TABLE IF NOT EXISTS outbox (
                 task_id TEXT, seq INTEGER, message TEXT, PRIMARY KEY (task_id, seq));
             CREATE TABLE IF NOT EXISTS sequences (task_id TEXT PRIMARY KEY, last INTEGER);
+            CREATE TABLE IF NOT EXISTS jobs (task_id TEXT PRIMARY KEY, job_id TEXT, folder TEXT,
+                account TEXT, stopping INTEGER DEFAULT 0, last TEXT DEFAULT '');
             """
         )
 
@@ -81,6 +95,30 @@ class State:
             )
             for task, pid, log, exit_path, offset, devices, units, outputs, mig in rows
         ]
+
+    def add_job(self, job: JobRecord) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?)",
+            (job.task_id, job.job_id, job.folder, job.account, int(job.stopping), job.last),
+        )
+
+    def jobs(self) -> list[JobRecord]:
+        rows = self.db.execute(
+            "SELECT task_id, job_id, folder, account, stopping, last FROM jobs ORDER BY rowid"
+        )
+        return [
+            JobRecord(task, job, folder, account, bool(stopping), last)
+            for task, job, folder, account, stopping, last in rows.fetchall()
+        ]
+
+    def job_seen(self, task_id: str, last: str) -> None:
+        self.db.execute("UPDATE jobs SET last = ? WHERE task_id = ?", (last, task_id))
+
+    def job_stopping(self, task_id: str) -> None:
+        self.db.execute("UPDATE jobs SET stopping = 1 WHERE task_id = ?", (task_id,))
+
+    def remove_job(self, task_id: str) -> None:
+        self.db.execute("DELETE FROM jobs WHERE task_id = ?", (task_id,))
 
     def offset(self, task_id: str) -> int:
         row = self.db.execute('SELECT "offset" FROM runs WHERE task_id = ?', (task_id,)).fetchone()

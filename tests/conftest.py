@@ -9,6 +9,8 @@ from tests.world import HOST_A, HOST_B, HOST_PROVIDER, World, build_world
 
 HOSTS = {"a": HOST_A, "b": HOST_B, "provider": HOST_PROVIDER}
 
+pytest_plugins = ["tests.slurm"]  # a real single-node Slurm, for tests/hpc and tests/e2e/test_hpc.py
+
 
 @pytest.fixture(scope="session")
 def world(django_db_setup: None, django_db_blocker: pytest.FixtureRequest) -> World:

@@ -1,0 +1,43 @@
+"""What every agent backend offers the agent loop (agents.main): the bare-metal runner and the HPC
+submitters (Slurm, PBS, LSF) alike."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from agents.state import State
+
+# (task id, kind, body, log offset reached or None) -> sent when it may be
+Report = Callable[[str, str, dict[str, Any], int | None], Awaitable[None]]
+# (task id, name relative to its folder, file) -> upload it to the plane's file store
+Upload = Callable[[str, str, Path], Awaitable[None]]
+
+
+class Refused(Exception):
+    """This environment cannot run the task; the message goes back to the plane as the reason.
+
+    A permanent refusal (an unmapped user, a value that cannot go into a batch script, a partition the
+    cluster does not have) fails the task: placing it again would be refused again. Otherwise the task
+    goes back to the queue and waits.
+    """
+
+    def __init__(self, message: str, *, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+
+
+class Backend(Protocol):
+    state: State
+    upload: Upload | None
+
+    @property
+    def name(self) -> str: ...
+    def inventory(self) -> dict[str, Any]: ...
+    def running(self) -> list[str]: ...
+    def queue(self) -> list[dict[str, Any]]: ...
+    def adopt(self, report: Report) -> list[str]: ...
+    async def start(self, assignment: dict[str, Any], report: Report) -> None: ...
+    async def stop(self, task_id: str, grace_seconds: float) -> None: ...
+    async def stop_all(self, grace_seconds: float) -> None: ...

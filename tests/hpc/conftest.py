@@ -1,0 +1,130 @@
+"""Agent-level HPC tests drive agents.hpc.Batch directly against the real Slurm of tests/slurm.py, with a
+stand-in for the plane's two HTTPS endpoints that node reporters post to; tests/e2e/test_hpc.py runs the
+whole path with a real control plane and agent process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agents.hpc import DIALECTS, Batch, Settings
+from agents.state import State
+
+
+@dataclass
+class PlaneStandIn:
+    """Records what node reporters post (reports) and put (outputs), as the plane would receive them."""
+
+    url: str
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    outputs: dict[str, bytes] = field(default_factory=dict)
+    tokens: set[str] = field(default_factory=set)
+
+    def lines(self, task_id: str) -> list[str]:
+        return [
+            line
+            for report in self.reports
+            if report["task_id"] == task_id and report["type"] == "log"
+            for line in report["lines"]
+        ]
+
+
+@pytest.fixture
+def plane() -> Iterator[PlaneStandIn]:
+    recorder = PlaneStandIn(url="")
+
+    class Handler(BaseHTTPRequestHandler):
+        def _task(self) -> str:
+            return self.path.split("/")[4]
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            recorder.tokens.add(self.headers["Authorization"])
+            recorder.reports += [{**item, "task_id": self._task()} for item in body["reports"]]
+            self._answer(200, {"kept": len(body["reports"])})
+
+        def do_PUT(self) -> None:
+            name = self.path.split("/outputs/", 1)[1]
+            recorder.outputs[f"{self._task()}/{name}"] = self.rfile.read(int(self.headers["Content-Length"]))
+            self._answer(201, {"name": name})
+
+        def _answer(self, status: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    recorder.url = f"http://127.0.0.1:{server.server_address[1]}"
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield recorder
+    server.shutdown()
+
+
+class Reports:
+    """What the backend would send the plane over the agent's websocket."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str, dict[str, Any]]] = []
+
+    async def __call__(self, task_id: str, kind: str, body: dict[str, Any], offset: int | None) -> None:
+        self.sent.append((task_id, kind, body))
+
+    def of(self, task_id: str, kind: str) -> list[dict[str, Any]]:
+        return [body for task, sent_kind, body in self.sent if task == task_id and sent_kind == kind]
+
+
+def make_backend(scheduler: str, jobs: Path, plane: PlaneStandIn, state_dir: Path, **settings: Any) -> Batch:
+    return Batch(
+        DIALECTS[scheduler](),
+        Settings(
+            **{
+                "jobs_dir": jobs,
+                "user_map": {"alice": "kqalice", "bob": "kqbob"},
+                "node_python": "/usr/bin/python3",
+                "poll_seconds": 0.5,
+                "allowed_roots": [jobs],
+                **settings,
+            }
+        ),
+        State(state_dir / "agent.sqlite"),
+        plane.url,
+    )
+
+
+def assignment(
+    task_id: str, command: list[str], *, gpus: int = 1, user: str = "alice", **extra: Any
+) -> dict[str, Any]:
+    spec = {"command": command, **extra.pop("spec", {})}
+    return {
+        "task_id": task_id,
+        "lease_id": "lease",
+        "name": extra.pop("name", "test"),
+        "size_units": gpus * 840,
+        "nodes": 1,
+        "user": user,
+        "task_token": f"kqt_{task_id}_signature",
+        "spec": spec,
+        **extra,
+    }
+
+
+async def until(condition: Any, timeout: float = 60.0, step: float = 0.2) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("timed out waiting")
+        await asyncio.sleep(step)
