@@ -6,7 +6,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from apps.accounts.urls import urlpatterns as accounts_urlpatterns
-from apps.fleet.apis import agent_output_upload
+from apps.fleet.apis import agent_output_upload, agent_reports_post
 from apps.scheduling.urls import urlpatterns as scheduling_urlpatterns
 from tenants.urls import tenant_urlpatterns
 
@@ -17,6 +17,7 @@ urlpatterns = [
     path(
         "agents/v1/tasks/<uuid:task_id>/outputs/<path:name>", agent_output_upload, name="agent-output-upload"
     ),
+    path("agents/v1/tasks/<uuid:task_id>/reports/", agent_reports_post, name="agent-reports"),
     path("api/schema/", SpectacularAPIView.as_view(urlconf="config.urls"), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
 ]

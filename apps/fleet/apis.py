@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+from typing import TYPE_CHECKING
+
 from django.core.files.storage import default_storage
+from django.db import transaction
 from django.http import FileResponse, HttpRequest, JsonResponse
 from django.shortcuts import get_object_or_404
 from django.views.decorators.csrf import csrf_exempt
@@ -16,7 +20,11 @@ from apps.accounts.models import Role
 from apps.fleet import services
 from apps.fleet.models import AgentToken, TaskOutput
 from apps.resources.models import Pool
+from apps.scheduling.models import Task
 from apps.scheduling.selectors import tasks_visible_to
+
+if TYPE_CHECKING:
+    from tenants.models import Tenant
 
 
 class AgentTokenOut(serializers.ModelSerializer[AgentToken]):
@@ -65,13 +73,13 @@ class AgentTokenDetailView(TenantAPIView):
 
 
 class TaskLogsView(TenantAPIView):
-    @extend_schema(summary="The task's output, in order; ?after=SEQ for what came since")
+    @extend_schema(summary="The task's output, in order; ?after=CURSOR for what came since")
     def get(self, request: Request, task_id: str) -> Response:
         task = get_object_or_404(tasks_visible_to(self.user), pk=task_id)
         try:
             after = int(request.query_params.get("after", 0))
         except ValueError:
-            raise serializers.ValidationError({"after": ["A sequence number."]}) from None
+            raise serializers.ValidationError({"after": ["The cursor of the last chunk read."]}) from None
         return Response(services.task_logs(task, after=after))
 
 
@@ -98,21 +106,91 @@ class TaskOutputDownloadView(TenantAPIView):
         )
 
 
+def _bearer(request: HttpRequest) -> str | None:
+    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+    return presented.strip() if scheme.lower() == "bearer" and presented.strip() else None
+
+
+def _uploader_task(request: HttpRequest, tenant: Tenant, presented: str, task_id: str) -> Task:
+    """The task an agent token (its pool's tasks) or a task token (that task's current run) may write."""
+    if presented.startswith(f"{services.TASK_TOKEN_KIND}_"):
+        return services.task_authenticate(
+            schema_name=tenant.schema_name, presented=presented, task_id=task_id
+        )
+    token = services.agent_authenticate(presented=presented)
+    task = services.pool_task(task_id, token.pool)
+    if task is None:
+        raise services.AgentRejected(f"Task {task_id} is not in pool {token.pool.name}.")
+    return task
+
+
 @csrf_exempt
+@transaction.atomic
 def agent_output_upload(request: HttpRequest, task_id: str, name: str) -> JsonResponse:
-    """PUT /agents/v1/tasks/{id}/outputs/{name}: an agent uploads a task's output, with its agent token.
-    Outside the user API on purpose: agent tokens open nothing else."""
+    """PUT /agents/v1/tasks/{id}/outputs/{name}: an agent, or an HPC job's node reporter with its task
+    token, uploads a task's output. Outside the user API on purpose: these tokens open nothing else."""
     if request.method != "PUT":
         return JsonResponse({"detail": "Upload an output with PUT."}, status=405)
-    tenant = getattr(request, "tenant", None)
-    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
-    if tenant is None or scheme.lower() != "bearer":
-        return JsonResponse({"detail": "Send 'Authorization: Bearer <agent token>'."}, status=401)
+    tenant, presented = getattr(request, "tenant", None), _bearer(request)
+    if tenant is None or presented is None:
+        return JsonResponse({"detail": "Send 'Authorization: Bearer <agent or task token>'."}, status=401)
     try:
-        token = services.agent_authenticate(presented=presented.strip())
-        output = services.output_store(
-            tenant=tenant, pool=token.pool, task_id=str(task_id), name=name, content=request
-        )
+        task = _uploader_task(request, tenant, presented, str(task_id))
+        output = services.output_store(tenant=tenant, task=task, name=name, content=request)
     except services.AgentRejected as rejected:
         return JsonResponse({"detail": str(rejected)}, status=400 if "output" in str(rejected) else 403)
     return JsonResponse(TaskOutputOut(output).data, status=201)
+
+
+MAX_REPORTS_PER_POST = 1000
+
+
+@csrf_exempt
+@transaction.atomic
+def agent_reports_post(request: HttpRequest, task_id: str) -> JsonResponse:
+    """POST /agents/v1/tasks/{id}/reports/: an HPC job's node reporter sends what its node saw, with the
+    task's token: {"reports": [{"type": "log"|"status"|"metric", "source": "node-<rank>", "seq": n, ...}]}.
+    Each (source, seq) is kept once, so a retried post counts once. Results come from the agent only."""
+    if request.method != "POST":
+        return JsonResponse({"detail": "Send reports with POST."}, status=405)
+    tenant, presented = getattr(request, "tenant", None), _bearer(request)
+    if tenant is None or presented is None or not presented.startswith(f"{services.TASK_TOKEN_KIND}_"):
+        return JsonResponse({"detail": "Send 'Authorization: Bearer <the task token>'."}, status=401)
+    try:
+        reports = json.loads(request.body or b"{}").get("reports")
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+        reports = None
+    if not isinstance(reports, list) or len(reports) > MAX_REPORTS_PER_POST:
+        return JsonResponse(
+            {"detail": f'Send {{"reports": [...]}} with at most {MAX_REPORTS_PER_POST} reports.'}, status=400
+        )
+    try:
+        task = services.task_authenticate(
+            schema_name=tenant.schema_name, presented=presented, task_id=str(task_id)
+        )
+    except services.AgentRejected as rejected:
+        return JsonResponse({"detail": str(rejected)}, status=403)
+    kept = 0
+    for item in reports:
+        problem = _node_report_problem(item)
+        if problem:
+            transaction.set_rollback(True)
+            return JsonResponse({"detail": problem}, status=400)
+        body = {key: value for key, value in item.items() if key not in {"type", "source", "seq", "task_id"}}
+        kept += services.task_report(
+            tenant=tenant, task=task, source=item["source"], seq=item["seq"], kind=item["type"], body=body
+        )
+    return JsonResponse({"kept": kept, "received": len(reports)})
+
+
+def _node_report_problem(item: object) -> str | None:
+    if not isinstance(item, dict):
+        return "Each report is an object."
+    if item.get("type") not in ("log", "status", "metric"):
+        return "A node reports log, status or metric; the job's result comes from the agent."
+    source, seq = item.get("source"), item.get("seq")
+    if not isinstance(source, str) or not source.startswith("node-") or len(source) > 40 or source == "agent":
+        return 'Each report names its source: "node-<rank>".'
+    if not isinstance(seq, int) or isinstance(seq, bool) or not 0 < seq < 2**31:
+        return "Each report has a positive whole sequence number, per source."
+    return None

@@ -110,8 +110,13 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         elif self.agent_id is None:
             raise services.AgentRejected("Say hello first.")
         elif kind == "heartbeat":
+            queue = content.get("queue")
             await database_sync_to_async(self._in_schema)(
-                services.agent_heartbeat, tenant=self.tenant, token=token, agent_id=self.agent_id
+                services.agent_heartbeat,
+                tenant=self.tenant,
+                token=token,
+                agent_id=self.agent_id,
+                queue=queue if isinstance(queue, list) else None,
             )
             await self._dispatch()
         elif kind == "accepted":
@@ -124,10 +129,12 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         elif kind == "rejected":
             await database_sync_to_async(self._in_schema)(
                 services.lease_rejected,
+                tenant=self.tenant,
                 pool=token.pool,
                 task_id=str(content["task_id"]),
                 lease_id=str(content["lease_id"]),
-                reason=str(content.get("reason", "no reason given")),
+                reason=str(content.get("reason", "no reason given"))[:2000],
+                permanent=bool(content.get("permanent", False)),
             )
         elif kind in REPORT_KINDS:
             body = {key: value for key, value in content.items() if key not in {"type", "task_id", "seq"}}
@@ -147,7 +154,10 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
     async def _dispatch(self) -> None:
         token = self.token
         assert token is not None
-        for message in await database_sync_to_async(self._in_schema)(services.dispatch, pool=token.pool):
+        assigned = await database_sync_to_async(self._in_schema)(
+            services.dispatch, pool=token.pool, schema_name=self.schema_name
+        )
+        for message in assigned:
             await self.send_json(message)
 
     async def plane_message(self, event: dict[str, Any]) -> None:

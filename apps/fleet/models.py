@@ -44,6 +44,9 @@ class Agent(models.Model):
     connected = models.BooleanField(default=False)
     connected_at = models.DateTimeField(default=timezone.now)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    # An HPC agent's view of its cluster's queue (Klique's jobs: pending with the cluster's reason, or
+    # running), as of its last heartbeat.
+    queue = models.JSONField(default=list, blank=True)
 
     class Meta:
         ordering = ["pool__name", "id"]
@@ -71,8 +74,11 @@ class TaskOutput(models.Model):
 
 
 class TaskReport(models.Model):
-    """One message an agent sent about a task (status, log, metric or result), kept once per sequence
-    number, so that a reconnecting agent may replay its outbox without anything counted twice."""
+    """One message about a task (status, log, metric or result), kept once per source and sequence
+    number, so that a reconnecting agent may replay its outbox without anything counted twice.
+
+    The source is "agent" for the pool's agent, and "node-<rank>" for an HPC job's node reporter, which
+    numbers its own reports. Logs are read in the order they were kept (the id)."""
 
     class Kind(models.TextChoices):
         STATUS = "status"
@@ -81,14 +87,17 @@ class TaskReport(models.Model):
         RESULT = "result"
 
     task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="reports")
+    source = models.CharField(max_length=40, default="agent")
     seq = models.PositiveIntegerField()
     kind = models.CharField(max_length=10, choices=Kind.choices)
     body = models.JSONField(default=dict)
     at = models.DateTimeField(default=timezone.now)
 
     class Meta:
-        ordering = ["task", "seq"]
-        constraints = [models.UniqueConstraint(fields=["task", "seq"], name="one_report_per_task_seq")]
+        ordering = ["task", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["task", "source", "seq"], name="one_report_per_source_seq")
+        ]
 
     def __str__(self) -> str:
         return f"{self.task_id}#{self.seq} {self.kind}"

@@ -10,11 +10,15 @@ The protocol (JSON over the websocket at /agents/ws/, agent -> plane unless mark
     status     {task_id, seq, state}          log {task_id, seq, stream, lines}
     metric     {task_id, seq, values}         result {task_id, seq, exit_code}
     abort      plane -> agent {task_id}       preempt plane -> agent {task_id, grace_seconds}
-    heartbeat  {running: [task ids], utilization: {gpu index: percent}}
+    heartbeat  {running: [task ids], queue: [the cluster's view of its jobs, HPC agents]}
+
+An HPC job's node reporter posts its own reports (source "node-<rank>") over HTTPS with the task's token
+(task_token), which is good for the task's current run only: see agent_reports_post in apis.py.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import uuid
@@ -47,6 +51,7 @@ HEARTBEAT_SECONDS = 10
 LEASE_SECONDS = 30
 PREEMPT_GRACE_SECONDS = 30
 AGENT_TOKEN_KIND = "kqa"  # noqa: S105 -- the kind of token (kqa_<prefix>_<secret>), not a secret
+TASK_TOKEN_KIND = "kqt"  # noqa: S105 -- kqt_<task id>_<signature>, not a secret
 
 
 class Readable(Protocol):
@@ -216,18 +221,53 @@ def agent_gone(*, agent_id: str) -> None:
     Agent.objects.filter(pk=agent_id).update(connected=False)
 
 
-def agent_heartbeat(*, tenant: Tenant, token: AgentToken, agent_id: str) -> None:
-    Agent.objects.filter(pk=agent_id).update(last_heartbeat_at=timezone.now(), connected=True)
+def agent_heartbeat(
+    *, tenant: Tenant, token: AgentToken, agent_id: str, queue: list[dict[str, Any]] | None = None
+) -> None:
+    fields: dict[str, Any] = {"last_heartbeat_at": timezone.now(), "connected": True}
+    if queue is not None:
+        fields["queue"] = queue[:10_000]
+    Agent.objects.filter(pk=agent_id).update(**fields)
     pool_heartbeat(tenant=tenant, pool=Pool.objects.get(pk=token.pool_id))
 
 
+def _signature(schema_name: str, task_id: object, lease_id: object) -> str:
+    message = f"task-token:{schema_name}:{task_id}:{lease_id}".encode()
+    digest = hmac.new(str(settings.SECRET_KEY).encode(), message, hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+
+def task_token(*, schema_name: str, task: Task) -> str:
+    """A token that lets one run of one task report and upload outputs, from its compute nodes; it is
+    good while that run is active (the lease it was dispatched under) and dies with it."""
+    return f"{TASK_TOKEN_KIND}_{task.pk.hex}_{_signature(schema_name, task.pk, task.lease_id)}"
+
+
+def task_authenticate(*, schema_name: str, presented: str, task_id: str) -> Task:
+    """The task a task token is good for, locked, or AgentRejected saying why not."""
+    parts = presented.split("_", 2)
+    identifier = _uuid(parts[1]) if len(parts) == 3 and parts[0] == TASK_TOKEN_KIND else None
+    if identifier is None:
+        raise AgentRejected("Malformed task token: expected kqt_<task>_<signature>, as the agent wrote it.")
+    if str(identifier) != str(_uuid(task_id)):
+        raise AgentRejected("This task token is for another task.")
+    task = Task.objects.select_for_update().filter(pk=identifier).first()
+    if task is None or task.lease_id is None:
+        raise AgentRejected("Unknown task token for this tenant.")
+    if not hmac.compare_digest(parts[2], _signature(schema_name, task.pk, task.lease_id)):
+        raise AgentRejected("This task token is not good for the task's current run.")
+    if task.state not in (TaskState.DISPATCHING, TaskState.RUNNING):
+        raise AgentRejected(f"Task {task.pk} is {task.state}; its token is no longer good.")
+    return task
+
+
 @transaction.atomic
-def dispatch(*, pool: Pool) -> list[dict[str, Any]]:
+def dispatch(*, pool: Pool, schema_name: str) -> list[dict[str, Any]]:
     """Hand the pool's placed tasks to its agent under a lease; returns the assign messages to send."""
     now = timezone.now()
     messages = []
     placed = Task.objects.select_for_update(skip_locked=True, of=("self",)).select_related(
-        "compute_resource__profile"
+        "compute_resource__profile", "submitter", "project"
     )
     for task in placed.filter(pool=pool, state=TaskState.PLACED):
         lease = uuid.uuid4()
@@ -251,12 +291,16 @@ def dispatch(*, pool: Pool) -> list[dict[str, Any]]:
                 "nodes": task.nodes,
                 "sharing": task.sharing,
                 "mig_profile": task.compute_resource.profile.mig_profile if task.compute_resource else "",
+                "user": task.submitter.username,
+                "project": task.project.name if task.project else "",
+                "batch": task.compute_resource.batch if task.compute_resource else {},
+                "task_token": task_token(schema_name=schema_name, task=task),
             }
         )
     return messages
 
 
-def _pool_task(task_id: str, pool: Pool) -> Task | None:
+def pool_task(task_id: str, pool: Pool) -> Task | None:
     """The task with this id in this pool, locked; None for another pool's task or a malformed id."""
     identifier = _uuid(task_id)
     if identifier is None:
@@ -265,7 +309,7 @@ def _pool_task(task_id: str, pool: Pool) -> Task | None:
 
 
 def _leased(task_id: str, lease_id: str, pool: Pool) -> Task:
-    task = _pool_task(task_id, pool)
+    task = pool_task(task_id, pool)
     if task is None or str(task.lease_id) != lease_id:
         raise AgentRejected(
             f"No lease {lease_id} on task {task_id} in pool {pool.name}; it may have expired."
@@ -280,8 +324,29 @@ def lease_accepted(*, pool: Pool, task_id: str, lease_id: str) -> None:
 
 
 @transaction.atomic
-def lease_rejected(*, pool: Pool, task_id: str, lease_id: str, reason: str) -> None:
+def lease_rejected(
+    *, tenant: Tenant, pool: Pool, task_id: str, lease_id: str, reason: str, permanent: bool = False
+) -> None:
+    """A refused task waits in the queue again, unless the refusal is permanent (a user with no account
+    on the cluster, a value no batch script may hold, a partition the cluster lacks): then it fails, with
+    the agent's reason, rather than being placed and refused forever."""
+    from apps.scheduling.tasks import request_cycle
+
     task = _leased(task_id, lease_id, pool)
+    if permanent:
+        transition(
+            task,
+            to_state=TaskState.FAILED,
+            actor="agent",
+            message=reason,
+            ended_at=timezone.now(),
+            lease_expires_at=None,
+            reason_code="refused",
+            reason=f"The agent of pool {pool.name} refused it: {reason}",
+        )
+        publish_log(tenant=tenant, task_id=str(task.pk), chunk={"type": "end", "state": task.state})
+        request_cycle(tenant)
+        return
     transition(
         task,
         to_state=TaskState.QUEUED,
@@ -298,31 +363,56 @@ def lease_rejected(*, pool: Pool, task_id: str, lease_id: str, reason: str) -> N
 
 @transaction.atomic
 def report(*, tenant: Tenant, pool: Pool, task_id: str, seq: int, kind: str, body: dict[str, Any]) -> bool:
-    """Apply one report once: a sequence number already seen changes nothing. Returns whether it was new."""
-    task = _pool_task(task_id, pool)
+    """Apply one report of the pool's agent once: a sequence number already seen changes nothing.
+    Returns whether it was new."""
+    task = pool_task(task_id, pool)
     if task is None:
         raise AgentRejected(f"Task {task_id} is not in pool {pool.name}.")
+    return task_report(tenant=tenant, task=task, source="agent", seq=seq, kind=kind, body=body)
+
+
+def task_report(
+    *, tenant: Tenant, task: Task, source: str, seq: int, kind: str, body: dict[str, Any]
+) -> bool:
+    """Apply one report about a task, locked by the caller, once per (source, seq)."""
+    if kind not in TaskReport.Kind.values:
+        raise AgentRejected(f"Unknown report type {kind!r}: status, log, metric or result.")
     try:
         with transaction.atomic():
-            TaskReport.objects.create(task=task, seq=seq, kind=kind, body=body)
+            report = TaskReport.objects.create(task=task, source=source, seq=seq, kind=kind, body=body)
     except IntegrityError:
-        return False  # a replay after a reconnect
+        return False  # a replay after a reconnect or a retried post
     if kind == TaskReport.Kind.LOG:
         publish_log(
             tenant=tenant,
             task_id=str(task.pk),
             chunk={
                 "type": "log",
+                "cursor": report.pk,
                 "seq": seq,
+                "source": source,
                 "stream": body.get("stream", "stdout"),
                 "lines": body.get("lines", []),
             },
         )
     if (
         kind == TaskReport.Kind.STATUS
-        and body.get("state") == TaskState.RUNNING
+        and body.get("state") == "pending"
         and task.state == TaskState.DISPATCHING
     ):
+        # Waiting inside the cluster's own queue: its reason is the task's reason.
+        job = f" as job {body['job_id']}" if body.get("job_id") else ""
+        Task.objects.filter(pk=task.pk).update(
+            reason_code="cluster_pending",
+            reason=f"Waiting in {task.pool.environment if task.pool else 'the cluster'}{job}: "
+            f"{str(body.get('reason') or 'pending')[:500]}",
+        )
+    elif (
+        kind in (TaskReport.Kind.STATUS, TaskReport.Kind.RESULT)
+        and (kind == TaskReport.Kind.RESULT or body.get("state") == TaskState.RUNNING)
+        and task.state == TaskState.DISPATCHING
+    ):
+        # Running now; or, for a result, it ran (a batch job can start and end between two looks).
         transition(
             task,
             to_state=TaskState.RUNNING,
@@ -330,8 +420,10 @@ def report(*, tenant: Tenant, pool: Pool, task_id: str, seq: int, kind: str, bod
             attempts=task.attempts + 1,
             started_at=timezone.now(),
             lease_expires_at=None,
+            reason_code="",
+            reason="",
         )
-    elif kind == TaskReport.Kind.RESULT and task.state in ACTIVE_STATES:
+    if kind == TaskReport.Kind.RESULT and task.state in ACTIVE_STATES:
         exit_code = body.get("exit_code")
         task = task_finish(
             tenant=tenant, task=task, succeeded=exit_code == 0, exit_code=exit_code, actor="agent"
@@ -349,11 +441,9 @@ def _output_name(name: str) -> str:
 
 
 @transaction.atomic
-def output_store(*, tenant: Tenant, pool: Pool, task_id: str, name: str, content: Readable) -> TaskOutput:
-    """Keep a file a task declared as output, replacing an earlier upload of the same name."""
-    task = _pool_task(task_id, pool)
-    if task is None:
-        raise AgentRejected(f"Task {task_id} is not in pool {pool.name}.")
+def output_store(*, tenant: Tenant, task: Task, name: str, content: Readable) -> TaskOutput:
+    """Keep a file a task declared as output, replacing an earlier upload of the same name. The caller
+    has checked that the uploader may write this task's outputs (its pool's agent, or its task token)."""
     name = _output_name(name)
     digest, size, chunks = hashlib.sha256(), 0, []
     while chunk := content.read(1024 * 1024):
@@ -376,8 +466,15 @@ def output_store(*, tenant: Tenant, pool: Pool, task_id: str, name: str, content
 
 def task_logs(task: Task, *, after: int = 0) -> list[dict[str, Any]]:
     return [
-        {"seq": seq, "at": at, "stream": body.get("stream", "stdout"), "lines": body.get("lines", [])}
-        for seq, at, body in task.reports.filter(kind=TaskReport.Kind.LOG, seq__gt=after).values_list(
-            "seq", "at", "body"
-        )
+        {
+            "cursor": cursor,
+            "seq": seq,
+            "source": source,
+            "at": at,
+            "stream": body.get("stream", "stdout"),
+            "lines": body.get("lines", []),
+        }
+        for cursor, seq, source, at, body in task.reports.filter(kind=TaskReport.Kind.LOG, pk__gt=after)
+        .order_by("pk")
+        .values_list("pk", "seq", "source", "at", "body")
     ]

@@ -260,3 +260,69 @@ class ComputeResourceDetailView(TenantAPIView):
     def get(self, request: Request, resource_id: str) -> Response:
         resource = get_object_or_404(scheduling_selectors.compute_resources(), pk=resource_id)
         return Response(ComputeResourceOut(resource, context=_resource_context(self.user)).data)
+
+
+class BatchPreviewIn(serializers.Serializer[object]):
+    scheduler = serializers.ChoiceField(choices=services.HPC_ENVIRONMENTS, required=False)
+    template = serializers.CharField(max_length=20_000, required=False, trim_whitespace=False)
+    gpus = serializers.CharField(max_length=20, required=False)
+    name = serializers.CharField(max_length=200, required=False, default="", allow_blank=True)
+    spec = serializers.DictField(required=False, default=dict)
+
+
+class BatchPreviewOut(serializers.Serializer[object]):
+    scheduler = serializers.CharField()
+    template_from = serializers.CharField()
+    script = serializers.CharField()
+    submit = serializers.ListField(child=serializers.CharField())
+
+
+class BatchPreviewView(TenantAPIView):
+    write_role = Role.MEMBER
+
+    @extend_schema(
+        request=BatchPreviewIn,
+        responses=BatchPreviewOut,
+        summary="The batch script a task would get on this compute resource's HPC pools",
+    )
+    def post(self, request: Request, resource_id: str) -> Response:
+        resource = get_object_or_404(scheduling_selectors.compute_resources(), pk=resource_id)
+        data = BatchPreviewIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        preview = services.batch_preview(
+            resource=resource,
+            user=self.user,
+            url=request.build_absolute_uri("/").rstrip("/"),
+            scheduler=data.validated_data.get("scheduler"),
+            template=data.validated_data.get("template"),
+            gpus=data.validated_data.get("gpus"),
+            name=data.validated_data["name"],
+            spec=data.validated_data["spec"],
+        )
+        return Response(BatchPreviewOut(preview).data)
+
+
+class PoolQueueView(TenantAPIView):
+    @extend_schema(
+        responses=inline_serializer(
+            "PoolQueue",
+            {
+                "pool": serializers.CharField(),
+                "environment": serializers.CharField(),
+                "agents": serializers.ListField(child=serializers.DictField()),
+            },
+        ),
+        summary="The cluster's own queue of Klique's jobs in this pool, as its agents last saw it",
+    )
+    def get(self, request: Request, pool_id: str) -> Response:
+        pool = get_object_or_404(Pool, pk=pool_id)
+        agents = [
+            {
+                "agent": agent.id,
+                "connected": agent.connected,
+                "as_of": agent.last_heartbeat_at,
+                "jobs": agent.queue,
+            }
+            for agent in pool.agents.all()
+        ]
+        return Response({"pool": pool.name, "environment": pool.environment, "agents": agents})

@@ -9,7 +9,11 @@ A document has three lists, each item named by a slug:
               gpus ("8", "0.25"); nodes and gpus_per_node; min_gpus and max_gpus (read from the task);
               mig_profile ("1g.10gb")
     policies: name, group, reservation_gpus, limit_gpus, compute_resources (profile, name,
-              queuing_priority)
+              queuing_priority, batch)
+
+A compute resource's `batch` holds its batch templates for HPC pools, by scheduler (slurm, pbs, lsf):
+template (sandboxed Jinja2, agents.batch), allowed_directives (options tasks may add, e.g. "--qos") and
+defaults (partition, account, time_limit_minutes). Templates are checked when the draft is saved.
 
 Structural mistakes (a missing field, a malformed size) are 400s from the serializers below; the rest is
 the report: errors block provisioning, warnings do not.
@@ -23,6 +27,14 @@ from typing import Any
 
 from rest_framework import serializers
 
+from agents.batch import (
+    SCHEDULERS,
+    TemplateInvalid,
+    Unsafe,
+    batch_request,
+    check_directives,
+    check_template,
+)
 from apps.resources.models import MIG_METHODS, Environment, SharingMethod, TaskSharing
 from apps.scheduling.engine import UNITS_PER_GPU, SizeError, describe, mig_fraction, units
 
@@ -129,10 +141,38 @@ class ProfileDoc(serializers.Serializer[dict[str, Any]]):
         return attrs
 
 
+class BatchDoc(serializers.Serializer[dict[str, Any]]):
+    """One scheduler's batch settings of a compute resource."""
+
+    template = serializers.CharField(max_length=20_000, required=False, trim_whitespace=False)
+    allowed_directives = serializers.ListField(
+        child=serializers.CharField(max_length=50), required=False, default=list, max_length=50
+    )
+    defaults = serializers.DictField(required=False, default=dict)
+
+
 class ComputeResourceDoc(serializers.Serializer[dict[str, Any]]):
     profile = serializers.SlugField(max_length=100)
     name = serializers.CharField(max_length=200, required=False, default="")
     queuing_priority = serializers.IntegerField(required=False, default=0)
+    batch = serializers.DictField(child=BatchDoc(), required=False, default=dict)
+
+    def validate_batch(self, batch: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        for scheduler, settings in batch.items():
+            where = f"{scheduler} batch"
+            if scheduler not in SCHEDULERS:
+                raise serializers.ValidationError(
+                    f"Unknown scheduler {scheduler!r}: one of {', '.join(SCHEDULERS)}."
+                )
+            try:
+                if "template" in settings:
+                    check_template(settings["template"], scheduler, settings["allowed_directives"])
+                else:
+                    check_directives(settings["allowed_directives"])
+                batch_request({}, settings["allowed_directives"], settings["defaults"])
+            except (TemplateInvalid, Unsafe) as error:
+                raise serializers.ValidationError(f"{where}: {error}") from None
+        return batch
 
 
 class PolicyDoc(serializers.Serializer[dict[str, Any]]):

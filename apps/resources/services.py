@@ -9,6 +9,7 @@ reason rather than dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
@@ -29,7 +30,7 @@ from apps.resources.models import (
     TaskSharing,
 )
 from apps.resources.simulation import Comparison, compare, jobs_from_csv, jobs_from_history
-from apps.scheduling.engine import UNITS_PER_GPU
+from apps.scheduling.engine import UNITS_PER_GPU, SizeError, units
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -95,6 +96,7 @@ def export_active() -> dict[str, Any]:
                     "profile": resource.profile.name,
                     "name": resource.name,
                     "queuing_priority": resource.queuing_priority,
+                    **({"batch": resource.batch} if resource.batch else {}),
                 }
                 for resource in policy.compute_resources.select_related("profile")
             ],
@@ -250,7 +252,11 @@ def draft_provision(*, tenant: Tenant, user: User) -> Provisioned:
             compute_resource, made = ComputeResource.objects.update_or_create(
                 policy=policy,
                 profile=profile,
-                defaults={"name": name, "queuing_priority": resource["queuing_priority"]},
+                defaults={
+                    "name": name,
+                    "queuing_priority": resource["queuing_priority"],
+                    "batch": resource.get("batch") or {},
+                },
             )
             keep_resources.add(str(compute_resource.pk))
             created["compute_resources"] += made
@@ -290,3 +296,75 @@ def pool_heartbeat(*, tenant: Tenant, pool: Pool) -> Pool:
         publish_event(tenant=tenant, kind="pool.online", data={"pool": pool.name})
         request_cycle(tenant)
     return pool
+
+
+HPC_ENVIRONMENTS = ("slurm", "pbs", "lsf")
+
+
+@dataclass(frozen=True)
+class BatchPreview:
+    scheduler: str
+    template_from: str  # "given", "compute resource" or "default"
+    script: str
+    submit: list[str]
+
+
+def batch_preview(
+    *,
+    resource: ComputeResource,
+    user: User,
+    url: str,
+    scheduler: str | None,
+    template: str | None,
+    gpus: str | None,
+    name: str,
+    spec: dict[str, Any],
+) -> BatchPreview:
+    """The batch script a task would get on an HPC pool of this compute resource, rendered as the agent
+    would render it (placeholder folders and the signed-in user as the account), or InvalidInput with
+    what is wrong: the same checks the agent applies before it submits."""
+    from agents.batch import TemplateInvalid, Unsafe, check_template
+    from agents.hpc import DIALECTS, Scripts, Settings
+
+    profile = resource.profile
+    if scheduler is None:
+        environments = [entry.pool.environment for entry in profile.pool_order.select_related("pool")]
+        scheduler = next((env for env in environments if env in HPC_ENVIRONMENTS), "slurm")
+    if scheduler not in HPC_ENVIRONMENTS:
+        raise InvalidInput(f"Unknown scheduler {scheduler!r}: one of {', '.join(HPC_ENVIRONMENTS)}.")
+    settings_ = dict(resource.batch.get(scheduler) or {})
+    template_from = "compute resource" if settings_.get("template") else "default"
+    if template is not None:
+        try:
+            check_template(template, scheduler, settings_.get("allowed_directives") or [])
+        except TemplateInvalid as error:
+            raise InvalidInput(f"The template is not usable: {error}") from None
+        settings_["template"], template_from = template, "given"
+    size_units = profile.size_units
+    if profile.size_from_task:
+        try:
+            size_units = units(gpus or to_gpus_text(profile.min_units))
+        except SizeError as error:
+            raise InvalidInput(f"gpus: {error}") from None
+    folder = Path("/cluster/klique/jobs/00000000-0000-0000-0000-000000000000")
+    assignment = {
+        "task_id": "00000000-0000-0000-0000-000000000000",
+        "name": name,
+        "spec": {"command": ["<your command>"], **spec},  # a preview without a command shows where it goes
+        "size_units": size_units,
+        "nodes": profile.nodes,
+        "mig_profile": profile.mig_profile,
+        "batch": {scheduler: settings_},
+    }
+    scripts = Scripts(
+        scheduler,
+        Settings(jobs_dir=folder.parent, node_python="python3", allowed_roots=[Path("/")]),
+        url,
+    )
+    account = user.username if user.username.isidentifier() else "someone"
+    try:
+        script, context = scripts.script(assignment, account, folder)
+    except (TemplateInvalid, Unsafe) as error:
+        raise InvalidInput(str(error)) from None
+    submit = DIALECTS[scheduler]().submit(folder / "job.sh", context)
+    return BatchPreview(scheduler, template_from, script, submit)

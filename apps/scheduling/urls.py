@@ -27,6 +27,12 @@ urlpatterns = [
         resources.ComputeResourceDetailView.as_view(),
         name="compute-resource-detail",
     ),
+    path(
+        "compute-resources/<uuid:resource_id>/batch-preview/",
+        resources.BatchPreviewView.as_view(),
+        name="compute-resource-batch-preview",
+    ),
+    path("pools/<uuid:pool_id>/queue/", resources.PoolQueueView.as_view(), name="pool-queue"),
     path("queue-wait/", apis.QueueWaitView.as_view(), name="queue-wait"),
     path("tasks/", apis.TaskListView.as_view(), name="task-list"),
     path("tasks/<uuid:task_id>/", apis.TaskDetailView.as_view(), name="task-detail"),

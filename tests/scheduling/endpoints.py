@@ -43,6 +43,22 @@ ENDPOINTS = [
         lambda w: f"/api/v1/compute-resources/{w.compute_resource_a}/",
         names_object=True,
     ),
+    Endpoint(
+        "POST",
+        "api/v1/compute-resources/<uuid:resource_id>/batch-preview/",
+        "member",
+        lambda w: f"/api/v1/compute-resources/{w.compute_resource_a}/batch-preview/",
+        body=lambda w: {"scheduler": "slurm", "name": "train", "spec": {"command": ["python", "train.py"]}},
+        bad_body={"scheduler": "slurm", "spec": {"command": ["echo", "$(touch /tmp/x)\n#SBATCH --uid=0"]}},
+        names_object=True,
+    ),
+    Endpoint(
+        "GET",
+        "api/v1/pools/<uuid:pool_id>/queue/",
+        "viewer",
+        lambda w: f"/api/v1/pools/{w.pool_a}/queue/",
+        names_object=True,
+    ),
     Endpoint("GET", "api/v1/queue-wait/", "viewer", fixed("/api/v1/queue-wait/")),
     Endpoint("GET", "api/v1/tasks/", "viewer", fixed("/api/v1/tasks/"), a_ids=lambda w: [w.task_a]),
     Endpoint(

@@ -1,0 +1,144 @@
+"""The whole HPC path: `klique up --demo`, a real `klique-agent --backend slurm` on a real single-node
+Slurm, tasks submitted through the API and run by Slurm as the users' own Linux accounts."""
+
+from __future__ import annotations
+
+import pwd
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import ROOT, clean_environment, start_up
+from tests.e2e.test_agent_crash import Demo
+from tests.e2e.test_up import BANNER_CURL
+
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("accounts")]
+
+TRAIN = (
+    "echo gpus=$CUDA_VISIBLE_DEVICES; id -un; "
+    "for i in $(seq 1 16); do echo step $i; sleep 1; done; "  # outlives a heartbeat (10 s)
+    "echo '{\"loss\": 0.25}' > metrics.json"
+)
+
+
+def provision_slurm_pool(demo: Demo) -> str:
+    """A Slurm pool "hpc" of 4 GPUs behind compute resource "Research: HPC"; its agent token."""
+    document = demo.call("GET", "/api/v1/configuration/draft/")["document"]
+    document["pools"].append({"name": "hpc", "environment": "slurm", "capacity_gpus": 4})
+    document["profiles"].append({"name": "two-gpu-hpc", "gpus": "2", "pools": [{"pool": "hpc"}]})
+    document["policies"][0]["compute_resources"].append(
+        {
+            "profile": "two-gpu-hpc",
+            "name": "Research: HPC",
+            "batch": {"slurm": {"defaults": {"partition": "debug", "time_limit_minutes": 10}}},
+        }
+    )
+    demo.call("PUT", "/api/v1/configuration/draft/", json={"document": document})
+    demo.call("POST", "/api/v1/configuration/draft/provision/")
+    pool = next(pool for pool in demo.call("GET", "/api/v1/pools/")["results"] if pool["name"] == "hpc")
+    token: str = demo.call("POST", f"/api/v1/pools/{pool['id']}/agent-tokens/", json={"name": "login"})[
+        "token"
+    ]
+    return token
+
+
+def wait_for_state(demo: Demo, task_id: str, states: set[str], timeout: float = 120) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        task: dict[str, Any] = demo.call("GET", f"/api/v1/tasks/{task_id}/")
+        if task["state"] in states or time.monotonic() > deadline:
+            return task
+        time.sleep(0.3)
+
+
+def test_tasks_run_in_slurm_as_their_users_and_survive_an_agent_restart(
+    fresh_database: str, redis_url: str, slurm: Path, jobs_dir: Path, tmp_path: Path
+) -> None:
+    environment = clean_environment(DATABASE_URL=fresh_database, REDIS_URL=redis_url, SLURM_CONF=str(slurm))
+    running = start_up(environment, tmp_path / "data")
+    agent = None
+    config = tmp_path / "agent.toml"
+    config.write_text(
+        f'[agent.slurm]\njobs_dir = "{jobs_dir}"\nnode_python = "/usr/bin/python3"\npoll_seconds = 0.5\n'
+        '[agent.slurm.user_map]\nalice = "kqalice"\n'
+    )
+    try:
+        admin_token = running.wait_for(BANNER_CURL)[1]
+        demo = Demo(running.port, admin_token)
+        argv = [
+            sys.executable, "-m", "agents.main", "--url", f"http://demo.localhost:{running.port}",
+            "--token", provision_slurm_pool(demo), "--backend", "slurm", "--config", str(config),
+            "--agent-id", "login-1", "--work-dir", str(tmp_path / "agent"),
+        ]  # fmt: skip
+        log = (tmp_path / "agent.log").open("w")
+        agent = subprocess.Popen(argv, cwd=ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT)
+        task = demo.call(
+            "POST",
+            "/api/v1/tasks/",
+            json={
+                "compute_resource": "Research: HPC",
+                "name": "resnet",
+                "spec": {"command": ["bash", "-c", TRAIN], "outputs": ["metrics.json"]},
+            },
+        )
+        wait_for_state(demo, task["id"], {"running"})
+        pool = next(pool for pool in demo.call("GET", "/api/v1/pools/")["results"] if pool["name"] == "hpc")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the cluster's queue, as the agent's heartbeat last told it
+            seen = demo.call("GET", f"/api/v1/pools/{pool['id']}/queue/")["agents"]
+            if seen and any(job["task_id"] == task["id"] for job in seen[0]["jobs"]):
+                break
+            time.sleep(0.5)
+        [login] = seen
+        [job] = [job for job in login["jobs"] if job["task_id"] == task["id"]]
+        assert (job["state"], job["cluster_state"]) == ("running", "RUNNING")
+        assert demo.logged(task["id"])[-1] != "step 16"  # still running when its agent is killed
+
+        agent.send_signal(signal.SIGKILL)  # the job goes on in Slurm without its agent
+        agent.wait(timeout=10)
+        time.sleep(1)
+        agent = subprocess.Popen(argv, cwd=ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT)
+
+        final = wait_for_state(demo, task["id"], {"completed", "failed"})
+        assert (final["state"], final["attempts"], final["exit_code"]) == ("completed", 1, 0), final
+        lines = demo.logged(task["id"])
+        assert lines[0].startswith("gpus=")
+        assert len(lines[0].removeprefix("gpus=").split(",")) == 2, lines
+        assert lines[1:] == ["kqalice", *(f"step {i}" for i in range(1, 17))]  # each line once
+        outputs = demo.call("GET", f"/api/v1/tasks/{task['id']}/outputs/")
+        assert [output["name"] for output in outputs] == ["metrics.json"]
+        assert (jobs_dir / task["id"] / "output.log").stat().st_uid == pwd.getpwnam("kqalice").pw_uid
+        history = [event["to_state"] for event in demo.call("GET", f"/api/v1/tasks/{task['id']}/history/")]
+        assert history == ["queued", "placed", "dispatching", "running", "completed"]  # it ran once
+
+        # A user with no Linux account on the cluster: the task fails, saying why and what to do.
+        bot = demo.call("POST", "/api/v1/service-accounts/", json={"name": "ci-bot", "role": "member"})
+        research = next(g for g in demo.call("GET", "/api/v1/groups/")["results"] if g["name"] == "research")
+        demo.call(
+            "PATCH", f"/api/v1/groups/{research['id']}/", json={"members": [*research["members"], bot["id"]]}
+        )
+        bot_token = demo.call("POST", f"/api/v1/service-accounts/{bot['id']}/tokens/", json={"name": "ci"})[
+            "token"
+        ]
+        as_bot = Demo(running.port, bot_token)
+        refused = as_bot.call(
+            "POST",
+            "/api/v1/tasks/",
+            json={"compute_resource": "Research: HPC", "spec": {"command": ["true"]}},
+        )
+        ended = wait_for_state(demo, refused["id"], {"failed"})
+        assert ended["state"] == "failed", ended
+        assert "has no Linux account on this cluster" in ended["reason"]
+        assert "[agent.slurm.user_map]" in ended["reason"]
+    finally:
+        if agent is not None and agent.poll() is None:
+            agent.terminate()
+            agent.wait(timeout=30)
+        assert running.interrupt() == 0
+        agent_log = (tmp_path / "agent.log").read_text() if (tmp_path / "agent.log").exists() else ""
+        assert "Traceback" not in agent_log, agent_log
