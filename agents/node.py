@@ -3,8 +3,10 @@
 The batch script of an HPC task runs this once per node. It starts the command in its own process group,
 copies its output to stdout (so the batch system's output file has it too) and posts it to the control
 plane in batches with the task's own token, which is good for this task's current run only. Each report
-is numbered per node, and the plane keeps each number once, so a retried post counts once. On the first
-node it uploads the task's declared outputs when the command ends and writes the exit code beside them.
+is numbered per node, and the plane keeps each number once, so a retried post counts once. Metrics go the
+same way: JSON objects the task appends, one per line, to $KLIQUE_METRICS_FILE, and, where nvidia-smi
+answers, the node's GPU utilization and memory every --metrics-seconds. On the first node it uploads the
+task's declared outputs when the command ends and writes the exit code beside them.
 SIGTERM (a cancel or preemption through the batch system) is passed on to the command's process group.
 
 Standard library only, and runnable as a plain script (`python3 node.py ...`), so any Python 3.9+ on a
@@ -18,6 +20,7 @@ import contextlib
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -109,8 +112,94 @@ class Reporter:
         return None
 
 
+class Metrics:
+    """The task's own metrics (new JSON lines in its metrics file) and samples of the node's GPUs."""
+
+    def __init__(self, path: Path, every: float) -> None:
+        self.path, self.every, self.offset, self.due = path, every, 0, 0.0
+
+    def from_task(self) -> tuple[list[dict[str, object]], list[str]]:
+        """New metric objects, and a sentence for each line that is not one."""
+        try:
+            with self.path.open("rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return [], []
+        complete = data[: data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        values, problems = [], []
+        for line in complete.decode(errors="replace").splitlines():
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError:
+                value = None
+            if isinstance(value, dict):
+                values.append(value)
+            elif line.strip():
+                problems.append(f"klique: not a JSON object in {self.path.name}, skipped: {line[:200]}")
+        return values, problems
+
+    def from_gpus(self) -> dict[str, object] | None:
+        """Utilization and memory of the node's GPUs, every `every` seconds where nvidia-smi answers."""
+        if self.every <= 0 or time.monotonic() < self.due or shutil.which("nvidia-smi") is None:
+            return None
+        self.due = time.monotonic() + self.every
+        query = ["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used,memory.total"]
+        query.append("--format=csv,noheader,nounits")
+        try:
+            answer = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        gpus = []
+        for line in answer.stdout.splitlines():
+            fields = [field.strip() for field in line.split(",")]
+            if len(fields) == 4 and all(field.replace(".", "", 1).isdigit() for field in fields):
+                index, utilization, used, total = fields
+                gpus.append(
+                    {
+                        "index": int(index),
+                        "utilization_percent": float(utilization),
+                        "memory_used_mib": float(used),
+                        "memory_total_mib": float(total),
+                    }
+                )
+        return {"gpus": gpus} if gpus else None
+
+
 def pieces(line: str) -> list[str]:
     return [line[start : start + MAX_LINE] for start in range(0, max(len(line), 1), MAX_LINE)]
+
+
+def collect(reporter: Reporter, buffered: list[str], lock: threading.Lock, metrics: Metrics) -> None:
+    """Queue the output read since the last call and any new metrics."""
+    with lock:
+        lines, buffered[:] = list(buffered), []
+    if lines:
+        reporter.add("log", {"stream": "stdout", "lines": lines})
+    values, problems = metrics.from_task()
+    for value in values:
+        reporter.add("metric", {"values": value})
+    if problems:
+        reporter.add("log", {"stream": "klique", "lines": problems})
+    sample = metrics.from_gpus()
+    if sample is not None:
+        reporter.add("metric", {"values": sample})
+
+
+def upload_outputs(reporter: Reporter, folder: Path, patterns: list[str]) -> None:
+    """Upload the files inside the task's folder that match its declared patterns; say what failed."""
+    for name in sorted(
+        {
+            str(Path(path).resolve().relative_to(folder))
+            for pattern in patterns
+            for path in glob.glob(str(folder / pattern), recursive=True)
+            if Path(path).is_file() and Path(path).resolve().is_relative_to(folder)
+        }
+    ):
+        problem = reporter.upload(name, folder / name)
+        if problem:
+            reporter.add("log", {"stream": "klique", "lines": [problem]})
 
 
 def run(arguments: argparse.Namespace) -> int:
@@ -118,12 +207,15 @@ def run(arguments: argparse.Namespace) -> int:
     token = Path(arguments.token_file).read_text().strip()
     reporter = Reporter(arguments.url, arguments.task, token, f"node-{rank}")
     workdir = Path(arguments.workdir)
+    metrics = Metrics(workdir / f"metrics-node{rank}.jsonl", arguments.metrics_seconds)
+    environment = {**os.environ, "KLIQUE_TASK_ID": arguments.task, "KLIQUE_METRICS_FILE": str(metrics.path)}
     child = subprocess.Popen(
         arguments.command,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
         cwd=arguments.chdir or workdir,
+        env=environment,
     )
 
     def forward(signum: int, _frame: object) -> None:
@@ -150,28 +242,16 @@ def run(arguments: argparse.Namespace) -> int:
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     failures = 0
+
     while reader.is_alive():
         reader.join(FLUSH_SECONDS if failures == 0 else min(30.0, FLUSH_SECONDS * 2**failures))
-        with lock:
-            lines, buffered[:] = list(buffered), []
-        if lines:
-            reporter.add("log", {"stream": "stdout", "lines": lines})
+        collect(reporter, buffered, lock, metrics)
         failures = 0 if reporter.flush() else failures + 1
+    collect(reporter, buffered, lock, metrics)  # the last metric lines, written just before the command ended
     code = child.wait()
     code = code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
     if rank == 0:
-        folder = workdir.resolve()
-        for name in sorted(
-            {
-                str(Path(path).resolve().relative_to(folder))
-                for pattern in arguments.output
-                for path in glob.glob(str(folder / pattern), recursive=True)
-                if Path(path).is_file() and Path(path).resolve().is_relative_to(folder)
-            }
-        ):
-            problem = reporter.upload(name, folder / name)
-            if problem:
-                reporter.add("log", {"stream": "klique", "lines": [problem]})
+        upload_outputs(reporter, workdir.resolve(), arguments.output)
         (workdir / "exit-code").write_text(str(code))
     deadline = time.monotonic() + arguments.final_seconds
     while not reporter.flush() and time.monotonic() < deadline:
@@ -190,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chdir", help="run the command here instead of the task's folder")
     parser.add_argument("--output", action="append", default=[], help="a file pattern to upload at the end")
     parser.add_argument("--final-seconds", type=float, default=60.0, help="keep trying the last reports")
+    parser.add_argument("--metrics-seconds", type=float, default=30.0, help="GPU samples; 0 turns them off")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     arguments = parser.parse_args(argv)
     if arguments.command[:1] == ["--"]:

@@ -83,6 +83,17 @@ class TaskLogsView(TenantAPIView):
         return Response(services.task_logs(task, after=after))
 
 
+class TaskMetricsView(TenantAPIView):
+    @extend_schema(summary="The task's metrics as its nodes reported them; ?after=CURSOR for what came since")
+    def get(self, request: Request, task_id: str) -> Response:
+        task = get_object_or_404(tasks_visible_to(self.user), pk=task_id)
+        try:
+            after = int(request.query_params.get("after", 0))
+        except ValueError:
+            raise serializers.ValidationError({"after": ["The cursor of the last metric read."]}) from None
+        return Response(services.task_metrics(task, after=after))
+
+
 class TaskOutputOut(serializers.ModelSerializer[TaskOutput]):
     class Meta:
         model = TaskOutput

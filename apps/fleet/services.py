@@ -464,6 +464,16 @@ def output_store(*, tenant: Tenant, task: Task, name: str, content: Readable) ->
     return output
 
 
+def task_metrics(task: Task, *, after: int = 0) -> list[dict[str, Any]]:
+    """The metrics the task's nodes reported (the task's own values and GPU samples), in order."""
+    return [
+        {"cursor": cursor, "source": source, "at": at, "values": body.get("values", {})}
+        for cursor, source, at, body in task.reports.filter(kind=TaskReport.Kind.METRIC, pk__gt=after)
+        .order_by("pk")
+        .values_list("pk", "source", "at", "body")
+    ]
+
+
 def task_logs(task: Task, *, after: int = 0) -> list[dict[str, Any]]:
     return [
         {

@@ -40,6 +40,7 @@ urlpatterns = [
     path("tasks/<uuid:task_id>/why/", apis.TaskWhyView.as_view(), name="task-why"),
     path("tasks/<uuid:task_id>/history/", apis.TaskHistoryView.as_view(), name="task-history"),
     path("tasks/<uuid:task_id>/logs/", fleet.TaskLogsView.as_view(), name="task-logs"),
+    path("tasks/<uuid:task_id>/metrics/", fleet.TaskMetricsView.as_view(), name="task-metrics"),
     path("tasks/<uuid:task_id>/outputs/", fleet.TaskOutputListView.as_view(), name="task-outputs"),
     path(
         "tasks/<uuid:task_id>/outputs/<path:name>", fleet.TaskOutputDownloadView.as_view(), name="task-output"

@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("accounts")]
 TRAIN = (
     "echo gpus=$CUDA_VISIBLE_DEVICES; id -un; "
     "for i in $(seq 1 16); do echo step $i; sleep 1; done; "  # outlives a heartbeat (10 s)
-    "echo '{\"loss\": 0.25}' > metrics.json"
+    "echo '{\"loss\": 0.25}' > metrics.json; "
+    'echo \'{"loss": 0.25, "step": 16}\' >> "$KLIQUE_METRICS_FILE"'
 )
 
 
@@ -110,6 +111,9 @@ def test_tasks_run_in_slurm_as_their_users_and_survive_an_agent_restart(
         assert lines[0].startswith("gpus=")
         assert len(lines[0].removeprefix("gpus=").split(",")) == 2, lines
         assert lines[1:] == ["kqalice", *(f"step {i}" for i in range(1, 17))]  # each line once
+        metrics = demo.call("GET", f"/api/v1/tasks/{task['id']}/metrics/")
+        assert [m["values"] for m in metrics if "gpus" not in m["values"]] == [{"loss": 0.25, "step": 16}]
+        assert {m["source"] for m in metrics} == {"node-0"}
         outputs = demo.call("GET", f"/api/v1/tasks/{task['id']}/outputs/")
         assert [output["name"] for output in outputs] == ["metrics.json"]
         assert (jobs_dir / task["id"] / "output.log").stat().st_uid == pwd.getpwnam("kqalice").pw_uid

@@ -27,12 +27,16 @@ class PlaneStandIn:
     reports: list[dict[str, Any]] = field(default_factory=list)
     outputs: dict[str, bytes] = field(default_factory=dict)
     tokens: set[str] = field(default_factory=set)
+    refuse: int = 0  # answer this many posts with 503 first, as a plane that is restarting would
 
-    def lines(self, task_id: str) -> list[str]:
+    def metrics(self, task_id: str) -> list[dict[str, Any]]:
+        return [r for r in self.reports if r["task_id"] == task_id and r["type"] == "metric"]
+
+    def lines(self, task_id: str, stream: str = "stdout") -> list[str]:
         return [
             line
             for report in self.reports
-            if report["task_id"] == task_id and report["type"] == "log"
+            if report["task_id"] == task_id and report["type"] == "log" and report.get("stream") == stream
             for line in report["lines"]
         ]
 
@@ -47,6 +51,10 @@ def plane() -> Iterator[PlaneStandIn]:
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if recorder.refuse > 0:
+                recorder.refuse -= 1
+                self._answer(503, {"detail": "restarting"})
+                return
             recorder.tokens.add(self.headers["Authorization"])
             recorder.reports += [{**item, "task_id": self._task()} for item in body["reports"]]
             self._answer(200, {"kept": len(body["reports"])})

@@ -127,6 +127,13 @@ ENDPOINTS += [
     ),
     Endpoint(
         "GET",
+        "api/v1/tasks/<uuid:task_id>/metrics/",
+        "viewer",
+        lambda w: f"/api/v1/tasks/{w.task_a}/metrics/",
+        names_object=True,
+    ),
+    Endpoint(
+        "GET",
         "api/v1/pools/<uuid:pool_id>/agent-tokens/",
         "admin",
         lambda w: f"/api/v1/pools/{w.pool_a}/agent-tokens/",
