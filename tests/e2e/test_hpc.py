@@ -57,6 +57,34 @@ def wait_for_state(demo: Demo, task_id: str, states: set[str], timeout: float = 
         time.sleep(0.3)
 
 
+def slurm_job(environment: dict[str, str], account: str, *options: str) -> str:
+    """A job of someone else's, submitted to Slurm directly."""
+    argv = ["runuser", "-u", account, "--", "sbatch", "--parsable", "--output=/dev/null", *options]
+    return subprocess.run(argv, env=environment, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def wait_for_slurm(environment: dict[str, str], job: str, state: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    seen = ""
+    while time.monotonic() < deadline:
+        argv = ["sacct", "--noheader", "--parsable2", f"--jobs={job}", "--format=JobIDRaw,State"]
+        rows = subprocess.run(argv, env=environment, capture_output=True, text=True, check=False).stdout
+        seen = next((line.split("|")[1] for line in rows.splitlines() if line.split("|")[0] == job), "")
+        if seen.startswith(state):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"Slurm job {job} is {seen or 'unknown'}, not {state}")
+
+
+def wait_for_reason(demo: Demo, task_id: str, reason: str, timeout: float = 90) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        why: dict[str, Any] = demo.call("GET", f"/api/v1/tasks/{task_id}/why/")
+        if why["reason"].endswith(reason) or time.monotonic() > deadline:
+            return why
+        time.sleep(0.5)
+
+
 def test_tasks_run_in_slurm_as_their_users_and_survive_an_agent_restart(
     fresh_database: str, redis_url: str, slurm: Path, jobs_dir: Path, tmp_path: Path
 ) -> None:
@@ -119,6 +147,26 @@ def test_tasks_run_in_slurm_as_their_users_and_survive_an_agent_restart(
         assert (jobs_dir / task["id"] / "output.log").stat().st_uid == pwd.getpwnam("kqalice").pw_uid
         history = [event["to_state"] for event in demo.call("GET", f"/api/v1/tasks/{task['id']}/history/")]
         assert history == ["queued", "placed", "dispatching", "running", "completed"]  # it ran once
+
+        # Someone else's job holds the cluster's GPUs: Klique's next task waits inside Slurm with Slurm's
+        # reason; cancelling it through Klique cancels the Slurm job.
+        blocker = slurm_job(environment, "kqbob", "--gpus-per-node=4", "--wrap=sleep 300")
+        try:
+            wait_for_slurm(environment, blocker, "RUNNING")
+            waiting = demo.call(
+                "POST",
+                "/api/v1/tasks/",
+                json={"compute_resource": "Research: HPC", "spec": {"command": ["true"]}},
+            )
+            why = wait_for_reason(demo, waiting["id"], "Resources")
+            assert why["state"] == "dispatching"
+            job = why["reason"].split(" as job ")[1].split(":")[0]
+            assert why["reason"] == f"Waiting in slurm as job {job}: Resources"
+            demo.call("POST", f"/api/v1/tasks/{waiting['id']}/cancel/")
+            assert wait_for_state(demo, waiting["id"], {"aborted"})["state"] == "aborted"
+            wait_for_slurm(environment, job, "CANCELLED")
+        finally:
+            subprocess.run(["scancel", blocker], env=environment, check=False)
 
         # A user with no Linux account on the cluster: the task fails, saying why and what to do.
         bot = demo.call("POST", "/api/v1/service-accounts/", json={"name": "ci-bot", "role": "member"})
