@@ -20,6 +20,8 @@ import os
 import pwd
 import re
 import shlex
+import shutil
+import stat
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,13 +100,19 @@ class ClusterUnavailable(Exception):
 OUTPUT_TAIL_LINES = 20
 
 
-def tail_lines(path: Path, count: int) -> list[str]:
+def read_owned(path: Path, account: str, *, last: int = 64 * 1024) -> str | None:
+    """The end of a file in a task's folder, only if it is a plain file of the job's own account: the
+    agent runs as root, and the folder is the user's, who could put a link to any file there."""
     try:
-        with path.open("rb") as handle:
-            handle.seek(max(0, handle.seek(0, os.SEEK_END) - 64 * 1024))
-            return handle.read().decode(errors="replace").splitlines()[-count:]
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
-        return []
+        return None
+    with os.fdopen(descriptor, "rb") as handle:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode) or status.st_uid != pwd.getpwnam(account).pw_uid:
+            return None
+        handle.seek(max(0, status.st_size - last))
+        return handle.read(last).decode(errors="replace")
 
 
 @dataclass(frozen=True)
@@ -514,20 +522,24 @@ class Batch:
         return account
 
     def _prepare(self, folder: Path, account: str, token: str, script: str) -> Path:
-        """The task's folder, owned by the account the job runs as: token (0600), script, output."""
-        folder.mkdir(parents=True, exist_ok=True)
+        """A fresh folder for the task, owned by the account the job runs as: token (0600), script.
+
+        Everything is written while the folder is still root's alone and handed over last, so the
+        account can never swap a file for a link while the agent writes (a run before this one leaves
+        its folder to the account: it is removed first, without following links)."""
+        if folder.is_symlink() or folder.exists():
+            shutil.rmtree(folder)  # rmtree does not follow symbolic links
+        folder.mkdir(mode=0o700)
         user = pwd.getpwnam(account)
-        token_path, script_path = folder / "token", folder / "job.sh"
-        for path, text, mode in ((token_path, token, 0o600), (script_path, script, 0o600)):
-            path.unlink(missing_ok=True)
-            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        script_path = folder / "job.sh"
+        for path, text in ((folder / "token", token), (script_path, script)):
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(descriptor, "w") as handle:
                 handle.write(text)
-        (folder / "exit-code").unlink(missing_ok=True)
+                if os.geteuid() == 0:
+                    os.fchown(descriptor, user.pw_uid, user.pw_gid)
         if os.geteuid() == 0:
-            for path in (folder, token_path, script_path):
-                os.chown(path, user.pw_uid, user.pw_gid)
-        folder.chmod(0o700)
+            os.chown(folder, user.pw_uid, user.pw_gid)
         return script_path
 
     def as_account(self, account: str, argv: list[str]) -> list[str]:
@@ -630,12 +642,12 @@ class Batch:
         assert self.reporter is not None
         folder = Path(job.folder)
         try:  # what the task's command returned, as its node reporter saw it
-            code: int | None = int((folder / "exit-code").read_text())
-        except (FileNotFoundError, ValueError):
+            code: int | None = int(read_owned(folder / "exit-code", job.account) or "")
+        except ValueError:
             # The reporter never finished (the job failed before it, or was killed): the cluster's
             # accounting says how it ended, and the job's output file says why.
             code = status.exit_code
-            tail = tail_lines(folder / "output.log", OUTPUT_TAIL_LINES)
+            tail = (read_owned(folder / "output.log", job.account) or "").splitlines()[-OUTPUT_TAIL_LINES:]
             if tail:
                 body = {"stream": "cluster", "lines": [f"{self.name}: {line}" for line in tail]}
                 await self.reporter(job.task_id, "log", body, None)

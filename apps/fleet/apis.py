@@ -72,26 +72,28 @@ class AgentTokenDetailView(TenantAPIView):
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
+def _after(request: Request) -> int:
+    """The ?after= cursor: the `cursor` of the last chunk or metric the caller has read."""
+    try:
+        return int(request.query_params.get("after", 0))
+    except ValueError:
+        raise serializers.ValidationError(
+            {"after": ["The cursor of the last item read, a number."]}
+        ) from None
+
+
 class TaskLogsView(TenantAPIView):
     @extend_schema(summary="The task's output, in order; ?after=CURSOR for what came since")
     def get(self, request: Request, task_id: str) -> Response:
         task = get_object_or_404(tasks_visible_to(self.user), pk=task_id)
-        try:
-            after = int(request.query_params.get("after", 0))
-        except ValueError:
-            raise serializers.ValidationError({"after": ["The cursor of the last chunk read."]}) from None
-        return Response(services.task_logs(task, after=after))
+        return Response(services.task_logs(task, after=_after(request)))
 
 
 class TaskMetricsView(TenantAPIView):
     @extend_schema(summary="The task's metrics as its nodes reported them; ?after=CURSOR for what came since")
     def get(self, request: Request, task_id: str) -> Response:
         task = get_object_or_404(tasks_visible_to(self.user), pk=task_id)
-        try:
-            after = int(request.query_params.get("after", 0))
-        except ValueError:
-            raise serializers.ValidationError({"after": ["The cursor of the last metric read."]}) from None
-        return Response(services.task_metrics(task, after=after))
+        return Response(services.task_metrics(task, after=_after(request)))
 
 
 class TaskOutputOut(serializers.ModelSerializer[TaskOutput]):

@@ -36,16 +36,27 @@ class Demo:
 
     def rack_pool_token(self) -> str:
         """Provision a pool "rack" of 2 GPUs with compute resource "Research: rack"; its agent token."""
+        return self.pool_token(
+            {"name": "rack", "environment": "baremetal", "capacity_gpus": 2},
+            {"name": "one-gpu", "gpus": "1", "pools": [{"pool": "rack"}]},
+            {"profile": "one-gpu", "name": "Research: rack"},
+        )
+
+    def pool_token(self, pool: dict[str, Any], profile: dict[str, Any], resource: dict[str, Any]) -> str:
+        """Provision a pool, a profile of it and a compute resource of the first policy; the pool's agent
+        token."""
         document = self.call("GET", "/api/v1/configuration/draft/")["document"]
-        document["pools"].append({"name": "rack", "environment": "baremetal", "capacity_gpus": 2})
-        document["profiles"].append({"name": "one-gpu", "gpus": "1", "pools": [{"pool": "rack"}]})
-        document["policies"][0]["compute_resources"].append({"profile": "one-gpu", "name": "Research: rack"})
+        document["pools"].append(pool)
+        document["profiles"].append(profile)
+        document["policies"][0]["compute_resources"].append(resource)
         self.call("PUT", "/api/v1/configuration/draft/", json={"document": document})
         self.call("POST", "/api/v1/configuration/draft/provision/")
-        rack = next(pool for pool in self.call("GET", "/api/v1/pools/")["results"] if pool["name"] == "rack")
-        token: str = self.call("POST", f"/api/v1/pools/{rack['id']}/agent-tokens/", json={"name": "rack"})[
-            "token"
-        ]
+        made = next(
+            row for row in self.call("GET", "/api/v1/pools/")["results"] if row["name"] == pool["name"]
+        )
+        token: str = self.call(
+            "POST", f"/api/v1/pools/{made['id']}/agent-tokens/", json={"name": pool["name"]}
+        )["token"]
         return token
 
     def submit_counting(self) -> dict[str, Any]:

@@ -29,23 +29,15 @@ TRAIN = (
 
 def provision_slurm_pool(demo: Demo) -> str:
     """A Slurm pool "hpc" of 4 GPUs behind compute resource "Research: HPC"; its agent token."""
-    document = demo.call("GET", "/api/v1/configuration/draft/")["document"]
-    document["pools"].append({"name": "hpc", "environment": "slurm", "capacity_gpus": 4})
-    document["profiles"].append({"name": "two-gpu-hpc", "gpus": "2", "pools": [{"pool": "hpc"}]})
-    document["policies"][0]["compute_resources"].append(
+    return demo.pool_token(
+        {"name": "hpc", "environment": "slurm", "capacity_gpus": 4},
+        {"name": "two-gpu-hpc", "gpus": "2", "pools": [{"pool": "hpc"}]},
         {
             "profile": "two-gpu-hpc",
             "name": "Research: HPC",
             "batch": {"slurm": {"defaults": {"partition": "debug", "time_limit_minutes": 10}}},
-        }
+        },
     )
-    demo.call("PUT", "/api/v1/configuration/draft/", json={"document": document})
-    demo.call("POST", "/api/v1/configuration/draft/provision/")
-    pool = next(pool for pool in demo.call("GET", "/api/v1/pools/")["results"] if pool["name"] == "hpc")
-    token: str = demo.call("POST", f"/api/v1/pools/{pool['id']}/agent-tokens/", json={"name": "login"})[
-        "token"
-    ]
-    return token
 
 
 def wait_for_state(demo: Demo, task_id: str, states: set[str], timeout: float = 120) -> dict[str, Any]:
