@@ -180,6 +180,7 @@ class BareMetal:
             "KLIQUE_TASK_ID": task_id,
             "PYTHONUNBUFFERED": "1",
         }
+        environment.update(assignment.get("secrets") or {})  # from the vault: in memory and the task only
         if units % UNITS_PER_GPU and not mig:
             environment["KLIQUE_GPU_MEMORY_FRACTION"] = f"{units / UNITS_PER_GPU:.4f}"
         log_path, exit_path, spec_path = (

@@ -69,10 +69,13 @@ class Completed:
         return (self.stderr.strip() or self.stdout.strip() or f"exit code {self.returncode}")[-2000:]
 
 
-Execute = Callable[[Sequence[str], bytes | None], Awaitable[Completed]]
+# (argument list, stdin, environment or None for the agent's own) -> what the command did
+Execute = Callable[[Sequence[str], bytes | None, Mapping[str, str] | None], Awaitable[Completed]]
 
 
-async def execute(argv: Sequence[str], stdin: bytes | None = None) -> Completed:
+async def execute(
+    argv: Sequence[str], stdin: bytes | None = None, environment: Mapping[str, str] | None = None
+) -> Completed:
     """Run a cluster command (an argument list, never a shell), with a time limit."""
     try:
         process = await asyncio.create_subprocess_exec(
@@ -80,6 +83,7 @@ async def execute(argv: Sequence[str], stdin: bytes | None = None) -> Completed:
             stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
+            env=environment,
         )
     except FileNotFoundError:
         return Completed(127, "", f"{argv[0]}: command not found on this host")
@@ -159,7 +163,9 @@ class Slurm:
     async def statuses(self, job_ids: Sequence[str], run: Execute) -> dict[str, JobStatus]:
         found: dict[str, JobStatus] = {}
         queue = await run(
-            ["squeue", "--noheader", "--states=all", f"--jobs={','.join(job_ids)}", "--format=%i|%T|%r"], None
+            ["squeue", "--noheader", "--states=all", f"--jobs={','.join(job_ids)}", "--format=%i|%T|%r"],
+            None,
+            None,
         )
         if queue.returncode and "invalid job id" not in queue.message.lower():
             raise ClusterUnavailable(queue.message)
@@ -180,6 +186,7 @@ class Slurm:
                 "sacct", "--noheader", "--parsable2", f"--jobs={','.join(job_ids)}",
                 "--format=JobIDRaw,State,ExitCode,ElapsedRaw,AllocTRES",
             ],
+            None,
             None,
         )  # fmt: skip
         if history.returncode:
@@ -203,7 +210,7 @@ class Slurm:
     async def _controller(self, job_ids: Sequence[str], run: Execute) -> dict[str, JobStatus]:
         found: dict[str, JobStatus] = {}
         for job in job_ids:
-            shown = await run(["scontrol", "--oneliner", "show", "job", job], None)
+            shown = await run(["scontrol", "--oneliner", "show", "job", job], None, None)
             fields = dict(word.split("=", 1) for word in shown.stdout.split() if "=" in word)
             if fields.get("JobId") == job:
                 found[job] = JobStatus(
@@ -250,7 +257,7 @@ class Pbs:
         return job
 
     async def statuses(self, job_ids: Sequence[str], run: Execute) -> dict[str, JobStatus]:
-        shown = await run(["qstat", "-f", *job_ids], None)
+        shown = await run(["qstat", "-f", *job_ids], None, None)
         if shown.returncode and "unknown job" not in shown.message.lower():
             raise ClusterUnavailable(shown.message)
         found: dict[str, JobStatus] = {}
@@ -300,7 +307,7 @@ class Lsf:
 
     async def statuses(self, job_ids: Sequence[str], run: Execute) -> dict[str, JobStatus]:
         shown = await run(
-            ["bjobs", "-a", "-json", "-o", "jobid stat exit_code pend_reason run_time", *job_ids], None
+            ["bjobs", "-a", "-json", "-o", "jobid stat exit_code pend_reason run_time", *job_ids], None, None
         )
         try:
             records = json.loads(shown.stdout or "{}").get("RECORDS", [])
@@ -542,16 +549,19 @@ class Batch:
             os.chown(folder, user.pw_uid, user.pw_gid)
         return script_path
 
-    def as_account(self, account: str, argv: list[str]) -> list[str]:
-        """The command as the account, with a clean environment: the account's own home and name, and
-        only what the cluster's commands need from the agent's (PATH, locale, the scheduler's settings),
-        so nothing of the agent's environment reaches the user's job."""
-        if os.geteuid() != 0 or account == "root":
-            return argv
+    def as_account(
+        self, account: str, argv: list[str], secrets: Mapping[str, str]
+    ) -> tuple[list[str], dict[str, str]]:
+        """The command as the account, and the environment it runs in: only what the cluster's commands
+        need of the agent's (PATH, locale, the scheduler's settings), the account's own name and home,
+        and the task's secrets, which the batch system passes on to the job (sbatch, qsub and bsub
+        export the submitting environment). Secrets go in the environment, never on a command line."""
         user = pwd.getpwnam(account)
-        keep = [f"{name}={value}" for name, value in sorted(os.environ.items()) if PASSED_ON.fullmatch(name)]
-        own = [f"HOME={user.pw_dir}", f"USER={account}", f"LOGNAME={account}", f"SHELL={user.pw_shell}"]
-        return ["runuser", "-u", account, "--", "env", "-i", *keep, *own, *argv]
+        environment = {name: value for name, value in os.environ.items() if PASSED_ON.fullmatch(name)}
+        environment.update(HOME=user.pw_dir, USER=account, LOGNAME=account, SHELL=user.pw_shell, **secrets)
+        if os.geteuid() != 0 or account == "root":
+            return argv, environment
+        return ["runuser", "-u", account, "--", *argv], environment
 
     async def start(self, assignment: dict[str, Any], report: Report) -> None:
         """Submit the task's job as the user's account, or raise Refused with the reason."""
@@ -573,7 +583,8 @@ class Batch:
         script_path = self._prepare(folder, account, str(assignment["task_token"]), script)
         submit = self.dialect.submit(script_path, context)
         stdin = script.encode() if self.dialect.script_on_stdin else None
-        submitted = await self.run(self.as_account(account, submit), stdin)
+        argv, environment = self.as_account(account, submit, assignment.get("secrets") or {})
+        submitted = await self.run(argv, stdin, environment)
         if submitted.returncode:
             message = submitted.message
             raise Refused(f"{submit[0]}: {message}", permanent=not TRANSIENT.search(message))
@@ -681,7 +692,7 @@ class Batch:
         self.state.job_stopping(task_id)
         waiting = job.last.startswith("pending") or not job.last
         if grace_seconds > 0 and not waiting:
-            signalled = await self.run(self.dialect.signal(job.job_id), None)
+            signalled = await self.run(self.dialect.signal(job.job_id), None, None)
             if signalled.returncode:
                 logger.warning("signalling job %s: %s", job.job_id, signalled.message)
             deadline = asyncio.get_running_loop().time() + grace_seconds
@@ -690,7 +701,7 @@ class Batch:
                 if statuses is not None and statuses.state == "ended":
                     return
                 await asyncio.sleep(1.0)
-        cancelled = await self.run(self.dialect.cancel(job.job_id), None)
+        cancelled = await self.run(self.dialect.cancel(job.job_id), None, None)
         if cancelled.returncode:
             logger.warning("cancelling job %s: %s", job.job_id, cancelled.message)
 

@@ -8,9 +8,10 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from apps.accounts.urls import urlpatterns as accounts_urlpatterns
 from apps.fleet.apis import agent_output_upload, agent_reports_post
 from apps.scheduling.urls import urlpatterns as scheduling_urlpatterns
+from apps.vault.urls import urlpatterns as vault_urlpatterns
 from tenants.urls import tenant_urlpatterns
 
-api_v1 = [*tenant_urlpatterns, *accounts_urlpatterns, *scheduling_urlpatterns]
+api_v1 = [*tenant_urlpatterns, *accounts_urlpatterns, *scheduling_urlpatterns, *vault_urlpatterns]
 
 urlpatterns = [
     path("api/v1/", include(api_v1)),

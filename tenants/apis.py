@@ -13,6 +13,7 @@ from rest_framework.views import APIView
 
 from apps.accounts.apis import TenantAPIView
 from apps.accounts.permissions import ProviderAdmin
+from apps.audit.mixins import Audited
 from tenants import selectors, serializers, services
 from tenants.models import Tenant
 
@@ -23,7 +24,7 @@ class CurrentTenantView(TenantAPIView):
         return Response(serializers.TenantOut(self.tenant).data)
 
 
-class ProviderView(APIView):
+class ProviderView(Audited, APIView):
     permission_classes = [ProviderAdmin]
 
     def tenant_or_404(self, slug: str) -> Tenant:

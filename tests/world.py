@@ -35,6 +35,7 @@ from apps.fleet.services import agent_token_create
 from apps.resources.models import ComputeResource, Pool
 from apps.resources.services import draft_provision, draft_save
 from apps.scheduling.services import TaskRequest, tasks_submit
+from apps.vault.services import secret_set
 from tenants.models import Tenant
 from tenants.services import public_tenant_ensure, tenant_create
 from tests.scheduling.config import acme_document
@@ -43,6 +44,7 @@ BASE = "klique.test"
 HOST_A = f"acme.{BASE}"
 HOST_B = f"globex.{BASE}"
 HOST_PROVIDER = BASE
+SECRET_VALUE_A = "s3cr3t-acme-shared-token-value"
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class World:
     agent_token_a: str  # an agent token of h100 (its id)
     agent_secret_a: str
     project_b: str
+    secret_a: str  # acme's tenant secret SHARED_TOKEN (its id); its value is SECRET_VALUE_A
 
 
 def build_world() -> World:
@@ -112,6 +115,7 @@ def build_world() -> World:
         )
         stored = default_storage.save(f"acme/{task.pk}/result.txt", ContentFile(b"accuracy 0.93\n"))
         TaskOutput.objects.create(task=task, name="result.txt", size=14, sha256="0" * 64, stored=stored)
+        secret = secret_set(user=alice, scope="tenant", name="SHARED_TOKEN", value=SECRET_VALUE_A)
     with schema_context(tenant_b.schema_name):
         charlie = User.objects.get(username="charlie")
         users["charlie"] = str(charlie.pk)
@@ -133,4 +137,5 @@ def build_world() -> World:
         agent_token_a=str(agent_token.token.pk),
         agent_secret_a=agent_token.secret,
         project_b=str(project_b.pk),
+        secret_a=str(secret.pk),
     )

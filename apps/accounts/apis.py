@@ -16,9 +16,10 @@ from rest_framework.views import APIView
 from apps.accounts import selectors, serializers, services
 from apps.accounts.models import ApiToken, Group, Project, Role, User
 from apps.accounts.permissions import TenantRole, is_project_admin
+from apps.audit.mixins import Audited
 
 
-class TenantAPIView(APIView):
+class TenantAPIView(Audited, APIView):
     """Every tenant endpoint: a bearer token or session, and the role the view names."""
 
     permission_classes = [TenantRole]

@@ -36,6 +36,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from apps.accounts.tokens import hash_token
+from apps.core.errors import NotFound
 from apps.core.events import publish_log
 from apps.fleet.models import Agent, AgentToken, TaskOutput, TaskReport
 from apps.resources.models import Pool
@@ -43,6 +44,7 @@ from apps.resources.services import pool_heartbeat
 from apps.scheduling.engine import UNITS_PER_GPU
 from apps.scheduling.models import ACTIVE_STATES, ENDED_STATES, Task, TaskState
 from apps.scheduling.services import task_finish, transition
+from apps.vault.services import secret_values_for
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -270,6 +272,19 @@ def dispatch(*, pool: Pool, schema_name: str) -> list[dict[str, Any]]:
         "compute_resource__profile", "submitter", "project"
     )
     for task in placed.filter(pool=pool, state=TaskState.PLACED):
+        try:
+            secrets = secret_values_for(task)  # to the agent only, in this message; read recorded
+        except NotFound as missing:
+            transition(  # it cannot run as asked: placing it again would fail again
+                task,
+                to_state=TaskState.FAILED,
+                actor="scheduler",
+                message=missing.message,
+                ended_at=now,
+                reason_code="secret_missing",
+                reason=f"{missing.message} Keep it again and resubmit the task.",
+            )
+            continue
         lease = uuid.uuid4()
         transition(
             task,
@@ -295,6 +310,7 @@ def dispatch(*, pool: Pool, schema_name: str) -> list[dict[str, Any]]:
                 "project": task.project.name if task.project else "",
                 "batch": task.compute_resource.batch if task.compute_resource else {},
                 "task_token": task_token(schema_name=schema_name, task=task),
+                "secrets": secrets,
             }
         )
     return messages

@@ -32,7 +32,7 @@ SCHEDULER = "scheduler"
 TRANSITIONS: dict[str, frozenset[str]] = {
     TaskState.QUEUED: frozenset({TaskState.PLACED, TaskState.ABORTED}),
     TaskState.PLACED: frozenset(
-        {TaskState.DISPATCHING, TaskState.QUEUED, TaskState.PREEMPTED, TaskState.ABORTED}
+        {TaskState.DISPATCHING, TaskState.QUEUED, TaskState.PREEMPTED, TaskState.ABORTED, TaskState.FAILED}
     ),
     TaskState.DISPATCHING: frozenset(
         {TaskState.RUNNING, TaskState.QUEUED, TaskState.PREEMPTED, TaskState.ABORTED, TaskState.FAILED}
@@ -179,15 +179,19 @@ def _project(user: User, reference: str | None) -> Project | None:
 
 
 def _build(tenant: Tenant, user: User, request: TaskRequest, now: datetime) -> Task:
+    from apps.vault.services import secrets_check
+
     resource = _resolve_compute_resource(user, request.compute_resource)
     if not 1 <= request.max_attempts <= 20:
         raise InvalidInput("max_attempts is between 1 and 20.", field="max_attempts")
+    project = _project(user, request.project)
+    secrets_check(user=user, project=project, spec=request.spec or {})
     return Task(
         name=request.name,
         compute_resource=resource,
         compute_resource_name=resource.name,
         submitter=user,
-        project=_project(user, request.project),
+        project=project,
         size_units=_size(resource, request.gpus, tenant),
         nodes=resource.profile.nodes,
         sharing=resource.profile.sharing,

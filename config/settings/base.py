@@ -17,6 +17,9 @@ DEBUG = env.flag("DEBUG", default=False)
 KLIQUE_BASE_DOMAIN = (env.text("KLIQUE_BASE_DOMAIN", "localhost") or "localhost").lower()
 ALLOWED_HOSTS = [KLIQUE_BASE_DOMAIN, f".{KLIQUE_BASE_DOMAIN}", *env.words("KLIQUE_EXTRA_HOSTS")]
 KLIQUE_DATA_DIR = env.data_dir()
+# The vault's master keys (Fernet, comma-separated, the current one first); without any, a key is made
+# once in the data folder (laptops, tests). Production requires them.
+KLIQUE_MASTER_KEYS = env.words("KLIQUE_MASTER_KEYS")
 # Lifetime of a new API token when the request names none, and the longest one may ask for.
 KLIQUE_TOKEN_DEFAULT_DAYS = env.integer("KLIQUE_TOKEN_DEFAULT_DAYS", default=90, minimum=1)
 KLIQUE_TOKEN_MAX_DAYS = env.integer("KLIQUE_TOKEN_MAX_DAYS", default=365, minimum=1)
@@ -39,6 +42,7 @@ SHARED_APPS = [
     "apps.core",
     # Users live in both: provider admins in the public schema, each tenant's people in its own schema.
     "apps.accounts",
+    "apps.audit",  # the provider's actions are audited in the public schema, a tenant's in its own
 ]
 TENANT_APPS = [
     "django.contrib.contenttypes",
@@ -48,6 +52,8 @@ TENANT_APPS = [
     "apps.resources",
     "apps.scheduling",
     "apps.fleet",
+    "apps.audit",
+    "apps.vault",
 ]
 INSTALLED_APPS = list(SHARED_APPS) + [app for app in TENANT_APPS if app not in SHARED_APPS]
 

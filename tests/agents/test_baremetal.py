@@ -341,3 +341,27 @@ def test_a_task_that_ended_unreported_is_still_held_at_hello(tmp_path: Path) -> 
     asyncio.run(scenario())
     assert bare.running() == []
     assert agent.holding() == ["done-task"]
+
+
+def test_secrets_reach_the_task_in_its_environment_and_nothing_on_disk(tmp_path: Path) -> None:
+    bare = backend(tmp_path)
+    script = "import hashlib, os; print(hashlib.sha256(os.environ['HF_TOKEN'].encode()).hexdigest())"
+    secret = "hf_very_secret_value"
+
+    async def scenario() -> Recorder:
+        recorder = Recorder(bare.state)
+        given = {
+            **assignment("t1", UNITS_PER_GPU, [sys.executable, "-c", script]),
+            "secrets": {"HF_TOKEN": secret},
+        }
+        await bare.start(given, recorder)
+        await asyncio.wait_for(recorder.finished.wait(), timeout=30)
+        return recorder
+
+    recorder = asyncio.run(scenario())
+    import hashlib
+
+    assert recorder.lines() == [hashlib.sha256(secret.encode()).hexdigest()]
+    for path in (tmp_path / "work").rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path  # not in the spec, state or outbox

@@ -4,7 +4,7 @@ tests/agents/lsf_outputs/README.md): the command lines it runs, the script it se
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,13 @@ class Cluster:
     def __init__(self, answers: dict[str, list[Completed]]) -> None:
         self.answers = answers
         self.calls: list[tuple[list[str], bytes | None]] = []
+        self.environments: list[Mapping[str, str] | None] = []
 
-    async def __call__(self, argv: Sequence[str], stdin: bytes | None) -> Completed:
+    async def __call__(
+        self, argv: Sequence[str], stdin: bytes | None, environment: Mapping[str, str] | None
+    ) -> Completed:
         self.calls.append((list(argv), stdin))
+        self.environments.append(environment)
         queue = self.answers[argv[0]]
         return queue.pop(0) if len(queue) > 1 else queue[0]
 
@@ -88,7 +92,7 @@ def test_a_task_goes_to_bsub_on_stdin_and_is_followed_to_its_exit_code(tmp_path:
     lsf, reports = backend(tmp_path, cluster), Reports()
 
     async def scenario() -> None:
-        await lsf.start(assignment(), reports)
+        await lsf.start({**assignment(), "secrets": {"HF_TOKEN": "hf_secret_value"}}, reports)
         for _ in range(3):
             await lsf.poll()
         assert lsf.poller is not None
@@ -96,6 +100,10 @@ def test_a_task_goes_to_bsub_on_stdin_and_is_followed_to_its_exit_code(tmp_path:
 
     asyncio.run(scenario())
     (argv, script), *polls = cluster.calls
+    submitted_in = cluster.environments[0]
+    assert submitted_in is not None
+    assert submitted_in["HF_TOKEN"] == "hf_secret_value"  # bsub passes its environment on to the job
+    assert "hf_secret_value" not in str(cluster.calls)  # never on a command line or in the script
     assert argv == ["bsub"]  # as root for a user mapped to root: no runuser; the script on stdin
     assert script is not None
     lines = script.decode().splitlines()

@@ -73,6 +73,14 @@ class Running:
         tail = "".join(self.lines[-40:])
         raise AssertionError(f"`klique up` never printed {pattern!r}; it printed:\n{tail}")
 
+    def everything(self) -> str:
+        """All it printed, once it has exited: what was read so far and the rest."""
+        assert self.process.poll() is not None, "still running"
+        time.sleep(0.5)  # the reader reaches the end of the pipe
+        while not self._queue.empty():
+            self.lines.append(self._queue.get_nowait())
+        return "".join(self.lines)
+
     def interrupt(self, timeout: float = 60) -> int:
         """Ctrl-C, as a person at the terminal would; returns the exit code."""
         self.process.send_signal(signal.SIGINT)

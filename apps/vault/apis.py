@@ -1,0 +1,111 @@
+"""Secrets: write-only. Names and where they live can be listed; values are never returned."""
+
+from __future__ import annotations
+
+from django.shortcuts import get_object_or_404
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers, status
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from apps.accounts.apis import TenantAPIView
+from apps.accounts.models import Project, Role
+from apps.vault import services
+from apps.vault.models import Secret
+
+
+class SecretOut(serializers.ModelSerializer[Secret]):
+    project = serializers.CharField(source="project.name", allow_null=True, default=None)
+    owner = serializers.CharField(source="owner.username", allow_null=True, default=None)
+    created_by = serializers.CharField(source="created_by.username", allow_null=True, default=None)
+
+    class Meta:
+        model = Secret
+        fields = ["id", "scope", "project", "owner", "name", "created_by", "created_at", "updated_at"]
+
+
+class SecretIn(serializers.Serializer[Secret]):
+    scope = serializers.ChoiceField(choices=Secret.Scope.choices, default=Secret.Scope.USER)
+    project = serializers.CharField(required=False, help_text="the project's name or id, for scope project")
+    name = serializers.CharField(max_length=128)
+    value = serializers.CharField(max_length=70_000, trim_whitespace=False, write_only=True)
+
+
+class SecretValueIn(serializers.Serializer[Secret]):
+    value = serializers.CharField(max_length=70_000, trim_whitespace=False, write_only=True)
+
+
+def _project(reference: str | None) -> Project | None:
+    if not reference:
+        return None
+    by_id = Project.objects.filter(pk=reference).first() if _is_uuid(reference) else None
+    return by_id or get_object_or_404(Project, name=reference)
+
+
+def _is_uuid(text: str) -> bool:
+    import uuid
+
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True
+
+
+class SecretListView(TenantAPIView):
+    write_role = Role.MEMBER
+
+    @extend_schema(responses=SecretOut(many=True), summary="Secrets you can see: names only, never values")
+    def get(self, request: Request) -> Response:
+        return self.page(services.secrets_visible_to(self.user), SecretOut)
+
+    @extend_schema(
+        request=SecretIn,
+        responses={201: SecretOut},
+        summary="Keep a secret (tenant: admins; project: its admins; user: your own), or replace its value",
+    )
+    def post(self, request: Request) -> Response:
+        data = SecretIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        scope = data.validated_data["scope"]
+        project = _project(data.validated_data.get("project"))
+        if scope == Secret.Scope.PROJECT and project is None:
+            raise serializers.ValidationError({"project": ["A project secret names its project."]})
+        secret = services.secret_set(
+            user=self.user,
+            scope=scope,
+            name=data.validated_data["name"],
+            value=data.validated_data["value"],
+            project=project,
+        )
+        return Response(SecretOut(secret).data, status=status.HTTP_201_CREATED)
+
+
+class SecretDetailView(TenantAPIView):
+    write_role = Role.MEMBER
+
+    @extend_schema(responses=SecretOut, summary="A secret's name and where it lives; never its value")
+    def get(self, request: Request, secret_id: str) -> Response:
+        return Response(
+            SecretOut(get_object_or_404(services.secrets_visible_to(self.user), pk=secret_id)).data
+        )
+
+    @extend_schema(request=SecretValueIn, responses=SecretOut, summary="Replace a secret's value")
+    def put(self, request: Request, secret_id: str) -> Response:
+        secret = get_object_or_404(services.secrets_visible_to(self.user), pk=secret_id)
+        data = SecretValueIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        updated = services.secret_set(
+            user=self.user,
+            scope=secret.scope,
+            name=secret.name,
+            value=data.validated_data["value"],
+            project=secret.project,
+        )
+        return Response(SecretOut(updated).data)
+
+    @extend_schema(responses={204: None}, summary="Delete a secret")
+    def delete(self, request: Request, secret_id: str) -> Response:
+        secret = get_object_or_404(services.secrets_visible_to(self.user), pk=secret_id)
+        services.secret_delete(user=self.user, secret=secret)
+        return Response(status=status.HTTP_204_NO_CONTENT)
