@@ -123,7 +123,10 @@ class ServiceAccountTokenView(TenantAPIView):
 def _issue_token(request: Request, *, tenant: Any, user: User) -> Response:
     data = serializers.TokenIn(data=request.data)
     data.is_valid(raise_exception=True)
-    issued = services.token_create(tenant=tenant, user=user, **data.validated_data)
+    fields = dict(data.validated_data)
+    if "gpu_quota" in fields:
+        fields["gpu_quota_units"] = fields.pop("gpu_quota")
+    issued = services.token_create(tenant=tenant, user=user, **fields)
     body = {**serializers.TokenOut(issued.token).data, "token": issued.secret}
     return Response(body, status=status.HTTP_201_CREATED, headers={"Cache-Control": "no-store"})
 

@@ -96,9 +96,19 @@ class ApiToken(models.Model):
     slow one.
     """
 
+    class Scope(models.TextChoices):
+        READ = "read"  # reads only
+        SUBMIT = "submit"  # reads, and submits and cancels tasks
+        ADMIN = "admin"  # all its user's role allows
+
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="api_tokens")
     name = models.CharField(max_length=100)
+    scope = models.CharField(max_length=10, choices=Scope.choices, default=Scope.ADMIN)
+    # A delegated token: an AI agent acting for `user`, with a narrower scope and its own GPU quota (the
+    # GPUs its unfinished tasks may hold at once, in 1/840 units; None: only the user's own limits).
+    agent = models.CharField(max_length=100, blank=True)
+    gpu_quota_units = models.PositiveIntegerField(null=True, blank=True)
     prefix = models.CharField(max_length=16, unique=True)
     secret_hash = models.CharField(max_length=64)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -115,3 +125,8 @@ class ApiToken(models.Model):
     @property
     def is_active(self) -> bool:
         return self.revoked_at is None and self.expires_at > timezone.now()
+
+    @property
+    def acting(self) -> str:
+        """Who acts with this token, as the audit log and task history say it."""
+        return f"agent {self.agent} for {self.user.username}" if self.agent else self.user.username

@@ -9,7 +9,7 @@ from django_tenants.utils import get_public_schema_name
 from rest_framework.permissions import SAFE_METHODS, BasePermission
 from rest_framework.request import Request
 
-from apps.accounts.models import Project, ProjectMembership, Role, User
+from apps.accounts.models import ApiToken, Project, ProjectMembership, Role, User
 
 
 class TenantRole(BasePermission):
@@ -25,10 +25,28 @@ class TenantRole(BasePermission):
             else getattr(view, "write_role", Role.ADMIN)
         )
         if user.has_role(needed):
-            return True
+            return self._scope_allows(request, view)
         self.message = (
             f"This needs the {needed} role in this tenant and {user.username} is a {user.role}. "
             "Ask a tenant admin for access."
+        )
+        return False
+
+    def _scope_allows(self, request: Request, view: Any) -> bool:
+        """A token acts with the lesser of its user's role and its own scope: read tokens only read;
+        submit tokens also submit and cancel tasks (views that say `submit_scope = True`)."""
+        token = request.auth
+        if not isinstance(token, ApiToken) or token.scope == ApiToken.Scope.ADMIN:
+            return True
+        if request.method in SAFE_METHODS:
+            return True
+        if token.scope == ApiToken.Scope.SUBMIT and getattr(view, "submit_scope", False):
+            return True
+        who = f"agent {token.agent}'s token" if token.agent else f"token klq_{token.prefix}"
+        self.message = f"This {who} has scope {token.scope}, which does not allow this. " + (
+            "It may only read."
+            if token.scope == ApiToken.Scope.READ
+            else "It may read and submit or cancel tasks."
         )
         return False
 

@@ -107,10 +107,20 @@ class TokenOut(serializers.ModelSerializer[ApiToken]):
 
     class Meta:
         model = ApiToken
-        fields = ["id", "name", "prefix", "user", "created_at", "expires_at", "revoked_at", "last_used_at"]
+        fields = [
+            "id", "name", "prefix", "user", "scope", "agent", "gpu_quota", "created_at", "expires_at",
+            "revoked_at", "last_used_at",
+        ]  # fmt: skip
+
+    gpu_quota = serializers.SerializerMethodField()
 
     def get_prefix(self, token: ApiToken) -> str:
         return f"klq_{token.prefix}"
+
+    def get_gpu_quota(self, token: ApiToken) -> str | None:
+        from apps.resources.document import to_gpus_text
+
+        return None if token.gpu_quota_units is None else to_gpus_text(token.gpu_quota_units)
 
 
 class TokenCreated(TokenOut):
@@ -123,3 +133,22 @@ class TokenCreated(TokenOut):
 class TokenIn(serializers.Serializer[ApiToken]):
     name = serializers.CharField(max_length=100)
     expires_in_days = serializers.IntegerField(required=False, min_value=1)
+    scope = serializers.ChoiceField(choices=ApiToken.Scope.choices, default=ApiToken.Scope.ADMIN)
+    agent = serializers.RegexField(
+        r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}$",
+        required=False,
+        default="",
+        error_messages={"invalid": "Name the agent with letters, digits, spaces and . _ - (at most 100)."},
+        help_text="makes a delegated token: an AI agent acting for you, with scope read or submit",
+    )
+    gpu_quota = serializers.CharField(
+        required=False, max_length=20, help_text='a delegated token\'s own GPU quota, e.g. "2"'
+    )
+
+    def validate_gpu_quota(self, value: str) -> int:
+        from apps.scheduling.engine import SizeError, units
+
+        try:
+            return units(value)
+        except SizeError as error:
+            raise serializers.ValidationError(str(error)) from None

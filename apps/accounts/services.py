@@ -48,14 +48,34 @@ def _token_expiry(expires_in_days: int | None) -> datetime:
 
 
 @transaction.atomic
-def token_create(*, tenant: Tenant, user: User, name: str, expires_in_days: int | None = None) -> IssuedToken:
-    """Issue a token for `user` in `tenant`. The returned secret is the only copy there will ever be."""
+def token_create(
+    *,
+    tenant: Tenant,
+    user: User,
+    name: str,
+    expires_in_days: int | None = None,
+    scope: str = ApiToken.Scope.ADMIN,
+    agent: str = "",
+    gpu_quota_units: int | None = None,
+) -> IssuedToken:
+    """Issue a token for `user` in `tenant`. The returned secret is the only copy there will ever be.
+
+    With `agent`, the token is delegated: an AI agent acts for the user with it, at most with scope
+    submit, and its unfinished tasks may hold at most `gpu_quota_units` at once."""
     from tenants.services import token_route_register
 
     if not user.is_active:
         raise InvalidInput(
             f"{user.username} is deactivated; reactivate the account before issuing it a token."
         )
+    if scope not in ApiToken.Scope.values:
+        raise InvalidInput(f"Unknown scope {scope!r}: read, submit or admin.", field="scope")
+    if agent and scope == ApiToken.Scope.ADMIN:
+        raise InvalidInput(
+            "A delegated token acts with less than its user: give it scope read or submit.", field="scope"
+        )
+    if gpu_quota_units is not None and not agent:
+        raise InvalidInput("A GPU quota belongs to a delegated token: name its agent.", field="gpu_quota")
     secret, prefix = new_token()
     token = ApiToken.objects.create(
         user=user,
@@ -63,6 +83,9 @@ def token_create(*, tenant: Tenant, user: User, name: str, expires_in_days: int 
         prefix=prefix,
         secret_hash=hash_token(secret),
         expires_at=_token_expiry(expires_in_days),
+        scope=scope,
+        agent=agent,
+        gpu_quota_units=gpu_quota_units,
     )
     token_route_register(tenant=tenant, prefix=prefix, secret_hash=token.secret_hash)
     return IssuedToken(token=token, secret=secret)

@@ -279,6 +279,7 @@ class BatchPreviewOut(serializers.Serializer[object]):
 
 class BatchPreviewView(TenantAPIView):
     write_role = Role.MEMBER
+    submit_scope = True
 
     @extend_schema(
         request=BatchPreviewIn,

@@ -12,7 +12,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from apps.accounts.apis import TenantAPIView
-from apps.accounts.models import Role
+from apps.accounts.models import ApiToken, Role
 from apps.resources.document import to_gpus_text
 from apps.scheduling import selectors, services
 from apps.scheduling.models import Task, TaskEvent, TaskState
@@ -47,6 +47,7 @@ class TaskOut(serializers.ModelSerializer[Task]):
             "compute_resource",
             "compute_resource_id",
             "submitter",
+            "submitted_by_agent",
             "project",
             "gpus",
             "nodes",
@@ -92,6 +93,7 @@ def _request(data: dict[str, Any]) -> services.TaskRequest:
 
 class TaskListView(TenantAPIView):
     write_role = Role.MEMBER
+    submit_scope = True
 
     @extend_schema(
         parameters=[
@@ -141,8 +143,9 @@ class TaskListView(TenantAPIView):
         data = TaskIn(data=request.data, many=many)
         data.is_valid(raise_exception=True)
         rows = data.validated_data if many else [data.validated_data]
+        token = request.auth if isinstance(request.auth, ApiToken) else None
         tasks = services.tasks_submit(
-            tenant=self.tenant, user=self.user, requests=[_request(row) for row in rows]
+            tenant=self.tenant, user=self.user, requests=[_request(row) for row in rows], token=token
         )
         body = TaskOut(tasks, many=True).data if many else TaskOut(tasks[0]).data
         return Response(body, status=status.HTTP_201_CREATED)
@@ -156,6 +159,7 @@ class TaskDetailView(TenantAPIView):
 
 class TaskCancelView(TenantAPIView):
     write_role = Role.MEMBER
+    submit_scope = True
 
     @extend_schema(request=None, responses=TaskOut, summary="Cancel a task that has not ended")
     def post(self, request: Request, task_id: str) -> Response:

@@ -40,6 +40,11 @@ class Task(models.Model):
     nodes = models.PositiveSmallIntegerField(default=1)
     sharing = models.CharField(max_length=16, choices=TaskSharing.choices, default=TaskSharing.WHOLE)
     priority = models.IntegerField(default=0)
+    # The token it was submitted with, when that was an AI agent's delegated token (its quota counts it).
+    submitted_with = models.ForeignKey(
+        "accounts.ApiToken", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    submitted_by_agent = models.CharField(max_length=100, blank=True)  # kept when the token is gone
     spec = models.JSONField(default=dict, blank=True)  # what to run; the agent renders it
 
     state = models.CharField(

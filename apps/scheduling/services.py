@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import transaction
 from django.utils import timezone
 
-from apps.accounts.models import Project, User
+from apps.accounts.models import ApiToken, Project, User
 from apps.core.errors import InvalidInput
 from apps.core.events import publish_event
 from apps.resources.models import ComputeResource, TaskSharing
@@ -204,8 +204,14 @@ def _build(tenant: Tenant, user: User, request: TaskRequest, now: datetime) -> T
 
 
 @transaction.atomic
-def tasks_submit(*, tenant: Tenant, user: User, requests: list[TaskRequest]) -> list[Task]:
-    """Queue one or many tasks, all or none: one refused request refuses the batch, naming its index."""
+def tasks_submit(
+    *, tenant: Tenant, user: User, requests: list[TaskRequest], token: ApiToken | None = None
+) -> list[Task]:
+    """Queue one or many tasks, all or none: one refused request refuses the batch, naming its index.
+
+    Submitted with an AI agent's delegated token, the tasks are the user's (their policies, their
+    project) and say which agent submitted them; the token's own GPU quota caps what its unfinished
+    tasks hold at once."""
     from apps.scheduling.tasks import request_cycle
 
     now = timezone.now()
@@ -217,12 +223,16 @@ def tasks_submit(*, tenant: Tenant, user: User, requests: list[TaskRequest]) -> 
             if len(requests) == 1:
                 raise
             raise InvalidInput(f"Task {index}: {error.message}", field=f"{index}.{error.field}") from None
+    if token is not None and token.agent:
+        _within_quota(token, tasks)
+        for task in tasks:
+            task.submitted_with, task.submitted_by_agent = token, token.agent
     Task.objects.bulk_create(tasks)
     TaskEvent.objects.bulk_create(
         TaskEvent(
             task=task,
             at=now,
-            actor=user.username,
+            actor=token.acting if token is not None else user.username,
             from_state="",
             to_state=TaskState.QUEUED,
             message="submitted",
@@ -232,6 +242,24 @@ def tasks_submit(*, tenant: Tenant, user: User, requests: list[TaskRequest]) -> 
     publish_event(tenant=tenant, kind="tasks.submitted", data={"ids": [str(task.pk) for task in tasks]})
     request_cycle(tenant)
     return tasks
+
+
+def _within_quota(token: ApiToken, tasks: list[Task]) -> None:
+    if token.gpu_quota_units is None:
+        return
+    ApiToken.objects.select_for_update().get(pk=token.pk)  # one submission at a time per token
+    holding = sum(
+        Task.objects.filter(submitted_with=token)
+        .exclude(state__in=ENDED_STATES)
+        .values_list("size_units", flat=True)
+    )
+    asked = sum(task.size_units for task in tasks)
+    if holding + asked > token.gpu_quota_units:
+        raise InvalidInput(
+            f"Agent {token.agent}'s quota is {describe(token.gpu_quota_units)} of unfinished tasks; it holds "
+            f"{describe(holding)} and asks for {describe(asked)} more. Wait for its tasks to end, or ask "
+            f"{token.user.username} for a larger quota."
+        )
 
 
 @transaction.atomic
