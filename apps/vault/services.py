@@ -169,3 +169,13 @@ def vault_rotate() -> bool:
     row.save(update_fields=["wrapped", "master_key_id", "rotated_at"])
     record(actor="klique manage vault_rotate", action="vault.rotated", target="data key")
     return True
+
+
+def tenant_secret(name: str, *, reader: str) -> str:
+    """A tenant secret's value for the plane's own use (single sign-on's client secret), audited."""
+    secret = Secret.objects.filter(scope=Secret.Scope.TENANT, name=name).first()
+    if secret is None:
+        raise NotFound(f"No tenant secret {name}; keep it with POST /api/v1/secrets/.")
+    value = crypto.open_sealed(_data_key(), bytes(secret.ciphertext), _bound_to(secret))
+    record(actor=reader, action="secret.read", target=f"secret {secret}")
+    return value

@@ -20,6 +20,13 @@ KLIQUE_DATA_DIR = env.data_dir()
 # The vault's master keys (Fernet, comma-separated, the current one first); without any, a key is made
 # once in the data folder (laptops, tests). Production requires them.
 KLIQUE_MASTER_KEYS = env.words("KLIQUE_MASTER_KEYS")
+
+# Single sign-on is configured per tenant (apps.sso); these are mozilla-django-oidc's defaults.
+AUTHENTICATION_BACKENDS = ["django.contrib.auth.backends.ModelBackend", "apps.sso.backend.TenantOIDCBackend"]
+LOGIN_REDIRECT_URL = "/api/v1/me/"
+LOGOUT_REDIRECT_URL = "/"
+OIDC_CALLBACK_CLASS = "apps.sso.views.Callback"
+OIDC_AUTHENTICATION_CALLBACK_URL = "oidc_authentication_callback"
 # Lifetime of a new API token when the request names none, and the longest one may ask for.
 KLIQUE_TOKEN_DEFAULT_DAYS = env.integer("KLIQUE_TOKEN_DEFAULT_DAYS", default=90, minimum=1)
 KLIQUE_TOKEN_MAX_DAYS = env.integer("KLIQUE_TOKEN_MAX_DAYS", default=365, minimum=1)
@@ -54,6 +61,7 @@ TENANT_APPS = [
     "apps.fleet",
     "apps.audit",
     "apps.vault",
+    "apps.sso",
 ]
 INSTALLED_APPS = list(SHARED_APPS) + [app for app in TENANT_APPS if app not in SHARED_APPS]
 

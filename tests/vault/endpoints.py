@@ -1,4 +1,4 @@
-"""The vault and audit endpoints, declared for the battery (tests/battery.py)."""
+"""The vault, audit and single sign-on endpoints, declared for the battery (tests/battery.py)."""
 
 from __future__ import annotations
 
@@ -40,4 +40,16 @@ ENDPOINTS = [
         expect=204,
     ),
     Endpoint("GET", "api/v1/audit/", "admin", fixed("/api/v1/audit/")),
+    # The world's tenants have no single sign-on (tests/sso/ sets one up against a real provider), so
+    # reading it says so, and a provider that does not answer is refused with the reason.
+    Endpoint("GET", "api/v1/sso/", "admin", fixed("/api/v1/sso/"), expect=404),
+    Endpoint(
+        "PUT",
+        "api/v1/sso/",
+        "admin",
+        fixed("/api/v1/sso/"),
+        body=lambda w: {"issuer": "http://127.0.0.1:9/", "client_id": "klique", "client_secret": "x"},
+        bad_body={"issuer": "not a url", "client_id": "klique"},
+        expect=400,
+    ),
 ]

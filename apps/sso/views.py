@@ -1,0 +1,103 @@
+"""Sign in through the tenant's identity provider, sign out, and break-glass password sign-in."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlencode
+
+import requests
+from django.contrib import auth
+from django.core.exceptions import SuspiciousOperation
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+from mozilla_django_oidc.views import OIDCAuthenticationCallbackView, OIDCAuthenticationRequestView
+
+from apps.accounts.models import Role, User
+from apps.audit.services import record
+from apps.sso import services
+from apps.sso.backend import tenant_setting
+from apps.sso.models import Provider
+
+
+def _configured(request: HttpRequest) -> Provider | None:
+    provider = Provider.objects.filter(pk=1).first()
+    if provider is not None:
+        services.current.set(services.oidc_settings(provider))
+    return provider
+
+
+NOT_CONFIGURED = "This tenant has no single sign-on; a tenant admin sets it up with PUT /api/v1/sso/."
+
+
+class SignIn(OIDCAuthenticationRequestView):
+    get_settings = staticmethod(tenant_setting)
+
+    def get(self, request: HttpRequest) -> HttpResponse:
+        if _configured(request) is None:
+            return JsonResponse({"detail": NOT_CONFIGURED}, status=404)
+        self.OIDC_OP_AUTH_ENDPOINT = tenant_setting("OIDC_OP_AUTHORIZATION_ENDPOINT")
+        self.OIDC_RP_CLIENT_ID = tenant_setting("OIDC_RP_CLIENT_ID")
+        response: HttpResponse = super().get(request)
+        return response
+
+
+class Callback(OIDCAuthenticationCallbackView):
+    get_settings = staticmethod(tenant_setting)
+
+    def get(self, request: HttpRequest) -> HttpResponse:
+        if _configured(request) is None:
+            return JsonResponse({"detail": NOT_CONFIGURED}, status=404)
+        try:
+            response: HttpResponse = super().get(request)
+        except (requests.RequestException, SuspiciousOperation):  # a code, state or token that fails
+            return self.login_failure()
+        return response
+
+    def login_failure(self) -> HttpResponse:
+        record(
+            actor="single sign-on",
+            action="sso.refused",
+            target="sign-in",
+            reason="the provider's answer did not verify",
+        )
+        why = "Sign-in failed: the identity provider's answer did not verify."
+        return JsonResponse({"detail": f"{why} Start again at /auth/sso/login/."}, status=401)
+
+
+@csrf_exempt
+def sign_out(request: HttpRequest) -> HttpResponse:
+    """End the Klique session, then the provider's (RP-initiated logout) where it offers one."""
+    if request.method != "POST":
+        return JsonResponse({"detail": "Sign out with POST."}, status=405)
+    provider = Provider.objects.filter(pk=1).first()
+    id_token = request.session.get("oidc_id_token")
+    if request.user.is_authenticated:
+        record(actor=request.user.get_username(), action="sso.signed_out", target="session")
+    auth.logout(request)
+    if provider is not None and provider.end_session_endpoint:
+        query: dict[str, Any] = {"client_id": provider.client_id}
+        if id_token:
+            query["id_token_hint"] = id_token
+        return HttpResponseRedirect(f"{provider.end_session_endpoint}?{urlencode(query)}")
+    return JsonResponse({"detail": "Signed out."})
+
+
+@csrf_exempt
+def password_sign_in(request: HttpRequest) -> HttpResponse:
+    """Break-glass: a tenant admin's password, only where the tenant allows it or has no SSO."""
+    if request.method != "POST":
+        return JsonResponse({"detail": "Sign in with POST username and password."}, status=405)
+    provider = Provider.objects.filter(pk=1).first()
+    if provider is not None and not provider.break_glass_passwords:
+        return JsonResponse(
+            {"detail": "This tenant signs in through single sign-on: /auth/sso/login/."}, status=403
+        )
+    user = auth.authenticate(
+        request, username=request.POST.get("username", ""), password=request.POST.get("password", "")
+    )
+    if not isinstance(user, User) or (provider is not None and not user.has_role(Role.ADMIN)):
+        record(actor=request.POST.get("username", "?")[:150], action="password.refused", target="sign-in")
+        return JsonResponse({"detail": "Wrong username or password, or not a break-glass admin."}, status=401)
+    auth.login(request, user, backend="django.contrib.auth.backends.ModelBackend")
+    record(actor=user.username, action="password.signed_in", target="session")
+    return JsonResponse({"detail": f"Signed in as {user.username}."})
