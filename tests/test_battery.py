@@ -127,3 +127,31 @@ def test_every_endpoint_is_declared(site: str, urlconf: str) -> None:
     assert served, "no API routes found"
     assert served - declared == set(), "endpoints missing from the battery"
     assert declared - served == set(), "declared endpoints that are not served"
+
+
+# The role matrix: every tenant endpoint, called by each tenant role. A role at or above the endpoint's
+# gets its answer; one below is refused with 403 and a sentence. (The project-admin and provider
+# endpoints are checked above with their holders and those one step short.)
+RANK = {"viewer": 0, "member": 1, "admin": 2}
+PERSONAS = {"dave": "viewer", "bob": "member", "alice": "admin"}
+
+
+@pytest.mark.parametrize(
+    ("endpoint_id", "persona"),
+    sorted(
+        (key, persona)
+        for key, e in BY_ID.items()
+        if e.site == "tenant" and e.role in RANK
+        for persona in PERSONAS
+    ),
+)
+def test_the_role_matrix(endpoint_id: str, persona: str, api: Callable[..., APIClient], world: World) -> None:
+    endpoint = BY_ID[endpoint_id]
+    response = call(api(persona), endpoint, world)
+    if endpoint.owner not in (None, persona) and PERSONAS[persona] != "admin":
+        assert response.status_code == 404, response.content  # someone else's: not there for them
+    elif RANK[PERSONAS[persona]] >= RANK[endpoint.role]:
+        assert response.status_code == endpoint.expect, response.content
+    else:
+        assert response.status_code == 403, response.content
+        readable(response)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import jwt
 from django.conf import settings
+from django.core.exceptions import SuspiciousOperation
 from mozilla_django_oidc.auth import OIDCAuthenticationBackend
 
 from apps.accounts.models import User
@@ -30,6 +32,24 @@ class TenantOIDCBackend(OIDCAuthenticationBackend):
             return None
         user: User | None = super().authenticate(request, **kwargs)
         return user
+
+    def verify_token(self, token: str, **kwargs: Any) -> dict[str, Any]:
+        """The library checks the signature (against the provider's keys), expiry and nonce; Klique also
+        insists that the token was issued by this tenant's issuer, for this tenant's client."""
+        try:
+            payload: dict[str, Any] = super().verify_token(token, **kwargs)
+        except jwt.InvalidTokenError as error:  # expired, not yet valid, malformed
+            raise SuspiciousOperation(f"The ID token was refused: {error}.") from None
+        provider = Provider.objects.get(pk=1)
+        audience = payload.get("aud")
+        audiences = audience if isinstance(audience, list) else [audience]
+        if self.OIDC_RP_CLIENT_ID not in audiences:
+            raise SuspiciousOperation(f"The ID token is for {audience!r}, not this tenant's client.")
+        if str(payload.get("iss", "")).rstrip("/") != provider.issuer.rstrip("/"):
+            raise SuspiciousOperation(
+                f"The ID token was issued by {payload.get('iss')!r}, not {provider.issuer!r}."
+            )
+        return payload
 
     def filter_users_by_claims(self, claims: dict[str, Any]) -> Any:
         provider = Provider.objects.get(pk=1)

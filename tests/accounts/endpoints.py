@@ -94,6 +94,7 @@ ENDPOINTS = [
         "viewer",
         lambda w: f"/api/v1/tokens/{w.token_ids['dave']}/",
         names_object=True,
+        owner="dave",
     ),
     Endpoint(
         "DELETE",
@@ -102,6 +103,7 @@ ENDPOINTS = [
         lambda w: f"/api/v1/tokens/{w.token_ids['dave']}/",
         expect=204,
         names_object=True,
+        owner="dave",
     ),
     Endpoint("GET", "api/v1/groups/", "viewer", fixed("/api/v1/groups/"), a_ids=lambda w: [w.group_a]),
     Endpoint(

@@ -4,22 +4,30 @@ callback, the session, sign-out."""
 
 from __future__ import annotations
 
+import base64
+import datetime
+import json
 import re
 import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from urllib.parse import parse_qs, urljoin, urlsplit
+from urllib.parse import parse_qs, urlencode, urljoin, urlsplit
 
 import httpx
+import jwt
 import pytest
+from django.core.exceptions import SuspiciousOperation
 from django.test import Client
 from django_tenants.utils import schema_context
 from rest_framework.test import APIClient
 
 from apps.accounts.models import Group, User
 from apps.audit.models import AuditEvent
+from apps.sso import services
+from apps.sso.backend import TenantOIDCBackend
+from apps.sso.models import Provider
 from tests.e2e.conftest import free_port
 from tests.world import HOST_A, World
 
@@ -197,3 +205,64 @@ def test_a_sign_in_without_the_username_claim_is_refused_and_recorded(
         [event] = AuditEvent.objects.filter(action="sso.refused", target="claims of nameless-one")
         assert "'preferred_username' claim" in event.detail["reason"]
         assert not User.objects.filter(email="nameless-one@example.com").exists()
+
+
+def id_token_from_the_provider(provider_url: str, nonce: str) -> str:
+    """A real ID token for the test client, through the provider's own pages and token endpoint."""
+    start = f"{provider_url}/auth?" + urlencode(
+        {"client_id": CLIENT_ID, "redirect_uri": CALLBACK, "response_type": "code", "scope": "openid",
+         "state": "s", "nonce": nonce}
+    )  # fmt: skip
+    code = parse_qs(urlsplit(through_the_provider(start, "token-holder")).query)["code"][0]
+    answer = httpx.post(
+        f"{provider_url}/token",
+        data={"grant_type": "authorization_code", "code": code, "redirect_uri": CALLBACK},
+        auth=(CLIENT_ID, CLIENT_SECRET),
+    )
+    assert answer.status_code == 200, answer.text
+    token: str = answer.json()["id_token"]
+    return token
+
+
+def test_tampered_expired_and_foreign_id_tokens_are_refused(
+    api: Callable[..., APIClient], world: World, provider_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    configure(api, provider_url)
+    token = id_token_from_the_provider(provider_url, "n-1")
+    with schema_context("acme"):
+        services.current.set(services.oidc_settings(Provider.objects.get(pk=1)))
+        assert TenantOIDCBackend().verify_token(token, nonce="n-1")["sub"] == "token-holder"
+
+        header, payload, signature = token.split(".")
+        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+        forged = (
+            base64.urlsafe_b64encode(json.dumps({**claims, "sub": "admin-eve"}).encode()).decode().rstrip("=")
+        )
+        with pytest.raises(SuspiciousOperation, match="verification failed"):
+            TenantOIDCBackend().verify_token(f"{header}.{forged}.{signature}", nonce="n-1")
+
+        later = claims["exp"] + 3600  # the same token, an hour after it expired
+        monkeypatch.setattr(jwt.api_jwt, "datetime", _FrozenAt(later))
+        with pytest.raises(SuspiciousOperation, match="expired"):
+            TenantOIDCBackend().verify_token(token, nonce="n-1")
+        monkeypatch.undo()
+
+        services.current.set(
+            {**services.oidc_settings(Provider.objects.get(pk=1)), "OIDC_RP_CLIENT_ID": "other"}
+        )
+        with pytest.raises(SuspiciousOperation, match="not this tenant's client"):
+            TenantOIDCBackend().verify_token(token, nonce="n-1")
+        services.current.set(None)
+
+
+class _FrozenAt:
+    """Stands in for the datetime module inside PyJWT, whose clock is then `at` (a Unix time)."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    def now(self, tz: object = None) -> datetime.datetime:
+        return datetime.datetime.fromtimestamp(self.at, tz=datetime.UTC)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(datetime.datetime, name)
