@@ -10,6 +10,7 @@ from rest_framework.request import Request
 
 from apps.accounts.models import ApiToken, User
 from apps.accounts.services import TokenRejected, token_authenticate
+from apps.accounts.tokens import parse_prefix
 from apps.core.metrics import TOKEN_REJECTIONS
 
 
@@ -30,6 +31,16 @@ class BearerTokenAuthentication(BaseAuthentication):
             return token_authenticate(tenant=tenant, presented=presented.strip())
         except TokenRejected as rejected:
             TOKEN_REJECTIONS.labels(tenant.slug).inc()
+            # Recorded by apps.audit.middleware once the request's transaction is over (only the
+            # token's public prefix: never the token).
+            prefix = parse_prefix(presented.strip())
+            request._request.audit_refused = {  # type: ignore[attr-defined]
+                "actor": f"klq_{prefix}" if prefix else "a malformed token",
+                "on_behalf_of": "",
+                "action": "token.rejected",
+                "target": f"{request.method} {request.path}",
+                "detail": str(rejected),
+            }
             raise exceptions.AuthenticationFailed(str(rejected)) from None
 
     def authenticate_header(self, request: Request) -> str:

@@ -49,6 +49,11 @@ def test_revocation_takes_effect_on_the_next_request(api: Callable[..., APIClien
     refused = bearer(world.tokens["bob"]).get("/api/v1/me/")
     assert refused.status_code == 401
     assert "was revoked" in refused.json()["detail"]
+    [recorded] = api("alice").get("/api/v1/audit/", {"action": "token.rejected"}).json()["results"]
+    prefix = world.tokens["bob"].split("_")[1]
+    assert (recorded["actor"], recorded["target"]) == (f"klq_{prefix}", "GET /api/v1/me/")
+    assert "was revoked" in recorded["detail"]["reason"]
+    assert world.tokens["bob"] not in str(recorded)  # the prefix names it; the token is never kept
 
 
 def test_a_tenant_admin_may_revoke_anyone_s_token_and_a_member_only_their_own(
