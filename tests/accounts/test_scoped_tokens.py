@@ -95,3 +95,22 @@ def test_an_agent_acts_for_its_user_within_its_own_quota_and_is_named_for_it(
     assert refusal["target"] == "POST /api/v1/secrets/"
     assert "has scope submit" in refusal["detail"]["reason"]
     assert {event["on_behalf_of"] for event in events} == {"bob"}
+
+
+def test_service_accounts_get_scoped_expiring_tokens_for_automation(
+    api: Callable[..., APIClient], world: World
+) -> None:
+    alice = api("alice")
+    issued = alice.post(
+        f"/api/v1/service-accounts/{world.service_account_a}/tokens/",
+        {"name": "ci", "scope": "read", "expires_in_days": 7},
+        format="json",
+    )
+    assert issued.status_code == 201, issued.content
+    assert issued.json()["scope"] == "read"
+    ci = with_token(issued.json()["token"])
+    assert ci.get("/api/v1/compute-resources/").status_code == 200
+    refused = ci.post("/api/v1/tasks/", TASK, format="json")
+    assert refused.status_code == 403
+    assert "has scope read" in refused.json()["detail"]
+    assert "It may only read." in refused.json()["detail"]
