@@ -382,6 +382,24 @@ def test_borrowing_that_makes_work_reclaimable_does_not_leave_guaranteed_work_wa
     assert decision.preemptions == (Preemption("v", "A", "T"),)
 
 
+def test_a_guaranteed_placement_of_this_cycle_moves_aside_for_another_policy_s_guaranteed_task() -> None:
+    """Found by the reclaim property: Q's first task takes pool A (first in its profile), P's task can only
+    use A, then Q borrows B for its second task. Q is now above its reservation, so P's task gets A; Q's
+    first task moves into B, and its second, later task is the one that waits (the queue's order holds)."""
+    decision = schedule(
+        snapshot(
+            pools=[pool("A", 1), pool("B", 1)],
+            profiles=[profile("either", ["A", "B"]), profile("only-a", ["A"])],
+            policies=[policy("P", 1, 1), policy("Q", 1, 2)],
+            queues=[queue("qp", "P", "only-a"), queue("qq", "Q", "either")],
+            queued=[task("q1", "qq", 1), task("p1", "qp", 1), task("q2", "qq", 1)],
+        )
+    )
+    assert placed(decision) == {"p1": "A", "q1": "B"}
+    assert decision.preemptions == ()
+    assert decision.reasons["q2"].message  # it waits, saying why
+
+
 def test_a_borrowing_placement_of_this_cycle_is_taken_back_rather_than_preempted() -> None:
     decision = schedule(
         snapshot(

@@ -107,8 +107,9 @@ class _Cycle:
             self.in_pool[allocation.pool].append(allocation)
 
         self.placements: dict[str, Placement] = {}
-        # Borrowing placements of this cycle, which a guaranteed task may still take back (see _settle).
-        self.borrowed_now: dict[str, tuple[_QueueState, int]] = {}
+        # Placements of this cycle, which a guaranteed task may still take back from a policy that ends
+        # up above its reservation (see _settle): taking one back costs nothing, unlike a preemption.
+        self.placed_now: dict[str, tuple[_QueueState, int]] = {}
         self.waiting_guaranteed: list[tuple[_QueueState, int]] = []
         self.preemptions: list[Preemption] = []
         self.preempted: set[str] = set()
@@ -175,6 +176,7 @@ class _Cycle:
             pool = self._place(state.profile, task) or self._reclaim(state.profile, policy, task)
             if pool is not None:
                 self._commit(task, policy, pool, band=GUARANTEED)
+                self.placed_now[task.id] = (state, index)
                 del self.reasons[task.id]
 
     def _run_band(self, band: int) -> None:
@@ -256,8 +258,7 @@ class _Cycle:
         if pool is not None:
             self._commit(task, policy, pool, band=band)
             state.done[index] = True
-            if band == BORROWING:
-                self.borrowed_now[task.id] = (state, index)
+            self.placed_now[task.id] = (state, index)
             return
         if band == GUARANTEED:
             self.waiting_guaranteed.append((state, index))
@@ -369,8 +370,7 @@ class _Cycle:
 
     def _commit(self, task: Task, policy: Policy, pool: str, *, band: int) -> None:
         self.placements[task.id] = Placement(task.id, pool)
-        if band == BORROWING:
-            self.in_pool[pool].append(Allocation(task.id, task.queue, pool, task.size, self.now))
+        self.in_pool[pool].append(Allocation(task.id, task.queue, pool, task.size, self.now))
         self.pool_used[pool] += task.size
         self.policy_used[policy.id] += task.size
         self.total_used += task.size
@@ -411,21 +411,57 @@ class _Cycle:
             for victim in victims:
                 victim_policy = self.queue_policy[victim.queue]
                 self.preempted.add(victim.task)
-                if victim.task in self.borrowed_now:
-                    self._unplace(victim.task, policy)
+                if victim.task in self.placed_now:
+                    self._take_back(victim, pool_id, policy)
                 else:
                     self.preemptions.append(Preemption(victim.task, pool_id, task.id))
-                self.pool_used[pool_id] -= victim.size
+                    self.pool_used[pool_id] -= victim.size
                 self.policy_used[victim_policy] -= victim.size
                 self.total_used -= victim.size
             self.version += 1
             return pool_id
         return None
 
+    def _take_back(self, victim: Allocation, pool_id: str, for_policy: Policy) -> None:
+        """Take back this cycle's placement `victim` in `pool_id` (policy and total usage are adjusted by
+        the caller). Where a later task of the same queue was placed this cycle elsewhere, the earlier task
+        moves into that place and the later one is the one not placed, so the queue's order holds."""
+        _, index = self.placed_now[victim.task]
+        later = [
+            allocation
+            for other_pool, allocations in self.in_pool.items()
+            if other_pool != pool_id
+            for allocation in allocations
+            if allocation.queue == victim.queue
+            and allocation.size == victim.size
+            and allocation.task in self.placed_now
+            and allocation.task not in self.preempted
+            and self.placed_now[allocation.task][1] > index
+        ]
+        self.pool_used[pool_id] -= victim.size
+        self.in_pool[pool_id] = [a for a in self.in_pool[pool_id] if a.task != victim.task]
+        if not later:
+            self._unplace(victim.task, for_policy)
+            return
+        moved_to = max(later, key=lambda allocation: self.placed_now[allocation.task][1])
+        self.preempted.discard(victim.task)
+        self.preempted.add(moved_to.task)
+        self.in_pool[moved_to.pool] = [
+            victim if a.task == moved_to.task else a for a in self.in_pool[moved_to.pool]
+        ]
+        self.placements[victim.task] = Placement(victim.task, moved_to.pool)
+        self.in_pool[moved_to.pool] = [
+            Allocation(victim.task, victim.queue, moved_to.pool, victim.size, self.now)
+            if a.task == victim.task
+            else a
+            for a in self.in_pool[moved_to.pool]
+        ]
+        self._unplace(moved_to.task, for_policy)
+
     def _unplace(self, task_id: str, for_policy: Policy) -> None:
-        """Take back a borrowing placement made earlier in this cycle (usage is adjusted by the caller)."""
+        """Take back a placement made earlier in this cycle (usage is adjusted by the caller)."""
         del self.placements[task_id]
-        state, index = self.borrowed_now.pop(task_id)
+        state, index = self.placed_now.pop(task_id)
         self.reasons[task_id] = self._reason(
             ("reclaimed", for_policy.id),
             "reclaimed",
