@@ -110,6 +110,7 @@ class _Cycle:
         # Placements of this cycle, which a guaranteed task may still take back from a policy that ends
         # up above its reservation (see _settle): taking one back costs nothing, unlike a preemption.
         self.placed_now: dict[str, tuple[_QueueState, int]] = {}
+        self.placed_in_queue: dict[str, list[Allocation]] = defaultdict(list)  # this cycle's, by queue
         self.waiting_guaranteed: list[tuple[_QueueState, int]] = []
         self.preemptions: list[Preemption] = []
         self.preempted: set[str] = set()
@@ -370,7 +371,9 @@ class _Cycle:
 
     def _commit(self, task: Task, policy: Policy, pool: str, *, band: int) -> None:
         self.placements[task.id] = Placement(task.id, pool)
-        self.in_pool[pool].append(Allocation(task.id, task.queue, pool, task.size, self.now))
+        allocation = Allocation(task.id, task.queue, pool, task.size, self.now)
+        self.in_pool[pool].append(allocation)
+        self.placed_in_queue[task.queue].append(allocation)
         self.pool_used[pool] += task.size
         self.policy_used[policy.id] += task.size
         self.total_used += task.size
@@ -429,10 +432,8 @@ class _Cycle:
         _, index = self.placed_now[victim.task]
         later = [
             allocation
-            for other_pool, allocations in self.in_pool.items()
-            if other_pool != pool_id
-            for allocation in allocations
-            if allocation.queue == victim.queue
+            for allocation in self.placed_in_queue[victim.queue]
+            if allocation.pool != pool_id
             and allocation.size == victim.size
             and allocation.task in self.placed_now
             and allocation.task not in self.preempted
@@ -446,16 +447,16 @@ class _Cycle:
         moved_to = max(later, key=lambda allocation: self.placed_now[allocation.task][1])
         self.preempted.discard(victim.task)
         self.preempted.add(moved_to.task)
+        moved = Allocation(victim.task, victim.queue, moved_to.pool, victim.size, self.now)
         self.in_pool[moved_to.pool] = [
-            victim if a.task == moved_to.task else a for a in self.in_pool[moved_to.pool]
+            moved if a.task == moved_to.task else a for a in self.in_pool[moved_to.pool]
+        ]
+        self.placed_in_queue[victim.queue] = [
+            moved if a.task == victim.task else a
+            for a in self.placed_in_queue[victim.queue]
+            if a.task != moved_to.task
         ]
         self.placements[victim.task] = Placement(victim.task, moved_to.pool)
-        self.in_pool[moved_to.pool] = [
-            Allocation(victim.task, victim.queue, moved_to.pool, victim.size, self.now)
-            if a.task == victim.task
-            else a
-            for a in self.in_pool[moved_to.pool]
-        ]
         self._unplace(moved_to.task, for_policy)
 
     def _unplace(self, task_id: str, for_policy: Policy) -> None:
