@@ -38,6 +38,7 @@ from django.utils import timezone
 from apps.accounts.tokens import hash_token
 from apps.core.errors import NotFound
 from apps.core.events import publish_log
+from apps.core.ids import as_uuid
 from apps.fleet.models import Agent, AgentToken, TaskOutput, TaskReport
 from apps.resources.models import Pool
 from apps.resources.services import pool_heartbeat
@@ -170,18 +171,11 @@ def agent_hello(
     known = {
         str(pk)
         for pk in Task.objects.filter(
-            pk__in=[_uuid(t) for t in reported if _uuid(t)], state__in=ACTIVE_STATES, pool=pool
+            pk__in=[as_uuid(t) for t in reported if as_uuid(t)], state__in=ACTIVE_STATES, pool=pool
         ).values_list("pk", flat=True)
     }
     abort = sorted(reported - known)
     return Welcome(keep, abort)
-
-
-def _uuid(value: str) -> uuid.UUID | None:
-    try:
-        return uuid.UUID(value)
-    except ValueError:
-        return None
 
 
 def _lost(tenant: Tenant, task: Task, why: str) -> None:
@@ -248,10 +242,10 @@ def task_token(*, schema_name: str, task: Task) -> str:
 def task_authenticate(*, schema_name: str, presented: str, task_id: str) -> Task:
     """The task a task token is good for, locked, or AgentRejected saying why not."""
     parts = presented.split("_", 2)
-    identifier = _uuid(parts[1]) if len(parts) == 3 and parts[0] == TASK_TOKEN_KIND else None
+    identifier = as_uuid(parts[1]) if len(parts) == 3 and parts[0] == TASK_TOKEN_KIND else None
     if identifier is None:
         raise AgentRejected("Malformed task token: expected kqt_<task>_<signature>, as the agent wrote it.")
-    if str(identifier) != str(_uuid(task_id)):
+    if str(identifier) != str(as_uuid(task_id)):
         raise AgentRejected("This task token is for another task.")
     task = Task.objects.select_for_update().filter(pk=identifier).first()
     if task is None or task.lease_id is None:
@@ -318,7 +312,7 @@ def dispatch(*, pool: Pool, schema_name: str) -> list[dict[str, Any]]:
 
 def pool_task(task_id: str, pool: Pool) -> Task | None:
     """The task with this id in this pool, locked; None for another pool's task or a malformed id."""
-    identifier = _uuid(task_id)
+    identifier = as_uuid(task_id)
     if identifier is None:
         return None
     return Task.objects.select_for_update().filter(pk=identifier, pool=pool).first()

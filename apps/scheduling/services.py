@@ -7,7 +7,6 @@ named, never left queued forever.
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -18,6 +17,7 @@ from django.utils import timezone
 from apps.accounts.models import ApiToken, Project, User
 from apps.core.errors import InvalidInput
 from apps.core.events import publish_event
+from apps.core.ids import as_uuid
 from apps.resources.models import ComputeResource, TaskSharing
 from apps.scheduling.engine import UNITS_PER_GPU, SizeError, describe, units
 from apps.scheduling.models import ENDED_STATES, Task, TaskEvent, TaskState
@@ -78,16 +78,9 @@ def transition(task: Task, *, to_state: str, actor: str, message: str = "", **fi
     return task
 
 
-def _as_uuid(reference: str) -> uuid.UUID | None:
-    try:
-        return uuid.UUID(str(reference))
-    except ValueError:
-        return None
-
-
 def _resolve_compute_resource(user: User, reference: str) -> ComputeResource:
     resources = compute_resources_for(user)
-    identifier = _as_uuid(reference)
+    identifier = as_uuid(reference)
     match = (
         resources.filter(pk=identifier).first() if identifier else resources.filter(name=reference).first()
     )
@@ -169,7 +162,7 @@ def _check_it_can_ever_run(resource: ComputeResource, size: int, tenant: Tenant)
 def _project(user: User, reference: str | None) -> Project | None:
     if reference is None:
         return None
-    identifier = _as_uuid(reference)
+    identifier = as_uuid(reference)
     project = (
         Project.objects.filter(pk=identifier) if identifier else Project.objects.filter(name=reference)
     ).first()

@@ -10,6 +10,7 @@ from rest_framework.response import Response
 
 from apps.accounts.apis import TenantAPIView
 from apps.accounts.models import Project, Role
+from apps.core.ids import as_uuid
 from apps.vault import services
 from apps.vault.models import Secret
 
@@ -38,18 +39,9 @@ class SecretValueIn(serializers.Serializer[Secret]):
 def _project(reference: str | None) -> Project | None:
     if not reference:
         return None
-    by_id = Project.objects.filter(pk=reference).first() if _is_uuid(reference) else None
+    identifier = as_uuid(reference)
+    by_id = Project.objects.filter(pk=identifier).first() if identifier else None
     return by_id or get_object_or_404(Project, name=reference)
-
-
-def _is_uuid(text: str) -> bool:
-    import uuid
-
-    try:
-        uuid.UUID(text)
-    except ValueError:
-        return False
-    return True
 
 
 class SecretListView(TenantAPIView):
