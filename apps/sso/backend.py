@@ -3,6 +3,7 @@ apps.sso.services.current for the request), users are made just in time from the
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 import jwt
@@ -27,6 +28,11 @@ def tenant_setting(attr: str, *default: Any) -> Any:
 class TenantOIDCBackend(OIDCAuthenticationBackend):
     get_settings = staticmethod(tenant_setting)
 
+    @cached_property
+    def provider(self) -> Provider:
+        """The tenant's provider row, read once per sign-in (Django makes a backend per authenticate)."""
+        return Provider.objects.get(pk=1)
+
     def authenticate(self, request: Any, **kwargs: Any) -> User | None:
         if services.current.get() is None:  # not a sign-in through this tenant's provider
             return None
@@ -40,7 +46,7 @@ class TenantOIDCBackend(OIDCAuthenticationBackend):
             payload: dict[str, Any] = super().verify_token(token, **kwargs)
         except jwt.InvalidTokenError as error:  # expired, not yet valid, malformed
             raise SuspiciousOperation(f"The ID token was refused: {error}.") from None
-        provider = Provider.objects.get(pk=1)
+        provider = self.provider
         audience = payload.get("aud")
         audiences = audience if isinstance(audience, list) else [audience]
         if self.OIDC_RP_CLIENT_ID not in audiences:
@@ -52,14 +58,14 @@ class TenantOIDCBackend(OIDCAuthenticationBackend):
         return payload
 
     def filter_users_by_claims(self, claims: dict[str, Any]) -> Any:
-        provider = Provider.objects.get(pk=1)
+        provider = self.provider
         return User.objects.filter(username=claims.get(provider.username_claim, ""), kind=User.Kind.PERSON)
 
     def verify_claims(self, claims: dict[str, Any]) -> bool:
         return True  # user_from_claims checks the claims it needs and records a refusal
 
     def create_user(self, claims: dict[str, Any]) -> User | None:
-        return services.user_from_claims(Provider.objects.get(pk=1), claims)
+        return services.user_from_claims(self.provider, claims)
 
     def update_user(self, user: User, claims: dict[str, Any]) -> User | None:
-        return services.user_from_claims(Provider.objects.get(pk=1), claims)
+        return services.user_from_claims(self.provider, claims)

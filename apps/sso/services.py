@@ -67,9 +67,10 @@ def provider_save(*, user: User, fields: dict[str, Any], client_secret: str | No
     return provider
 
 
-def oidc_settings(provider: Provider) -> dict[str, Any]:
-    """mozilla-django-oidc's settings for this tenant; reading the client secret is audited."""
-    secret = tenant_secret(CLIENT_SECRET_NAME, reader="single sign-on")
+def oidc_settings(provider: Provider, *, with_secret: bool) -> dict[str, Any]:
+    """mozilla-django-oidc's settings for this tenant. Only the callback, which redeems the code, needs
+    the client secret: it is read (and the read audited) there alone."""
+    secret = tenant_secret(CLIENT_SECRET_NAME, reader="single sign-on") if with_secret else ""
     return {
         "OIDC_RP_CLIENT_ID": provider.client_id,
         "OIDC_RP_CLIENT_SECRET": secret,

@@ -19,10 +19,11 @@ from apps.sso.backend import tenant_setting
 from apps.sso.models import Provider
 
 
-def _configured(request: HttpRequest) -> Provider | None:
+def _configured(*, with_secret: bool) -> Provider | None:
+    """The tenant's provider, its settings made current for mozilla-django-oidc; None without one."""
     provider = Provider.objects.filter(pk=1).first()
     if provider is not None:
-        services.current.set(services.oidc_settings(provider))
+        services.current.set(services.oidc_settings(provider, with_secret=with_secret))
     return provider
 
 
@@ -33,7 +34,7 @@ class SignIn(OIDCAuthenticationRequestView):
     get_settings = staticmethod(tenant_setting)
 
     def get(self, request: HttpRequest) -> HttpResponse:
-        if _configured(request) is None:
+        if _configured(with_secret=False) is None:
             return JsonResponse({"detail": NOT_CONFIGURED}, status=404)
         self.OIDC_OP_AUTH_ENDPOINT = tenant_setting("OIDC_OP_AUTHORIZATION_ENDPOINT")
         self.OIDC_RP_CLIENT_ID = tenant_setting("OIDC_RP_CLIENT_ID")
@@ -45,7 +46,7 @@ class Callback(OIDCAuthenticationCallbackView):
     get_settings = staticmethod(tenant_setting)
 
     def get(self, request: HttpRequest) -> HttpResponse:
-        if _configured(request) is None:
+        if _configured(with_secret=True) is None:
             return JsonResponse({"detail": NOT_CONFIGURED}, status=404)
         try:
             response: HttpResponse = super().get(request)

@@ -230,7 +230,7 @@ def test_tampered_expired_and_foreign_id_tokens_are_refused(
     configure(api, provider_url)
     token = id_token_from_the_provider(provider_url, "n-1")
     with schema_context("acme"):
-        services.current.set(services.oidc_settings(Provider.objects.get(pk=1)))
+        services.current.set(services.oidc_settings(Provider.objects.get(pk=1), with_secret=True))
         assert TenantOIDCBackend().verify_token(token, nonce="n-1")["sub"] == "token-holder"
 
         header, payload, signature = token.split(".")
@@ -248,7 +248,10 @@ def test_tampered_expired_and_foreign_id_tokens_are_refused(
         monkeypatch.undo()
 
         services.current.set(
-            {**services.oidc_settings(Provider.objects.get(pk=1)), "OIDC_RP_CLIENT_ID": "other"}
+            {
+                **services.oidc_settings(Provider.objects.get(pk=1), with_secret=True),
+                "OIDC_RP_CLIENT_ID": "other",
+            }
         )
         with pytest.raises(SuspiciousOperation, match="not this tenant's client"):
             TenantOIDCBackend().verify_token(token, nonce="n-1")
