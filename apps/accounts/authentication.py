@@ -11,6 +11,7 @@ from rest_framework.request import Request
 from apps.accounts.models import ApiToken, User
 from apps.accounts.services import TokenRejected, token_authenticate
 from apps.accounts.tokens import parse_prefix
+from apps.audit.middleware import record_after
 from apps.core.metrics import TOKEN_REJECTIONS
 
 
@@ -34,13 +35,8 @@ class BearerTokenAuthentication(BaseAuthentication):
             # Recorded by apps.audit.middleware once the request's transaction is over (only the
             # token's public prefix: never the token).
             prefix = parse_prefix(presented.strip())
-            request._request.audit_refused = {  # type: ignore[attr-defined]
-                "actor": f"klq_{prefix}" if prefix else "a malformed token",
-                "on_behalf_of": "",
-                "action": "token.rejected",
-                "target": f"{request.method} {request.path}",
-                "detail": str(rejected),
-            }
+            actor = f"klq_{prefix}" if prefix else "a malformed token"
+            record_after(request._request, actor=actor, action="token.rejected", reason=str(rejected))
             raise exceptions.AuthenticationFailed(str(rejected)) from None
 
     def authenticate_header(self, request: Request) -> str:

@@ -1,13 +1,26 @@
-"""Record what must be audited even when the request's own transaction is rolled back: a delegated
-token refused for going beyond its scope (see apps.audit.mixins)."""
+"""Record what must be audited even when the request's own transaction is rolled back: a rejected token,
+or a delegated token used beyond its scope. The refusal is noted on the request (`record_after`) and
+written here, once the view and its transaction are over."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from django.http import HttpRequest, HttpResponse
 
 from apps.audit.services import record
+
+ATTRIBUTE = "klique_audit_after"
+
+
+def record_after(
+    request: HttpRequest, *, actor: str, action: str, reason: str, on_behalf_of: str = ""
+) -> None:
+    """Have RefusedUseAudit record this refusal of `request` after its transaction."""
+    target = f"{request.method} {request.path}"
+    setattr(request, ATTRIBUTE, {"actor": actor, "action": action, "target": target,
+                                 "on_behalf_of": on_behalf_of, "reason": reason})  # fmt: skip
 
 
 class RefusedUseAudit:
@@ -16,13 +29,7 @@ class RefusedUseAudit:
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
         response = self.get_response(request)
-        refused = getattr(request, "audit_refused", None)
+        refused: dict[str, Any] | None = getattr(request, ATTRIBUTE, None)
         if refused is not None:
-            record(
-                actor=refused["actor"],
-                on_behalf_of=refused["on_behalf_of"],
-                action=refused["action"],
-                target=refused["target"],
-                reason=refused["detail"],
-            )
+            record(**refused)  # the reason lands in the event's detail
         return response

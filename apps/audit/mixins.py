@@ -10,6 +10,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from apps.accounts.models import ApiToken, User
+from apps.audit.middleware import record_after
 from apps.audit.services import record
 
 
@@ -21,14 +22,14 @@ class Audited:
         if response.status_code == 403 and token is not None and token.agent:
             # A delegated token used beyond its scope: recorded by apps.audit.middleware once the
             # request's transaction (rolled back for the refusal) is over.
-            detail = getattr(response, "data", {}) or {}
-            request._request.audit_refused = {  # type: ignore[attr-defined]
-                "actor": token.acting,
-                "on_behalf_of": token.user.username,
-                "action": "token.refused",
-                "target": f"{method} {request.path}",
-                "detail": str(detail.get("detail", "")) if isinstance(detail, dict) else "",
-            }
+            detail = getattr(response, "data", None)
+            record_after(
+                request._request,
+                actor=token.acting,
+                on_behalf_of=token.user.username,
+                action="token.refused",
+                reason=str(detail.get("detail", "")) if isinstance(detail, dict) else "",
+            )
         if method not in SAFE_METHODS and 200 <= response.status_code < 300 and isinstance(user, User):
             match = request.resolver_match
             action = f"{match.url_name if match is not None else 'api'}.{method.lower()}"
