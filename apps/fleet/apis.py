@@ -124,7 +124,7 @@ def _bearer(request: HttpRequest) -> str | None:
     return presented.strip() if scheme.lower() == "bearer" and presented.strip() else None
 
 
-def _uploader_task(request: HttpRequest, tenant: Tenant, presented: str, task_id: str) -> Task:
+def _uploader_task(tenant: Tenant, presented: str, task_id: str) -> Task:
     """The task an agent token (its pool's tasks) or a task token (that task's current run) may write."""
     if presented.startswith(f"{services.TASK_TOKEN_KIND}_"):
         return services.task_authenticate(
@@ -148,7 +148,7 @@ def agent_output_upload(request: HttpRequest, task_id: str, name: str) -> JsonRe
     if tenant is None or presented is None:
         return JsonResponse({"detail": "Send 'Authorization: Bearer <agent or task token>'."}, status=401)
     try:
-        task = _uploader_task(request, tenant, presented, str(task_id))
+        task = _uploader_task(tenant, presented, str(task_id))
         output = services.output_store(tenant=tenant, task=task, name=name, content=request)
     except services.AgentRejected as rejected:
         return JsonResponse({"detail": str(rejected)}, status=400 if "output" in str(rejected) else 403)
