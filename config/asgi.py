@@ -1,8 +1,10 @@
-"""The ASGI entry point that `klique web` serves: Django for HTTP, Channels consumers for websockets."""
+"""The ASGI entry point that `klique web` serves: Django for HTTP, the LLM gateway for /v1/, Channels
+consumers for websockets."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from django.core.asgi import get_asgi_application
 
@@ -14,10 +16,22 @@ django_application = get_asgi_application()
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
 from config.routing import websocket_urlpatterns  # noqa: E402
+from gateway.app import GatewayApp  # noqa: E402
+
+gateway_application = GatewayApp()
+
+
+async def http_application(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """The LLM gateway answers OpenAI's paths (/v1/...) itself, lean; Django answers everything else."""
+    if scope["path"].startswith("/v1/"):
+        await gateway_application(scope, receive, send)
+    else:
+        await django_application(scope, receive, send)
+
 
 application = ProtocolTypeRouter(
     {
-        "http": django_application,
+        "http": http_application,
         "websocket": URLRouter(websocket_urlpatterns),
     }
 )

@@ -10,9 +10,16 @@ from apps.fleet.apis import agent_output_upload, agent_reports_post
 from apps.scheduling.urls import urlpatterns as scheduling_urlpatterns
 from apps.sso import views as sso
 from apps.vault.urls import urlpatterns as vault_urlpatterns
+from gateway.urls import urlpatterns as gateway_urlpatterns
 from tenants.urls import tenant_urlpatterns
 
-api_v1 = [*tenant_urlpatterns, *accounts_urlpatterns, *scheduling_urlpatterns, *vault_urlpatterns]
+api_v1 = [
+    *tenant_urlpatterns,
+    *accounts_urlpatterns,
+    *scheduling_urlpatterns,
+    *vault_urlpatterns,
+    *gateway_urlpatterns,
+]
 
 urlpatterns = [
     path("api/v1/", include(api_v1)),

@@ -36,6 +36,8 @@ from apps.resources.models import ComputeResource, Pool
 from apps.resources.services import draft_provision, draft_save
 from apps.scheduling.services import TaskRequest, tasks_submit
 from apps.vault.services import secret_set
+from gateway.models import Usage
+from gateway.services import budget_create
 from tenants.models import Tenant
 from tenants.services import public_tenant_ensure, tenant_create
 from tests.scheduling.config import acme_document
@@ -66,6 +68,8 @@ class World:
     agent_secret_a: str
     project_b: str
     secret_a: str  # acme's tenant secret SHARED_TOKEN (its id); its value is SECRET_VALUE_A
+    wallet_a: str  # acme's gateway wallet (a tenant budget in USD, period none)
+    usage_a: str  # the request id of one gateway call bob made in acme
 
 
 def build_world() -> World:
@@ -116,6 +120,21 @@ def build_world() -> World:
         stored = default_storage.save(f"acme/{task.pk}/result.txt", ContentFile(b"accuracy 0.93\n"))
         TaskOutput.objects.create(task=task, name="result.txt", size=14, sha256="0" * 64, stored=stored)
         secret = secret_set(user=alice, scope="tenant", name="SHARED_TOKEN", value=SECRET_VALUE_A)
+        wallet = budget_create(scope="tenant", unit="usd", limit=100, period="none")
+        call = Usage.objects.create(
+            request_id="kqr-world-bob-1",
+            at=timezone.now(),
+            user_id=bob.pk,
+            username="bob",
+            project_id=project.pk,
+            project_name="apollo",
+            endpoint="chat.completions",
+            model="chat",
+            deployment="chat#0",
+            tokens_in=12,
+            tokens_out=30,
+            cost_nano_usd=72_000,
+        )
     with schema_context(tenant_b.schema_name):
         charlie = User.objects.get(username="charlie")
         users["charlie"] = str(charlie.pk)
@@ -138,4 +157,6 @@ def build_world() -> World:
         agent_secret_a=agent_token.secret,
         project_b=str(project_b.pk),
         secret_a=str(secret.pk),
+        wallet_a=str(wallet.pk),
+        usage_a=call.request_id,
     )

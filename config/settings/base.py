@@ -62,6 +62,7 @@ TENANT_APPS = [
     "apps.audit",
     "apps.vault",
     "apps.sso",
+    "gateway",  # the LLM gateway: its settings, budgets and usage live in each tenant's schema
 ]
 INSTALLED_APPS = list(SHARED_APPS) + [app for app in TENANT_APPS if app not in SHARED_APPS]
 
@@ -162,6 +163,8 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": 3600.0,
         "args": ("accounts.token_purge_expired",),
     },
+    "gateway-usage-outbox": {"task": "gateway.drain_usage_outbox", "schedule": 30.0},
+    "gateway-sweep-holds": {"task": "gateway.sweep_holds", "schedule": 600.0},
 }
 
 REST_FRAMEWORK = {

@@ -1,0 +1,112 @@
+"""The gateway's tables in each tenant's schema: its configuration, its budgets, and the usage it wrote."""
+
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+
+
+class GatewaySettings(models.Model):
+    """The tenant's gateway configuration document (gateway.config reads it); one row, pk 1."""
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1, editable=False)
+    document = models.JSONField(default=dict)
+    updated_at = models.DateTimeField(auto_now=True)
+    updated_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+"
+    )
+
+    def __str__(self) -> str:
+        return "gateway settings"
+
+
+class Budget(models.Model):
+    """A limit on gateway spending for a user, a project or the whole tenant, per period or for good.
+
+    A budget with period "none" is a wallet: it never resets, and a top-up raises its limit."""
+
+    class Scope(models.TextChoices):
+        TENANT = "tenant"
+        PROJECT = "project"
+        USER = "user"
+
+    class Unit(models.TextChoices):
+        TOKENS = "tokens"  # prompt and reply tokens together
+        USD = "usd"  # cost at the deployments' prices
+
+    class Period(models.TextChoices):
+        DAY = "day"
+        WEEK = "week"
+        MONTH = "month"
+        NONE = "none"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    scope = models.CharField(max_length=10, choices=Scope.choices)
+    project = models.ForeignKey(
+        "accounts.Project", null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
+    unit = models.CharField(max_length=10, choices=Unit.choices, default=Unit.TOKENS)
+    limit = models.DecimalField(max_digits=24, decimal_places=6)  # tokens, or USD
+    period = models.CharField(max_length=10, choices=Period.choices, default=Period.MONTH)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["scope", "created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["scope", "project", "user", "unit", "period"],
+                nulls_distinct=False,
+                name="one_budget_per_subject_unit_and_period",
+            ),
+            models.CheckConstraint(
+                condition=(
+                    models.Q(scope="tenant", project__isnull=True, user__isnull=True)
+                    | models.Q(scope="project", project__isnull=False, user__isnull=True)
+                    | models.Q(scope="user", project__isnull=True, user__isnull=False)
+                ),
+                name="budget_names_its_subject",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.scope} budget {self.pk}"
+
+
+class Usage(models.Model):
+    """One gateway call as metered: who, which model, tokens in and out, cost. Written once per request id
+    (the gateway's insert is ON CONFLICT DO NOTHING), so replaying a write never counts a call twice.
+    Users and projects are kept by id and name, not by foreign key: usage outlives what it names."""
+
+    class Status(models.TextChoices):
+        OK = "ok"
+        CUT = "cut"  # a stream stopped early: its budget ran out or a guardrail refused the reply
+        REFUSED = "refused"  # the reply was made (and is paid for) but a guardrail withheld it
+        FAILED = "failed"  # no deployment answered; nothing was spent
+
+    request_id = models.CharField(max_length=64, primary_key=True)
+    at = models.DateTimeField(db_index=True)
+    user_id = models.UUIDField(db_index=True)
+    username = models.CharField(max_length=150)
+    project_id = models.UUIDField(null=True, db_index=True)
+    project_name = models.CharField(max_length=100, blank=True)
+    token_prefix = models.CharField(max_length=16, blank=True)
+    agent = models.CharField(max_length=100, blank=True)  # a delegated token's agent
+    endpoint = models.CharField(max_length=32)  # chat.completions, completions, embeddings
+    model = models.CharField(max_length=100)  # the model group called
+    deployment = models.CharField(max_length=200, blank=True)  # which deployment answered
+    tokens_in = models.PositiveIntegerField(default=0)
+    tokens_out = models.PositiveIntegerField(default=0)
+    cost_nano_usd = models.BigIntegerField(default=0)  # exact: 10^-9 USD
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.OK)
+    duration_ms = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-at"]
+
+    def __str__(self) -> str:
+        return self.request_id

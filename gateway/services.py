@@ -1,0 +1,322 @@
+"""The gateway's Django side: its configuration and budgets (through the API), and what the hot path loads
+when its cache is cold: who a token is, which budgets apply to it, what the ledger says was spent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+from django.db import transaction
+from django.db.models import F, QuerySet, Sum
+from django_tenants.utils import schema_context
+
+from apps.accounts.models import ApiToken, Project, ProjectMembership, Role, User
+from apps.core.errors import InvalidInput
+from apps.core.ids import as_uuid
+from apps.vault.models import Secret
+from gateway import config as gateway_config
+from gateway.budgets import NANO_PER_USD, period_start
+from gateway.budgets import Budget as Enforced
+from gateway.models import Budget, GatewaySettings, Usage
+
+GATEWAY_READER = "the LLM gateway"
+
+
+# --- configuration ---------------------------------------------------------------------------------
+
+
+def settings_get() -> GatewaySettings:
+    return GatewaySettings.objects.filter(pk=1).first() or GatewaySettings(pk=1, document={})
+
+
+@transaction.atomic
+def settings_save(*, user: User, document: Any) -> GatewaySettings:
+    """Check a configuration document whole (every problem listed) and make it the tenant's."""
+    try:
+        parsed = gateway_config.parse(document)
+    except gateway_config.ConfigInvalid as invalid:
+        raise InvalidInput("; ".join(invalid.errors), field="document") from None
+    known = set(Secret.objects.filter(scope=Secret.Scope.TENANT).values_list("name", flat=True))
+    missing = sorted(parsed.secret_names() - known)
+    if missing:
+        raise InvalidInput(
+            f"No tenant secret named {', '.join(missing)}: keep each deployment's key with "
+            "POST /api/v1/secrets/ (scope tenant) before naming it in api_key_secret.",
+            field="document",
+        )
+    for deployment in parsed.deployments:
+        if not deployment.openai_compatible:
+            _check_provider(deployment.provider, deployment.model_name)
+    row, _ = GatewaySettings.objects.update_or_create(
+        pk=1, defaults={"document": document, "updated_by": user}
+    )
+    return row
+
+
+def _check_provider(provider: str, model_name: str) -> None:
+    """Providers other than OpenAI-compatible ones go through LiteLLM: it must know them (imported here,
+    when such a configuration is saved, never at start-up)."""
+    from gateway.upstream import litellm_providers
+
+    if provider not in litellm_providers():
+        raise InvalidInput(
+            f"model {model_name!r}: LiteLLM knows no provider {provider!r}; use one of its providers, or "
+            "'openai/<model>' with api_base for any OpenAI-compatible server (vLLM, SGLang, llama.cpp).",
+            field="document",
+        )
+
+
+def deployment_keys(config: gateway_config.GatewayConfig) -> dict[str, str]:
+    """The vault secrets the deployments name, decrypted for the gateway process (each read audited)."""
+    from apps.vault.services import tenant_secret
+
+    return {name: tenant_secret(name, reader=GATEWAY_READER) for name in sorted(config.secret_names())}
+
+
+# --- budgets ----------------------------------------------------------------------------------------
+
+
+def _subject_project(reference: str | None) -> Project:
+    identifier = as_uuid(reference or "")
+    project = (
+        Project.objects.filter(pk=identifier).first() if identifier else None
+    ) or Project.objects.filter(name=reference or "").first()
+    if project is None:
+        raise InvalidInput(f"No project {reference!r} in this tenant.", field="project")
+    return project
+
+
+def _subject_user(reference: str | None) -> User:
+    identifier = as_uuid(reference or "")
+    user = (User.objects.filter(pk=identifier).first() if identifier else None) or User.objects.filter(
+        username=reference or ""
+    ).first()
+    if user is None:
+        raise InvalidInput(f"No user {reference!r} in this tenant.", field="user")
+    return user
+
+
+@transaction.atomic
+def budget_create(
+    *,
+    scope: str,
+    unit: str,
+    limit: Decimal | int | str,
+    period: str,
+    project: str | None = None,
+    user: str | None = None,
+) -> Budget:
+    limit = Decimal(str(limit))
+    if limit < 0:
+        raise InvalidInput("A budget's limit cannot be negative.", field="limit")
+    if unit == Budget.Unit.TOKENS and limit != limit.to_integral_value():
+        raise InvalidInput("A budget in tokens counts whole tokens.", field="limit")
+    budget = Budget(scope=scope, unit=unit, limit=limit, period=period)
+    if scope == Budget.Scope.PROJECT:
+        budget.project = _subject_project(project)
+    elif scope == Budget.Scope.USER:
+        budget.user = _subject_user(user)
+    elif project or user:
+        raise InvalidInput("A tenant budget names no project or user.", field="scope")
+    if Budget.objects.filter(
+        scope=scope, project=budget.project, user=budget.user, unit=unit, period=period
+    ).exists():
+        raise InvalidInput(
+            f"This {scope} already has a {period} budget in {unit}; change that one instead.", field="scope"
+        )
+    budget.save()
+    return budget
+
+
+@transaction.atomic
+def budget_update(*, budget: Budget, limit: Decimal | int | str) -> Budget:
+    limit = Decimal(str(limit))
+    if limit < 0:
+        raise InvalidInput("A budget's limit cannot be negative.", field="limit")
+    budget.limit = limit
+    budget.save(update_fields=["limit"])
+    return budget
+
+
+@transaction.atomic
+def budget_top_up(*, budget: Budget, amount: Decimal | int | str) -> Budget:
+    """Add to a wallet (a budget with period none)."""
+    amount = Decimal(str(amount))
+    if budget.period != Budget.Period.NONE:
+        raise InvalidInput(
+            f"Only wallets (period none) are topped up; this budget resets every {budget.period}: "
+            "change its limit instead.",
+            field="amount",
+        )
+    if amount <= 0:
+        raise InvalidInput("A top-up adds a positive amount.", field="amount")
+    Budget.objects.filter(pk=budget.pk).update(limit=F("limit") + amount)
+    budget.refresh_from_db()
+    budget.save(update_fields=["limit"])  # through save(), so every gateway process hears of it
+    return budget
+
+
+def budget_label(budget: Budget) -> str:
+    period = {"day": "daily ", "week": "weekly ", "month": "monthly ", "none": ""}[budget.period]
+    kind = "wallet" if budget.period == Budget.Period.NONE else "budget"
+    if budget.scope == Budget.Scope.PROJECT and budget.project is not None:
+        return f"project {budget.project.name}'s {period}{kind}"
+    if budget.scope == Budget.Scope.USER and budget.user is not None:
+        return f"{budget.user.username}'s {period}{kind}"
+    return f"the tenant's {period}{kind}"
+
+
+def enforced(budget: Budget) -> Enforced:
+    limit = int(budget.limit) if budget.unit == Budget.Unit.TOKENS else int(budget.limit * NANO_PER_USD)
+    return Enforced(
+        id=str(budget.pk), label=budget_label(budget), unit=budget.unit, limit=limit, period=budget.period
+    )
+
+
+def ledger_spent(budget: Enforced, *, now: datetime) -> int:
+    """What the usage table says this budget spent in its current period, in its unit."""
+    row = Budget.objects.select_related("project", "user").filter(pk=budget.id).first()
+    if row is None:
+        return 0
+    usage = Usage.objects.all()
+    start = period_start(budget.period, now)
+    if start is not None:
+        usage = usage.filter(at__gte=datetime.combine(start, datetime.min.time(), tzinfo=UTC))
+    else:  # a wallet pays from when it was opened
+        usage = usage.filter(at__gte=row.created_at)
+    if row.scope == Budget.Scope.PROJECT:
+        usage = usage.filter(project_id=row.project_id)
+    elif row.scope == Budget.Scope.USER and row.user_id is not None:
+        usage = usage.filter(user_id=row.user_id)
+    totals = usage.aggregate(
+        tokens_in=Sum("tokens_in"), tokens_out=Sum("tokens_out"), cost=Sum("cost_nano_usd")
+    )
+    if budget.unit == Budget.Unit.TOKENS:
+        return int((totals["tokens_in"] or 0) + (totals["tokens_out"] or 0))
+    return int(totals["cost"] or 0)
+
+
+# --- who calls ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who a gateway call is from, as the hot path caches it (until the tenant's epoch moves)."""
+
+    schema: str
+    tenant_slug: str
+    user_id: str
+    username: str
+    role: str  # the lesser of the user's role and the token's scope
+    token_prefix: str
+    agent: str
+    expires_at: datetime
+    project_id: str | None
+    project_name: str
+    budgets: tuple[Enforced, ...]
+
+
+class CallerRefused(Exception):
+    def __init__(self, message: str, status: int, kind: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.code = code
+
+
+def _effective_role(user: User, token: ApiToken) -> str:
+    if token.scope == ApiToken.Scope.READ:
+        return Role.VIEWER
+    if token.scope == ApiToken.Scope.SUBMIT and user.role == Role.ADMIN:
+        return Role.MEMBER
+    return str(user.role)
+
+
+def _project_for(user: User, reference: str) -> Project | None:
+    memberships = ProjectMembership.objects.filter(user=user).select_related("project")
+    if reference:
+        identifier = as_uuid(reference)
+        for membership in memberships:
+            if membership.project.name == reference or membership.project.pk == identifier:
+                return membership.project
+        if user.role == Role.ADMIN:
+            project = Project.objects.filter(name=reference).first() or (
+                Project.objects.filter(pk=identifier).first() if identifier else None
+            )
+            if project is not None:
+                return project
+        raise CallerRefused(
+            f"{user.username} is not a member of project {reference!r}; ask its admin to add you, or call "
+            "without a project.",
+            403,
+            "permission_error",
+            "not_a_project_member",
+        )
+    only = list(memberships[:2])
+    return only[0].project if len(only) == 1 else None
+
+
+def caller_load(*, host: str, presented: str, project: str) -> Caller:
+    """Who `presented` is at `host`, with the budgets that apply (runs in a thread, off the event loop)."""
+    from apps.accounts.services import TokenRejected, token_authenticate
+    from tenants.selectors import tenant_for_host
+
+    tenant = tenant_for_host(host)
+    if tenant is None:
+        raise CallerRefused(
+            f"No tenant is served at {host!r}; check the address.", 404, "invalid_request_error", "no_tenant"
+        )
+    if tenant.is_suspended:
+        raise CallerRefused(
+            f"Tenant {tenant.slug} is suspended: {tenant.suspended_reason}",
+            403,
+            "permission_error",
+            "tenant_suspended",
+        )
+    with schema_context(tenant.schema_name):
+        try:
+            user, token = token_authenticate(tenant=tenant, presented=presented)
+        except TokenRejected as rejected:
+            raise CallerRefused(str(rejected), 401, "invalid_request_error", "invalid_api_key") from None
+        chosen = _project_for(user, project)
+        budgets = Budget.objects.select_related("project", "user").filter(scope=Budget.Scope.TENANT)
+        budgets |= Budget.objects.select_related("project", "user").filter(scope=Budget.Scope.USER, user=user)
+        if chosen is not None:
+            budgets |= Budget.objects.select_related("project", "user").filter(
+                scope=Budget.Scope.PROJECT, project=chosen
+            )
+        return Caller(
+            schema=tenant.schema_name,
+            tenant_slug=tenant.slug,
+            user_id=str(user.pk),
+            username=user.username,
+            role=_effective_role(user, token),
+            token_prefix=token.prefix,
+            agent=token.agent,
+            expires_at=token.expires_at,
+            project_id=str(chosen.pk) if chosen else None,
+            project_name=chosen.name if chosen else "",
+            budgets=tuple(enforced(budget) for budget in budgets.order_by("scope", "created_at")),
+        )
+
+
+def config_load(schema: str) -> tuple[gateway_config.GatewayConfig, dict[str, str], str]:
+    """The tenant's parsed configuration, its deployments' keys, and a version that changes with it."""
+    with schema_context(schema):
+        row = settings_get()
+        parsed = gateway_config.parse(row.document) if row.document else gateway_config.EMPTY
+        keys = deployment_keys(parsed)
+        return parsed, keys, row.updated_at.isoformat() if row.updated_at else ""
+
+
+def ledger_spent_in(schema: str, budget: Enforced, now: datetime) -> int:
+    with schema_context(schema):
+        return ledger_spent(budget, now=now)
+
+
+def usage_for(user: User) -> QuerySet[Usage]:
+    """Usage rows a user may read: everyone's for admins, their own for everyone else."""
+    rows = Usage.objects.all()
+    return rows if user.has_role(Role.ADMIN) else rows.filter(user_id=user.pk)

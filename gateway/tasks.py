@@ -1,0 +1,47 @@
+"""Periodic work for the gateway: usage rows that waited in Redis, and holds whose process died."""
+
+from __future__ import annotations
+
+import logging
+
+from celery import shared_task
+from django.db import connection
+from django_tenants.utils import get_public_schema_name, schema_context
+
+from gateway import budgets
+from gateway.cache import USAGE_OUTBOX, UsageRow, insert_sql, sync_redis
+
+log = logging.getLogger("klique.gateway")
+DRAIN_BATCH = 500
+
+
+@shared_task(name="gateway.drain_usage_outbox")
+def drain_usage_outbox() -> int:
+    """Write usage rows that PostgreSQL could not take when their call ended (idempotent by request id)."""
+    redis = sync_redis()
+    written = 0
+    while raw := redis.lrange(USAGE_OUTBOX, 0, DRAIN_BATCH - 1):
+        with connection.cursor() as cursor:
+            for text in raw:
+                schema, row = UsageRow.from_json(text.decode())
+                cursor.execute(insert_sql(schema, 1).as_string(cursor.connection), row.values())
+        redis.ltrim(USAGE_OUTBOX, len(raw), -1)
+        written += len(raw)
+    return written
+
+
+@shared_task(name="gateway.sweep_holds")
+def sweep_holds() -> int:
+    """Give back budget holds of calls whose gateway process died before settling them."""
+    from tenants.models import Tenant
+
+    released = 0
+    with schema_context(get_public_schema_name()):
+        schemas = list(
+            Tenant.objects.exclude(schema_name=get_public_schema_name()).values_list("schema_name", flat=True)
+        )
+    for schema in schemas:
+        released += budgets.sweep(sync_redis(), schema)
+    if released:
+        log.warning("released %d budget holds of calls that never settled", released)
+    return released
