@@ -374,3 +374,37 @@ def test_the_upstream_key_comes_from_the_vault_and_a_wrong_one_is_named(a: Any) 
         )
     finally:
         a.configure(echo_document(_echo(a)))
+
+
+def test_providers_that_are_not_openai_compatible_go_through_litellm(a: Any) -> None:
+    """together_ai is one of LiteLLM's providers (its adapter posts OpenAI's format to api_base): the
+    gateway hands the call to LiteLLM and relays its answer, streamed or not, in OpenAI's format."""
+    document = echo_document(_echo(a))
+    document["model_list"].append(
+        {
+            "model_name": "adapted",
+            "litellm_params": {"model": "together_ai/echo", "api_base": _echo(a), "api_key_secret": "ECHO_KEY"},
+        }
+    )
+    a.configure(document)
+    try:
+        client = a.client("ben")
+        raw = client.chat.completions.with_raw_response.create(model="adapted", messages=HELLO, max_tokens=3)
+        assert raw.parse().choices[0].message.content == "hello there hello"
+        (row,) = a.usage(request_id=raw.headers["x-request-id"])
+        assert (row.deployment, row.tokens_in, row.tokens_out) == ("adapted#7", 2, 3)
+        stream = client.chat.completions.create(model="adapted", messages=HELLO, max_tokens=3, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "hello there hello"
+        (row,) = a.usage(request_id=stream.response.headers["x-request-id"])
+        assert (row.tokens_out, row.status) == (3, "ok")
+    finally:
+        a.configure(echo_document(_echo(a)))
+
+
+def test_a_provider_litellm_does_not_know_is_refused_when_saved(a: Any) -> None:
+    from gateway.services import InvalidInput
+
+    document = echo_document(_echo(a))
+    document["model_list"][0]["litellm_params"]["model"] = "skynet/echo"
+    with pytest.raises(InvalidInput, match="LiteLLM knows no provider 'skynet'"):
+        a.configure(document)
