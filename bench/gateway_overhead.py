@@ -32,7 +32,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import httpx
 from scratch import KLIQUE, ROOT, scratch_klique
@@ -41,7 +40,11 @@ LITELLM_VERSION = "1.108.7"
 PROXY_VENV = ROOT / ".klique" / "bench" / "litellm-proxy"
 MASTER_KEY = "sk-bench-master"
 UPSTREAM_KEY = "sk-bench-upstream"
-BODY = {"model": "chat", "messages": [{"role": "user", "content": "how fast is the gateway"}], "max_tokens": 16}
+BODY = {
+    "model": "chat",
+    "messages": [{"role": "user", "content": "how fast is the gateway"}],
+    "max_tokens": 16,
+}
 
 
 def free_port() -> int:
@@ -65,8 +68,12 @@ def wait_for(url: str, process: subprocess.Popen[bytes], headers: dict[str, str]
 
 
 @contextmanager
-def running(argv: list[str], environment: dict[str, str], cwd: Path = ROOT) -> Iterator[subprocess.Popen[bytes]]:
-    process = subprocess.Popen(argv, env=environment, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def running(
+    argv: list[str], environment: dict[str, str], cwd: Path = ROOT
+) -> Iterator[subprocess.Popen[bytes]]:
+    process = subprocess.Popen(
+        argv, env=environment, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         yield process
     finally:
@@ -88,7 +95,9 @@ def litellm_proxy() -> Path:
     return binary
 
 
-async def load(url: str, headers: dict[str, str], requests: int, concurrency: int) -> tuple[list[float], float]:
+async def load(
+    url: str, headers: dict[str, str], requests: int, concurrency: int
+) -> tuple[list[float], float]:
     """Latencies (seconds) of `requests` calls made `concurrency` at a time, and the wall time they took."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(limits=limits, timeout=60) as client:
@@ -124,7 +133,11 @@ def configure_klique(base: str, host: str, admin_token: str, upstream: str) -> N
         api.post("/api/v1/secrets/", json={"scope": "tenant", "name": "UPSTREAM_KEY", "value": UPSTREAM_KEY})
         chat = {
             "model_name": "chat",
-            "litellm_params": {"model": "openai/echo", "api_base": upstream, "api_key_secret": "UPSTREAM_KEY"},
+            "litellm_params": {
+                "model": "openai/echo",
+                "api_base": upstream,
+                "api_key_secret": "UPSTREAM_KEY",
+            },
             "model_info": {"input_cost_per_million": 0.15, "output_cost_per_million": 0.6},
         }
         api.put("/api/v1/gateway/", json={"document": {"model_list": [chat]}}).raise_for_status()

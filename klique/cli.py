@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -162,6 +163,12 @@ def _wait_for_demo_agent(demo: dict[str, Any], port: int, children: ProcessSet, 
     raise PreflightError("The demo agent did not bring pool lab-h100 online within a minute; see its output.")
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 def _banner(demo: dict[str, Any] | None, port: int) -> str:
     lines = ["", "Klique is up. Press Ctrl-C to stop.", ""]
     base = f"http://localhost:{port}"
@@ -177,6 +184,11 @@ def _banner(demo: dict[str, Any] | None, port: int) -> str:
             f"    curl -H 'Authorization: Bearer {demo['admin_token']}' {tenant_url}/api/v1/tenant/",
             f"    export KLIQUE_URL={tenant_url} KLIQUE_TOKEN={demo['admin_token']}",
             "    klique queues; klique tasks",
+            "",
+            "  The LLM gateway (OpenAI's API; your token is the key):",
+            f"    curl -H 'Authorization: Bearer {demo['admin_token']}' \\",
+            f"      -H 'Content-Type: application/json' {tenant_url}/v1/chat/completions \\",
+            """      -d '{"model": "demo-echo", "messages": [{"role": "user", "content": "hello"}]}'""",
         ]
     return "\n".join(lines) + "\n"
 
@@ -204,8 +216,15 @@ def command_up(args: argparse.Namespace) -> int:
         subprocess.run(_manage_argv("migrate_schemas", "--noinput", "-v", "0"), check=True)
         demo = None
         if args.demo:
+            # The demo gateway's model: a local OpenAI-compatible server (gateway.echo).
+            model_port = _free_port()
+            children.start("model", [sys.executable, "-m", "gateway.echo", "--port", str(model_port)])
+            model_url = f"http://127.0.0.1:{model_port}/v1"
             output = subprocess.run(
-                _manage_argv("demo_setup"), check=True, capture_output=True, text=True
+                _manage_argv("demo_setup", "--model-url", model_url),
+                check=True,
+                capture_output=True,
+                text=True,
             ).stdout
             demo = json.loads(output.strip().splitlines()[-1])
         children.start("web", _web_argv(args.host, args.port))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import websockets
 from celery import Celery
@@ -132,6 +133,21 @@ def test_up_with_configured_services(fresh_database: str, redis_url: str, tmp_pa
         assert history == ["queued", "placed", "dispatching", "running", "completed"]
         queues = klique_cli(cli_env, "queues")
         assert "Research: 4 GPUs" in queues
+
+        # The demo's LLM gateway answers the official client, on the demo's own local model.
+        gateway_curl = running.wait_for(r"(/v1/chat/completions)")
+        assert gateway_curl[1] == "/v1/chat/completions"
+        client = openai.OpenAI(
+            api_key=token,
+            base_url=f"http://127.0.0.1:{running.port}/v1",
+            default_headers={"Host": f"demo.localhost:{running.port}"},
+        )
+        reply = client.chat.completions.create(
+            model="demo-echo", messages=[{"role": "user", "content": "hello demo"}], max_tokens=3
+        )
+        assert reply.choices[0].message.content == "hello demo hello"
+        usage = call(running, "GET", "/api/v1/gateway/usage/", token).json()["results"]
+        assert (usage[0]["model"], usage[0]["tokens_out"]) == ("demo-echo", 3)
 
         # The Celery worker runs tenant tasks in the schema named in the message.
         celery = Celery(broker=redis_url, backend=redis_url)

@@ -383,7 +383,11 @@ def test_providers_that_are_not_openai_compatible_go_through_litellm(a: Any) -> 
     document["model_list"].append(
         {
             "model_name": "adapted",
-            "litellm_params": {"model": "together_ai/echo", "api_base": _echo(a), "api_key_secret": "ECHO_KEY"},
+            "litellm_params": {
+                "model": "together_ai/echo",
+                "api_base": _echo(a),
+                "api_key_secret": "ECHO_KEY",
+            },
         }
     )
     a.configure(document)
@@ -402,7 +406,7 @@ def test_providers_that_are_not_openai_compatible_go_through_litellm(a: Any) -> 
 
 
 def test_a_provider_litellm_does_not_know_is_refused_when_saved(a: Any) -> None:
-    from gateway.services import InvalidInput
+    from apps.core.errors import InvalidInput
 
     document = echo_document(_echo(a))
     document["model_list"][0]["litellm_params"]["model"] = "skynet/echo"

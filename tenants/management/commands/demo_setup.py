@@ -94,8 +94,13 @@ class Command(BaseCommand):
             action="store_true",
             help="only submit the sample tasks (once the demo agent is connected), unless some exist",
         )
+        parser.add_argument(
+            "--model-url",
+            default="",
+            help="an OpenAI-compatible server (`klique up` starts gateway.echo) to serve the demo's gateway",
+        )
 
-    def handle(self, *args: Any, tasks: bool = False, **options: Any) -> None:
+    def handle(self, *args: Any, tasks: bool = False, model_url: str = "", **options: Any) -> None:
         if tasks:
             self.submit_samples()
             return
@@ -138,6 +143,8 @@ class Command(BaseCommand):
             if not ComputeResource.objects.exists():
                 draft_save(tenant=tenant, user=alice, document=DEMO_CONFIGURATION)
                 draft_provision(tenant=tenant, user=alice)
+            if model_url:
+                self.gateway(alice, model_url)
         with schema_context(tenant.schema_name):
             agent_token = agent_token_create(pool=Pool.objects.get(name="lab-h100"), name="demo agent").secret
         self.stdout.write(
@@ -152,6 +159,20 @@ class Command(BaseCommand):
                 }
             )
         )
+
+    def gateway(self, alice: User, model_url: str) -> None:
+        """The demo's LLM gateway: one model, "demo-echo", on the local server, and a monthly budget."""
+        from gateway.models import Budget
+        from gateway.services import budget_create, settings_save
+
+        demo_echo = {
+            "model_name": "demo-echo",
+            "litellm_params": {"model": "openai/echo", "api_base": model_url},
+            "model_info": {"input_cost_per_million": 0.15, "output_cost_per_million": 0.6},
+        }
+        settings_save(user=alice, document={"model_list": [demo_echo]})
+        if not Budget.objects.filter(scope=Budget.Scope.TENANT).exists():
+            budget_create(scope="tenant", unit="tokens", limit=1_000_000, period="month")
 
     def submit_samples(self) -> None:
         tenant = selectors.tenant_get(slug=DEMO_SLUG)
