@@ -31,6 +31,7 @@ bench: install
 	$(BIN)/python bench/scheduler_cycle.py
 	$(BIN)/python bench/trace_replay.py
 	$(BIN)/python bench/request_path.py
+	$(BIN)/python bench/gateway_overhead.py
 	$(BIN)/python bench/drain.py --tasks 300  # 2,000 (its default) takes the local Slurm most of an hour
 
 lock:
