@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 from channels.db import database_sync_to_async
 
+from apps.accounts.tokens import parse_prefix
 from gateway import services
 from gateway.budgets import Budgets, epoch_key
 from gateway.cache import UsageWriter, async_redis
@@ -34,6 +35,7 @@ log = logging.getLogger("klique.gateway")
 
 MAX_BODY = 8 * 1024 * 1024
 CALLER_TTL = 60.0  # seconds: a cached caller is re-read at least this often (and at every epoch change)
+MAX_CALLERS = 10_000  # cached callers per tenant address
 ENDPOINTS = {
     "/v1/chat/completions": "chat/completions",
     "/v1/completions": "completions",
@@ -118,6 +120,9 @@ class GatewayApp:
         self.states[host] = fresh
         return fresh
 
+    async def current_epoch(self, state: TenantState) -> str:
+        return str((await self.redis.get(epoch_key(state.schema)) or b"0").decode())
+
     async def _caller(self, state: TenantState, scope: Scope, host: str) -> tuple[Caller, tuple[str, str]]:
         scheme, _, presented = _header(scope, b"authorization").partition(" ")
         if scheme.lower() != "bearer" or not presented.strip():
@@ -136,6 +141,8 @@ class GatewayApp:
         caller = await database_sync_to_async(services.caller_load)(
             host=host, presented=key[0], project=project
         )
+        if len(state.callers) > MAX_CALLERS:  # many tokens within one epoch: start the cache afresh
+            state.callers.clear()
         state.callers[key] = (caller, now)
         return caller, key
 
@@ -145,15 +152,53 @@ class GatewayApp:
         if scope["type"] != "http":
             raise Refused(404, "The gateway speaks HTTP only.")
         host = _header(scope, b"host").split(":")[0].lower()
+        state = await self.state(host)
+        target = f"{scope['method']} {scope['path']}"
+        try:
+            caller, key = await self._caller(state, scope, host)
+        except CallerRefused as refused:
+            if refused.status == 401:  # recorded by the token's public prefix only, as the API does
+                presented = _header(scope, b"authorization").partition(" ")[2].strip()
+                prefix = parse_prefix(presented)
+                actor = f"klq_{prefix}" if prefix else "a malformed token"
+                audit = {"actor": actor, "action": "token.rejected", "target": target, "reason": str(refused)}
+                await database_sync_to_async(services.audit)(state.schema, **audit)
+            raise
+        try:
+            await self._route(
+                scope, receive, send, request_id=request_id, host=host, state=state, who=(caller, key)
+            )
+        except Refused as refused:
+            if refused.status == 403 and caller.agent:  # a delegated token used beyond what it may do
+                audit = {
+                    "actor": f"agent {caller.agent} for {caller.username}",
+                    "on_behalf_of": caller.username,
+                    "action": "token.refused",
+                    "target": target,
+                    "reason": str(refused),
+                }
+                await database_sync_to_async(services.audit)(state.schema, **audit)
+            raise
+
+    async def _route(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        *,
+        request_id: str,
+        host: str,
+        state: TenantState,
+        who: tuple[Caller, tuple[str, str]],
+    ) -> None:
+        caller, key = who
         path = scope["path"].rstrip("/")
         method = scope["method"]
-        state = await self.state(host)
-        caller, key = await self._caller(state, scope, host)
         if path == "/v1/models" or path.startswith("/v1/models/"):
             if method != "GET":
                 raise Refused(405, f"{method} is not allowed on {path}; use GET.")
             # No budget script runs here to check the epoch (see gateway.budgets): read it.
-            if (await self.redis.get(epoch_key(state.schema)) or b"0").decode() != state.epoch:
+            if await self.current_epoch(state) != state.epoch:
                 state = await self.state(host, refresh=True)
                 caller, key = await self._caller(state, scope, host)
             await self._models(send, state, caller, path, request_id)

@@ -225,12 +225,14 @@ class Budgets:
         price_in: int,
         price_out: int,
         now: datetime,
+        replies: int = 1,
     ) -> Reserved:
+        """Hold the call's largest cost; `max_tokens` is per reply, and the call may ask for `replies`."""
         keys = tuple(budget_key(schema, budget, now) for budget in budgets)
         arguments: list[Any] = [epoch, request_id, int(time.time()), len(budgets), max_tokens]
         for budget in budgets:
             fixed = budget.cost(prompt_tokens, 0, price_in, price_out)
-            per_out = budget.cost(0, 1, price_in, price_out)
+            per_out = budget.cost(0, replies, price_in, price_out)  # one more token in every reply
             arguments += [budget.limit, fixed, per_out]
         result = await self._reserve(keys=[epoch_key(schema), holds_key(schema), *keys], args=arguments)
         status = result[0].decode() if isinstance(result[0], bytes) else result[0]

@@ -30,6 +30,7 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 MODES = {"chat/completions": "chat", "completions": "completion", "embeddings": "embedding"}
+MAX_REPLIES = 16  # `n`, the replies one call may ask for
 EVENT_STREAM = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
@@ -73,6 +74,9 @@ def prompt_estimate(endpoint: str, body: dict[str, Any]) -> int:
             if isinstance(content, list):
                 content = " ".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
             total += 4 + estimate_tokens(str(content or ""))
+        for extra in ("tools", "functions", "response_format"):  # sent to the model with the prompt
+            if body.get(extra):
+                total += estimate_tokens(json.dumps(body[extra]))
         return total
     value = body.get("prompt" if endpoint == "completions" else "input", "")
     items = value if isinstance(value, list) else [value]
@@ -132,28 +136,34 @@ class Call:
     model: str = ""
     prompt: int = 0  # the prompt's estimate, where the upstream reports no usage
     reserved: Reserved | None = None
+    replies: int = 1  # `n`: each reply may be max_tokens long
     limited: bool = False  # a budget lowered max_tokens
     settled: bool = False
 
     async def run(self) -> None:
-        self.model, group = self.app.check_request(self.state, self.caller, self.endpoint, self.body)
-        checker = self.state.checker
-        try:
-            self.body = guard_request(checker, self.endpoint, self.body)
-            requested = self.body.get("max_completion_tokens", self.body.get("max_tokens"))
-            if requested is not None and (
-                isinstance(requested, bool) or not isinstance(requested, int) or requested < 1
-            ):
-                raise Refused(400, f"max_tokens must be a whole number of at least 1 (got {requested!r}).")
-            cap = min(deployment.max_output_tokens for deployment in group)
-            wanted = 0 if self.endpoint == "embeddings" else checker.max_tokens(requested, cap)
-        except GuardrailRefused as refused:
-            raise Refused(400, str(refused), "invalid_request_error", refused.code) from None
-        self.prompt = prompt_estimate(self.endpoint, self.body)
-        try:
-            self.reserved = await self._reserve(wanted)
-        except Exhausted as exhausted:
-            raise Refused(429, exhausted.sentence(), "insufficient_quota", "insufficient_quota") from None
+        """Check the call against what this process knows of the tenant, hold its cost, call upstream.
+
+        What the process knows is checked by the budget script (the tenant's epoch): when it is out of
+        date, the call is checked again against what the tenant has now, and a refusal drawn from the
+        cache is only given once the cache is known to be current."""
+        request = self.body
+        for _ in range(3):
+            try:
+                wanted = self._prepare(request)
+            except Refused:
+                if await self._refreshed():
+                    continue
+                raise
+            try:
+                self.reserved = await self._reserve(wanted)
+                break
+            except Stale:
+                await self._refresh()
+            except Exhausted as exhausted:
+                raise Refused(429, exhausted.sentence(), "insufficient_quota", "insufficient_quota") from None
+        else:
+            message = "The gateway's configuration kept changing during this call; send it again."
+            raise Refused(503, message, "api_error")
         payload = dict(self.body)
         if self.endpoint != "embeddings":
             self.limited = self.reserved.max_tokens < wanted
@@ -169,6 +179,43 @@ class Call:
                 await self.fail()
             raise
 
+    def _prepare(self, request: dict[str, Any]) -> int:
+        """Check the request and apply the guardrails; the reply's length the call asks to hold."""
+        self.model, group = self.app.check_request(self.state, self.caller, self.endpoint, request)
+        checker = self.state.checker
+        try:
+            self.body = guard_request(checker, self.endpoint, request)
+            requested = self.body.get("max_completion_tokens", self.body.get("max_tokens"))
+            if requested is not None and (
+                isinstance(requested, bool) or not isinstance(requested, int) or requested < 1
+            ):
+                raise Refused(400, f"max_tokens must be a whole number of at least 1 (got {requested!r}).")
+            replies = self.body.get("n", 1)
+            if isinstance(replies, bool) or not isinstance(replies, int) or not 1 <= replies <= MAX_REPLIES:
+                raise Refused(400, f"n must be a whole number from 1 to {MAX_REPLIES} (got {replies!r}).")
+            self.replies = replies
+            self.prompt = prompt_estimate(self.endpoint, self.body)
+            if self.endpoint == "embeddings":
+                return 0
+            return checker.max_tokens(requested, min(deployment.max_output_tokens for deployment in group))
+        except GuardrailRefused as refused:
+            raise Refused(400, str(refused), "invalid_request_error", refused.code) from None
+
+    async def _refresh(self) -> None:
+        """Read the tenant's configuration and this caller again (the epoch moved)."""
+        self.state = await self.app.state(self.host, refresh=True)
+        self.caller = await database_sync_to_async(services.caller_load)(
+            host=self.host, presented=self.key[0], project=self.key[1]
+        )
+        self.state.callers[self.key] = (self.caller, time.monotonic())
+
+    async def _refreshed(self) -> bool:
+        """Refresh if the tenant's epoch moved since the cache was filled; whether it did."""
+        if await self.app.current_epoch(self.state) == self.state.epoch:
+            return False
+        await self._refresh()
+        return True
+
     # --- budgets ----------------------------------------------------------------------------------------
 
     async def _reserve(self, wanted: int) -> Reserved:
@@ -179,7 +226,7 @@ class Call:
             "price_in": max(nano_per_token(d.input_cost_per_million) for d in candidates),
             "price_out": max(nano_per_token(d.output_cost_per_million) for d in candidates),
         }
-        for _ in range(4):
+        for _ in range(len(self.caller.budgets) + 1):
             try:
                 return await self.app.budgets.reserve(
                     schema=self.state.schema,
@@ -188,23 +235,16 @@ class Call:
                     budgets=self.caller.budgets,
                     prompt_tokens=self.prompt,
                     max_tokens=wanted,
+                    replies=self.replies,
                     now=self.at,
                     **prices,
                 )
-            except Stale:  # something changed: read the configuration and the caller again, then retry
-                self.state = await self.app.state(self.host, refresh=True)
-                self.caller = await database_sync_to_async(services.caller_load)(
-                    host=self.host, presented=self.key[0], project=self.key[1]
-                )
-                self.state.callers[self.key] = (self.caller, time.monotonic())
             except Missing as missing:  # a new period, or Redis lost it: start from the ledger
                 spent = await database_sync_to_async(services.ledger_spent_in)(
                     self.state.schema, missing.budget, self.at
                 )
                 await self.app.budgets.start(missing.key, spent, missing.budget, self.at)
-        raise Refused(
-            503, "The gateway's configuration kept changing during this call; send it again.", "api_error"
-        )
+        raise Refused(503, "The budgets' counters could not be started; send the call again.", "api_error")
 
     def budget_error(self) -> dict[str, Any]:
         assert self.reserved is not None
@@ -422,7 +462,7 @@ class Relay:
                         if guard is not None:
                             delta["content"] = guard.feed(delta["content"])
                     self.finish = choice.get("finish_reason") or self.finish
-                if self.counted > call.reserved.max_tokens:  # the upstream ignored max_tokens
+                if self.counted > call.reserved.max_tokens * call.replies:  # the upstream ignored max_tokens
                     return call.budget_error()
                 if self.finish is not None and guard is not None and (rest := guard.finish()):
                     await self._send(self._content(rest))

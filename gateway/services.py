@@ -316,6 +316,15 @@ def ledger_spent_in(schema: str, budget: Enforced, now: datetime) -> int:
         return ledger_spent(budget, now=now)
 
 
+def audit(schema: str, **event: str) -> None:
+    """Record a refusal in the tenant's audit log (the gateway has no Django request to hang it on)."""
+    from apps.audit.services import record
+
+    with schema_context(schema):
+        reason = event.pop("reason", "")
+        record(**event, reason=reason)
+
+
 def usage_for(user: User) -> QuerySet[Usage]:
     """Usage rows a user may read: everyone's for admins, their own for everyone else."""
     rows = Usage.objects.all()

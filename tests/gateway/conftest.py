@@ -25,7 +25,13 @@ from django.db import connections
 from django_tenants.utils import schema_context
 
 from apps.accounts.models import ApiToken, Role, User
-from apps.accounts.services import project_member_set, project_save, token_create, user_create
+from apps.accounts.services import (
+    project_member_set,
+    project_save,
+    service_account_create,
+    token_create,
+    user_create,
+)
 from apps.vault.services import secret_set
 from gateway import services
 from gateway.cache import sync_redis
@@ -226,6 +232,8 @@ def _make_tenant(slug: str, echo: str, ports: list[int], blocker: Any) -> Gatewa
         tokens["ben-agent"] = token_create(
             tenant=created.tenant, user=ben, name="a", scope=ApiToken.Scope.SUBMIT, agent="claude"
         ).secret
+        robot = service_account_create(tenant=created.tenant, name="nightly-eval", description="evals")
+        tokens["bot"] = token_create(tenant=created.tenant, user=robot, name="gw").secret
         services.settings_save(user=ann, document=echo_document(echo))
         ids = {"ann": str(ann.pk), "ben": str(ben.pk), "vic": str(vic.pk)}
     return GatewayTenant(slug, created.address, tokens, "lab", ports, blocker, ids)

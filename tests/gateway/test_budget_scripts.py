@@ -170,3 +170,24 @@ def test_prices_become_whole_nano_dollars_rounded_up() -> None:
     assert nano_per_token(Decimal("0.15")) == 150
     assert nano_per_token(Decimal("2.5")) == 2500
     assert nano_per_token(Decimal("0.0001")) == 1
+
+
+def test_a_call_for_several_replies_holds_each_replys_tokens() -> None:
+    async def work(budgets: Budgets) -> None:
+        await started(budgets, TOKENS)
+        held = await budgets.reserve(
+            schema=SCHEMA,
+            epoch="0",
+            request_id="n3",
+            budgets=(TOKENS,),
+            prompt_tokens=10,
+            max_tokens=40,
+            replies=3,
+            price_in=1000,
+            price_out=2000,
+            now=NOW,
+        )
+        assert held.max_tokens == 30  # (100 - 10) / 3 each
+        assert await budgets.counters(held.keys[0]) == (0, 100)
+
+    run(work)

@@ -3,6 +3,9 @@ fallbacks, budgets that run out mid-stream, guardrails, delegated tokens and ten
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any
 
 import httpx
@@ -412,3 +415,91 @@ def test_a_provider_litellm_does_not_know_is_refused_when_saved(a: Any) -> None:
     document["model_list"][0]["litellm_params"]["model"] = "skynet/echo"
     with pytest.raises(InvalidInput, match="LiteLLM knows no provider 'skynet'"):
         a.configure(document)
+
+
+def test_a_rejected_token_is_in_the_audit_log_by_its_prefix(a: Any) -> None:
+    from apps.audit.models import AuditEvent
+
+    with pytest.raises(openai.AuthenticationError):
+        a.client("ben", api_key="klq_zzzzzzzz_" + "y" * 32).models.list()
+    event = a.run(lambda: AuditEvent.objects.filter(action="token.rejected").order_by("-at").first())
+    assert (event.actor, event.target) == ("klq_zzzzzzzz", "GET /v1/models")
+    assert "no such token" in event.detail["reason"]
+    assert "y" * 32 not in str(event.detail)
+
+
+def test_a_delegated_tokens_refused_call_is_audited(a: Any) -> None:
+    from apps.audit.models import AuditEvent
+
+    document = echo_document(_echo(a), guardrails={"models_by_role": {"member": ["chat"]}})
+    a.configure(document)
+    try:
+        with pytest.raises(openai.PermissionDeniedError):
+            a.client("ben-agent").completions.create(model="text", prompt="hi")
+    finally:
+        a.configure(echo_document(_echo(a)))
+    event = a.run(lambda: AuditEvent.objects.filter(action="token.refused").order_by("-at").first())
+    assert (event.actor, event.on_behalf_of, event.target) == (
+        "agent claude for ben",
+        "ben",
+        "POST /v1/completions",
+    )
+    assert "may not call 'text'" in event.detail["reason"]
+
+
+def test_n_is_checked(a: Any) -> None:
+    with pytest.raises(openai.BadRequestError, match="n must be a whole number from 1 to 16"):
+        a.client("ben").chat.completions.create(model="chat", messages=HELLO, n=17)
+
+
+def test_a_suspended_tenant_stops_at_its_next_call(a: Any) -> None:
+    from tenants.models import Tenant
+    from tenants.services import tenant_resume, tenant_suspend
+
+    assert a.client("ben").models.list().data
+    a.run(lambda: tenant_suspend(tenant=Tenant.objects.get(slug=a.slug), reason="invoice overdue"))
+    try:
+        with pytest.raises(openai.PermissionDeniedError, match="suspended: invoice overdue"):
+            a.client("ben").chat.completions.create(model="chat", messages=HELLO)
+    finally:
+        a.run(lambda: tenant_resume(tenant=Tenant.objects.get(slug=a.slug)))
+    assert a.client("ben").chat.completions.create(model="chat", messages=HELLO, max_tokens=1).choices
+
+
+def test_a_service_account_calls_with_its_own_token(a: Any) -> None:
+    raw = a.client("bot").chat.completions.with_raw_response.create(
+        model="chat", messages=HELLO, max_tokens=2
+    )
+    (row,) = a.usage(request_id=raw.headers["x-request-id"])
+    assert (row.username, row.project_name, row.tokens_out) == ("nightly-eval", "", 2)
+
+
+def test_serving_the_gateway_does_not_import_litellm() -> None:
+    """Importing LiteLLM takes seconds: the web process must start without it."""
+    probe = "import config.asgi, sys; print('litellm' in sys.modules)"
+    environment = {**os.environ, "DJANGO_SETTINGS_MODULE": "config.settings.test"}
+    printed = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=environment
+    ).stdout
+    assert printed.strip().splitlines()[-1] == "False"
+
+
+def test_a_changed_configuration_applies_to_the_next_call_in_every_process(a: Any) -> None:
+    for index in (0, 1):  # both processes have the configuration cached
+        a.client("ben", port_index=index).chat.completions.create(model="chat", messages=HELLO, max_tokens=1)
+    document = echo_document(_echo(a), guardrails={"blocked_terms": ["hello"]})
+    document["model_list"].append({**document["model_list"][0], "model_name": "fresh"})
+    a.configure(document)
+    try:
+        for index in (0, 1):
+            client = a.client("ben", port_index=index)
+            fresh = client.chat.completions.create(
+                model="fresh", messages=[{"role": "user", "content": "hi"}]
+            )
+            assert fresh.choices[0].message.content.startswith("hi hi")
+            with pytest.raises(openai.BadRequestError, match="blocked term 'hello'"):
+                client.chat.completions.create(model="chat", messages=HELLO)
+    finally:
+        a.configure(echo_document(_echo(a)))
+    with pytest.raises(openai.NotFoundError):
+        a.client("ben", port_index=1).chat.completions.create(model="fresh", messages=HELLO)
