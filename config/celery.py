@@ -10,4 +10,6 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings.local")
 
 app = Celery("klique")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks(["tenants", "apps.accounts", "apps.core", "apps.scheduling", "gateway"])
+app.autodiscover_tasks(
+    ["tenants", "apps.accounts", "apps.core", "apps.scheduling", "apps.metering", "gateway"]
+)

@@ -7,6 +7,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from apps.accounts.urls import urlpatterns as accounts_urlpatterns
 from apps.fleet.apis import agent_output_upload, agent_reports_post
+from apps.metering.urls import urlpatterns as metering_urlpatterns
 from apps.scheduling.urls import urlpatterns as scheduling_urlpatterns
 from apps.sso import views as sso
 from apps.vault.urls import urlpatterns as vault_urlpatterns
@@ -19,6 +20,7 @@ api_v1 = [
     *scheduling_urlpatterns,
     *vault_urlpatterns,
     *gateway_urlpatterns,
+    *metering_urlpatterns,
 ]
 
 urlpatterns = [

@@ -53,6 +53,12 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         commands.add_parser("simulate", help="replay recent work against the draft configuration (admins)")
     )
     simulate.add_argument("--days", type=int, help="replay the tasks of the last N days (default 7)")
+    usage = connection(commands.add_parser("usage", help="GPU-hours, tokens, storage and cost, summed"))
+    usage.add_argument(
+        "--by", default="project", choices=["project", "user", "pool", "gpu_class", "model", "kind"]
+    )
+    usage.add_argument("--since", help="from this day or time (ISO 8601), as 2026-11-01")
+    usage.add_argument("--until", help="up to this day or time (ISO 8601), not included")
     simulate.add_argument("--trace", help="replay a CSV trace: timestamp,duration,num_gpus,compute_resource")
 
 
@@ -139,6 +145,32 @@ def _queues(args: argparse.Namespace, client: Client) -> str:
             for row in rows
         ],
     )
+
+
+def _usage(args: argparse.Namespace, client: Client) -> str:
+    summary = client.usage(by=args.by, since=_day(args.since), until=_day(args.until))
+    if not summary["rows"]:
+        return "No usage recorded yet for what you may see."
+    rows = [
+        [
+            row[args.by] or "(none)",
+            row["gpu_hours"].rstrip("0").rstrip(".") or "0",
+            f"{row['tokens_in']:,}",
+            f"{row['tokens_out']:,}",
+            row["gb_hours"].rstrip("0").rstrip(".") or "0",
+            f"{float(row['cost_usd']):,.2f}",
+        ]
+        for row in summary["rows"]
+    ]
+    rows.append(["total", "", "", "", "", f"{float(summary['total_cost_usd']):,.2f}"])
+    return table(
+        [args.by.replace("_", " "), "GPU-hours", "tokens in", "tokens out", "GB-hours", "cost USD"], rows
+    )
+
+
+def _day(value: str | None) -> str | None:
+    """A day as the API takes a time: midnight UTC of it."""
+    return f"{value}T00:00:00+00:00" if value and len(value) == 10 else value
 
 
 def _report(report: dict[str, Any]) -> str:
@@ -255,4 +287,5 @@ HANDLERS: dict[str, Callable[[argparse.Namespace, Client], str]] = {
     "config": _config,
     "logs": _logs,
     "outputs": _outputs,
+    "usage": _usage,
 }

@@ -195,6 +195,13 @@ class Client:
             raise KliqueError(response.json().get("detail", response.text), response.status_code)
         return response.content
 
+    def usage(
+        self, *, by: str = "project", since: str | None = None, until: str | None = None
+    ) -> dict[str, Any]:
+        params = {"by": by, **({"since": since} if since else {}), **({"until": until} if until else {})}
+        summary: dict[str, Any] = self.request("GET", "/api/v1/usage/summary/", params=params)
+        return summary
+
     def queues(self) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = self.request("GET", "/api/v1/compute-resources/", params={"limit": 500})[
             "results"

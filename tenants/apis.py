@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import date
 from typing import Any
 
 from django.http import Http404
@@ -14,6 +15,7 @@ from rest_framework.views import APIView
 from apps.accounts.apis import TenantAPIView
 from apps.accounts.permissions import ProviderAdmin
 from apps.audit.mixins import Audited
+from apps.core.errors import InvalidInput
 from tenants import selectors, serializers, services
 from tenants.models import Tenant
 
@@ -98,3 +100,24 @@ class ProviderTenantResumeView(ProviderView):
     @extend_schema(request=None, responses=serializers.TenantOut, summary="Lift a suspension")
     def post(self, request: Request, slug: str) -> Response:
         return Response(serializers.TenantOut(services.tenant_resume(tenant=self.tenant_or_404(slug))).data)
+
+
+class ProviderUsageView(ProviderView):
+    @extend_schema(
+        summary="Usage and cost per tenant (per day with ?by=day), from the totals the ledger keeps in the "
+        "public schema; filter with since and until (days)",
+    )
+    def get(self, request: Request) -> Response:
+        return Response(selectors.usage_by_tenant(**_days(request)))
+
+
+def _days(request: Request) -> dict[str, Any]:
+    bounds: dict[str, Any] = {"by_day": request.query_params.get("by") == "day"}
+    for name in ("since", "until"):
+        value = request.query_params.get(name)
+        if value:
+            try:
+                bounds[name] = date.fromisoformat(value)
+            except ValueError:
+                raise InvalidInput(f"{name}: a day, as 2026-11-01.", field=name) from None
+    return bounds

@@ -53,3 +53,27 @@ class TokenRoute(models.Model):
 
     def __str__(self) -> str:
         return self.prefix
+
+
+class TenantUsageDay(models.Model):
+    """Each tenant's metered usage per day and kind, kept by the ledger's ingest in the public schema, so
+    the provider's views never read a tenant's schema at request time."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="usage_days")
+    day = models.DateField()
+    kind = models.CharField(max_length=10)  # gpu, tokens, storage
+    events = models.BigIntegerField(default=0)
+    gpu_unit_ms = models.DecimalField(max_digits=38, decimal_places=0, default=0)
+    tokens_in = models.DecimalField(max_digits=38, decimal_places=0, default=0)
+    tokens_out = models.DecimalField(max_digits=38, decimal_places=0, default=0)
+    byte_ms = models.DecimalField(max_digits=38, decimal_places=0, default=0)
+    cost_nano_usd = models.DecimalField(max_digits=38, decimal_places=0, default=0)
+
+    class Meta:
+        ordering = ["day", "tenant_id", "kind"]
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "day", "kind"], name="one_usage_row_per_tenant_day")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id} {self.day} {self.kind}"

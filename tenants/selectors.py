@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hmac
+from datetime import date
+from typing import Any
 
 from django.conf import settings
 from django.db.models import QuerySet
@@ -38,3 +40,42 @@ def token_route_tenant(*, prefix: str, secret_hash: str) -> Tenant | None:
     if route is None or not hmac.compare_digest(route.secret_hash, secret_hash):
         return None
     return route.tenant
+
+
+def usage_by_tenant(
+    *, since: date | None = None, until: date | None = None, by_day: bool = False
+) -> list[dict[str, Any]]:
+    """Each tenant's metered usage and cost (per day too, with `by_day`), from the public schema's totals."""
+    from decimal import Decimal
+
+    from django.db.models import Sum
+
+    from tenants.models import TenantUsageDay
+
+    rows = TenantUsageDay.objects.all()
+    if since:
+        rows = rows.filter(day__gte=since)
+    if until:
+        rows = rows.filter(day__lt=until)
+    keys = ["tenant__slug", "kind", *(["day"] if by_day else [])]
+    totals = rows.values(*keys).annotate(
+        events=Sum("events"),
+        gpu_unit_ms=Sum("gpu_unit_ms"),
+        tokens_in=Sum("tokens_in"),
+        tokens_out=Sum("tokens_out"),
+        byte_ms=Sum("byte_ms"),
+        cost=Sum("cost_nano_usd"),
+    )
+    return [
+        {
+            "tenant": row["tenant__slug"],
+            "kind": row["kind"],
+            **({"day": row["day"].isoformat()} if by_day else {}),
+            "events": int(row["events"]),
+            "gpu_hours": str((Decimal(row["gpu_unit_ms"]) / (840 * 3_600_000)).quantize(Decimal("0.000001"))),
+            "tokens_in": int(row["tokens_in"]),
+            "tokens_out": int(row["tokens_out"]),
+            "cost_usd": str((Decimal(row["cost"]) / 10**9).quantize(Decimal("0.000001"))),
+        }
+        for row in totals.order_by(*keys)
+    ]

@@ -20,6 +20,7 @@ provider_urlpatterns = [
         apis.ProviderTenantSuspendView.as_view(),
         name="provider-tenant-suspend",
     ),
+    path("provider/usage/", apis.ProviderUsageView.as_view(), name="provider-usage"),
     path(
         "provider/tenants/<slug:slug>/resume/",
         apis.ProviderTenantResumeView.as_view(),

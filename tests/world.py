@@ -32,6 +32,7 @@ from apps.accounts.services import (
 )
 from apps.fleet.models import TaskOutput
 from apps.fleet.services import agent_token_create
+from apps.metering.ledger import Event, ingest
 from apps.resources.models import ComputeResource, Pool
 from apps.resources.services import draft_provision, draft_save
 from apps.scheduling.services import TaskRequest, tasks_submit
@@ -70,6 +71,7 @@ class World:
     secret_a: str  # acme's tenant secret SHARED_TOKEN (its id); its value is SECRET_VALUE_A
     wallet_a: str  # acme's gateway wallet (a tenant budget in USD, period none)
     usage_a: str  # the request id of one gateway call bob made in acme
+    ledger_a: str = "kq-world-ledger-1"  # one ledger event of bob's in acme
 
 
 def build_world() -> World:
@@ -134,6 +136,22 @@ def build_world() -> World:
             tokens_in=12,
             tokens_out=30,
             cost_nano_usd=72_000,
+        )
+        ingest(
+            [
+                Event(
+                    event_id="kq-world-ledger-1",
+                    kind="tokens",
+                    started_at=timezone.now(),
+                    user="bob",
+                    project="apollo",
+                    model="chat",
+                    tokens_in=5,
+                    tokens_out=7,
+                    cost_nano_usd=19_000,
+                    source="gateway",
+                )
+            ]
         )
     with schema_context(tenant_b.schema_name):
         charlie = User.objects.get(username="charlie")

@@ -64,6 +64,7 @@ class Project(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     name = models.CharField(max_length=100, unique=True)
     description = models.CharField(max_length=500, blank=True)
+    cost_center = models.CharField(max_length=100, blank=True)  # chargeback exports group by it
     created_at = models.DateTimeField(auto_now_add=True)
     members = models.ManyToManyField(User, through="ProjectMembership", related_name="projects")
 

@@ -76,12 +76,13 @@ class GroupIn(serializers.Serializer[Group]):
 class ProjectOut(serializers.ModelSerializer[Project]):
     class Meta:
         model = Project
-        fields = ["id", "name", "description", "created_at"]
+        fields = ["id", "name", "description", "cost_center", "created_at"]
 
 
 class ProjectIn(serializers.Serializer[Project]):
     name = serializers.CharField(max_length=100)
     description = serializers.CharField(required=False, max_length=500, allow_blank=True)
+    cost_center = serializers.CharField(required=False, max_length=100, allow_blank=True)
 
 
 class MembershipOut(serializers.ModelSerializer[ProjectMembership]):

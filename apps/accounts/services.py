@@ -279,6 +279,7 @@ def project_save(
     project: Project | None = None,
     name: str | None = None,
     description: str | None = None,
+    cost_center: str | None = None,
     admin: User | None = None,
 ) -> Project:
     """Create a project (project=None, with its first admin) or change one."""
@@ -288,6 +289,8 @@ def project_save(
         project.name = name
     if description is not None:
         project.description = description
+    if cost_center is not None:
+        project.cost_center = cost_center.strip()
     _save_named(project, what="project")
     if creating and admin is not None:
         ProjectMembership.objects.create(project=project, user=admin, role=Role.ADMIN)

@@ -69,6 +69,8 @@ def transition(task: Task, *, to_state: str, actor: str, message: str = "", **fi
     TaskEvent.objects.create(
         task=task, at=now, actor=actor, from_state=task.state, to_state=to_state, message=message
     )
+    if task.state == TaskState.RUNNING and task.started_at is not None:
+        _meter_run(task, ended_at=now)
     task.state = to_state
     for name, value in fields.items():
         setattr(task, name, value)
@@ -76,6 +78,24 @@ def transition(task: Task, *, to_state: str, actor: str, message: str = "", **fi
         task.ended_at = now
     task.save()
     return task
+
+
+def _meter_run(task: Task, *, ended_at: datetime) -> None:
+    """The run that ends now goes to the ledger as one GPU segment (data flow, step 5)."""
+    from apps.metering.services import run_segment
+
+    resource = task.compute_resource
+    run_segment(
+        task_id=str(task.pk),
+        started_at=task.started_at or ended_at,
+        ended_at=ended_at,
+        username=task.submitter.username,
+        project=task.project.name if task.project else "",
+        group=resource.policy.group.name if resource is not None else "",
+        pool=task.pool.name if task.pool else "",
+        compute_resource=task.compute_resource_name,
+        units=task.size_units,
+    )
 
 
 def _resolve_compute_resource(user: User, reference: str) -> ComputeResource:

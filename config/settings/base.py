@@ -62,6 +62,7 @@ TENANT_APPS = [
     "apps.audit",
     "apps.vault",
     "apps.sso",
+    "apps.metering",
     "gateway",  # the LLM gateway: its settings, budgets and usage live in each tenant's schema
 ]
 INSTALLED_APPS = list(SHARED_APPS) + [app for app in TENANT_APPS if app not in SHARED_APPS]
@@ -164,6 +165,16 @@ CELERY_BEAT_SCHEDULE = {
         "args": ("accounts.token_purge_expired",),
     },
     "gateway-usage-outbox": {"task": "gateway.drain_usage_outbox", "schedule": 30.0},
+    "metering-gateway-calls": {
+        "task": "tenants.for_each_tenant",
+        "schedule": 15.0,
+        "args": ("metering.gateway_calls",),
+    },
+    "metering-storage": {
+        "task": "tenants.for_each_tenant",
+        "schedule": 3600.0,
+        "args": ("metering.storage",),
+    },
     "gateway-sweep-holds": {"task": "gateway.sweep_holds", "schedule": 600.0},
 }
 

@@ -7,6 +7,7 @@ from tests.battery import Endpoint, fixed
 ENDPOINTS = [
     Endpoint("GET", "api/v1/tenant/", "viewer", fixed("/api/v1/tenant/")),
     Endpoint("GET", "api/v1/provider/tenants/", "provider", fixed("/api/v1/provider/tenants/")),
+    Endpoint("GET", "api/v1/provider/usage/", "provider", fixed("/api/v1/provider/usage/?by=day")),
     Endpoint(
         "POST",
         "api/v1/provider/tenants/",

@@ -1,0 +1,180 @@
+"""The usage API: the ledger's events, summaries from its rollups, the price book, imports and refusals."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any
+
+from django.db.models import Sum
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers, status
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from apps.accounts.apis import TenantAPIView
+from apps.accounts.models import Role
+from apps.core.errors import InvalidInput
+from apps.metering import services
+from apps.metering.ledger import MS_PER_HOUR, NANO, UNITS_PER_GPU
+from apps.metering.models import LedgerEvent, Rejection, Rollup
+
+GB = 10**9
+
+
+def usd(nano: int | Decimal) -> str:
+    return str((Decimal(nano) / NANO).quantize(Decimal("0.000001")))
+
+
+def gpu_hours(unit_ms: int | Decimal) -> str:
+    return str((Decimal(unit_ms) / (UNITS_PER_GPU * MS_PER_HOUR)).quantize(Decimal("0.000001")))
+
+
+def gb_hours(byte_ms: int | Decimal) -> str:
+    return str((Decimal(byte_ms) / (GB * MS_PER_HOUR)).quantize(Decimal("0.000001")))
+
+
+class EventOut(serializers.ModelSerializer[LedgerEvent]):
+    gpus = serializers.SerializerMethodField()
+    gpu_hours = serializers.SerializerMethodField()
+    cost_usd = serializers.SerializerMethodField()
+
+    class Meta:
+        model = LedgerEvent
+        fields = [
+            "event_id", "kind", "started_at", "ended_at", "period", "late", "username", "project_name",
+            "cost_center", "group_name", "pool", "gpu_class", "compute_resource", "gpus", "gpu_hours",
+            "model", "tokens_in", "tokens_out", "cost_usd", "source",
+        ]  # fmt: skip
+
+    def get_gpus(self, event: LedgerEvent) -> str:
+        from fractions import Fraction
+
+        return str(Fraction(event.gpu_units, UNITS_PER_GPU))
+
+    def get_gpu_hours(self, event: LedgerEvent) -> str:
+        return gpu_hours(event.gpu_unit_ms)
+
+    def get_cost_usd(self, event: LedgerEvent) -> str:
+        return usd(event.cost_nano_usd)
+
+
+class UsageListView(TenantAPIView):
+    @extend_schema(
+        responses=EventOut(many=True),
+        summary="Ledger events (yours; admins everyone's): filter by kind, user, project, pool, since, until",
+    )
+    def get(self, request: Request) -> Response:
+        events = services.usage_filtered(
+            services.usage_for(self.user), request.query_params.dict(), time_field="started_at"
+        )
+        return self.page(events.order_by("-started_at"), EventOut)
+
+
+SUMMARY_KEYS = {"project": "project_id", "user": "user_id", "pool": "pool", "gpu_class": "gpu_class",
+                "model": "model", "kind": "kind"}  # fmt: skip
+
+
+class UsageSummaryView(TenantAPIView):
+    @extend_schema(
+        summary="Totals from the hourly or daily rollups, grouped by project, user, pool, gpu_class, "
+        "model or kind (yours; admins everyone's): GPU-hours, tokens, GB-hours, cost",
+    )
+    def get(self, request: Request) -> Response:
+        query = request.query_params
+        by = query.get("by", "project")
+        grain = query.get("grain", "day")
+        if by not in SUMMARY_KEYS or grain not in Rollup.Grain.values:
+            raise InvalidInput(f"by is one of {', '.join(SUMMARY_KEYS)}; grain is hour or day.", field="by")
+        rollups = Rollup.objects.filter(grain=grain)
+        if not self.user.has_role(Role.ADMIN):
+            rollups = rollups.filter(user_id=self.user.pk)
+        bounds = {key: str(query[key]) for key in ("kind", "since", "until") if query.get(key)}
+        rollups = services.usage_filtered(rollups, bounds, time_field="bucket")
+        column = SUMMARY_KEYS[by]
+        rows = rollups.values(column).annotate(
+            events=Sum("events"),
+            gpu_unit_ms=Sum("gpu_unit_ms"),
+            tokens_in=Sum("tokens_in"),
+            tokens_out=Sum("tokens_out"),
+            byte_ms=Sum("byte_ms"),
+            cost=Sum("cost_nano_usd"),
+        )
+        names = services.names(column)
+        result = [
+            {
+                by: names.get(str(row[column]), str(row[column] or ""))
+                if column.endswith("_id")
+                else row[column],
+                "events": int(row["events"]),
+                "gpu_hours": gpu_hours(row["gpu_unit_ms"]),
+                "tokens_in": int(row["tokens_in"]),
+                "tokens_out": int(row["tokens_out"]),
+                "gb_hours": gb_hours(row["byte_ms"]),
+                "cost_usd": usd(row["cost"]),
+            }
+            for row in rows.order_by(column)
+        ]
+        total = sum((Decimal(row["cost_usd"]) for row in result), Decimal(0))
+        return Response({"by": by, "grain": grain, "rows": result, "total_cost_usd": str(total)})
+
+
+class ImportIn(serializers.Serializer[Any]):
+    events = serializers.ListField(child=serializers.JSONField(), max_length=10_000)
+
+
+class UsageImportView(TenantAPIView):
+    @extend_schema(
+        request=ImportIn,
+        summary="Record usage events from elsewhere (admin): each is checked; the report says which were "
+        "new, which were already there, and which were refused and why",
+    )
+    def post(self, request: Request) -> Response:
+        data = ImportIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        report = services.import_events(data.validated_data["events"])
+        body = {
+            "accepted": report.accepted,
+            "duplicates": report.duplicates,
+            "rejected": [{"event_id": event_id, "reason": reason} for event_id, reason in report.rejected],
+        }
+        return Response(body, status=status.HTTP_201_CREATED if report.accepted else status.HTTP_200_OK)
+
+
+class RejectionOut(serializers.ModelSerializer[Rejection]):
+    class Meta:
+        model = Rejection
+        fields = ["event_id", "reason", "payload", "at"]
+
+
+class RejectionListView(TenantAPIView):
+    read_role = Role.ADMIN
+
+    @extend_schema(responses=RejectionOut(many=True), summary="Events the ledger refused, and why (admin)")
+    def get(self, request: Request) -> Response:
+        return self.page(services.rejections(), RejectionOut)
+
+
+class PriceBookIO(serializers.Serializer[Any]):
+    gpu_hour = serializers.DictField(help_text='USD per GPU-hour by GPU class; "*" for any other')
+    tokens_million = serializers.DictField(
+        help_text='{"<model>": {"in": USD, "out": USD}} per million tokens'
+    )
+    gb_month = serializers.DecimalField(max_digits=12, decimal_places=6, help_text="USD per GB kept 30 days")
+
+
+class PriceBookView(TenantAPIView):
+    @extend_schema(responses=PriceBookIO, summary="The tenant's prices")
+    def get(self, request: Request) -> Response:
+        book = services.price_book()
+        return Response(
+            {"gpu_hour": book.gpu_hour, "tokens_million": book.tokens_million, "gb_month": str(book.gb_month)}
+        )
+
+    @extend_schema(request=PriceBookIO, responses=PriceBookIO, summary="Set the tenant's prices (admin)")
+    def put(self, request: Request) -> Response:
+        data = PriceBookIO(data=request.data)
+        data.is_valid(raise_exception=True)
+        book = services.price_book_save(**data.validated_data)
+        return Response(
+            {"gpu_hour": book.gpu_hour, "tokens_million": book.tokens_million, "gb_month": str(book.gb_month)}
+        )

@@ -1,0 +1,210 @@
+"""The ledger's writers for the rest of Klique: run segments from the scheduler, gateway calls, storage;
+and what the API reads: usage, summaries, the price book."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+from django.db import transaction
+from django.db.models import Q, QuerySet
+from django.utils import timezone
+
+from apps.accounts.models import Role, User
+from apps.core.errors import InvalidInput
+from apps.metering.ledger import Event, Report, ingest
+from apps.metering.models import Kind, LedgerEvent, PriceBook, Rejection
+
+
+def run_segment(
+    *,
+    task_id: str,
+    started_at: datetime,
+    ended_at: datetime,
+    username: str,
+    project: str,
+    group: str,
+    pool: str,
+    compute_resource: str,
+    units: int,
+) -> Report:
+    """Meter one run of a task: its GPUs from when it started running to when it stopped (completed,
+    failed, aborted or preempted). A preempted run is a segment of its own; the next run starts another.
+    Called in the transaction that ends the run, so the segment is written exactly when the run ends."""
+    from fractions import Fraction
+
+    event = Event(
+        event_id=f"gpu:{task_id}:{started_at.isoformat()}",
+        kind=Kind.GPU,
+        started_at=started_at,
+        ended_at=max(ended_at, started_at),
+        user=username,
+        project=project,
+        group=group,
+        pool=pool,
+        compute_resource=compute_resource,
+        gpus=Fraction(units, 840),
+        source="scheduler",
+    )
+    return ingest([event], now=max(ended_at, timezone.now()))
+
+
+def gateway_calls() -> Report:
+    """Move the gateway's metered calls into the ledger (each call's request id is its event id), up to
+    5,000 a run; the ones already there, or refused before, are skipped."""
+    from gateway.models import Usage
+
+    pending = (
+        Usage.objects.exclude(status=Usage.Status.FAILED)
+        .exclude(request_id__in=LedgerEvent.objects.filter(kind=Kind.TOKENS).values("event_id"))
+        .exclude(request_id__in=Rejection.objects.values("event_id"))
+        .order_by("at")[:5000]
+    )
+    events = [
+        Event(
+            event_id=row.request_id,
+            kind=Kind.TOKENS,
+            started_at=row.at,
+            user=str(row.user_id),
+            project=str(row.project_id) if row.project_id else "",
+            model=row.model,
+            tokens_in=row.tokens_in,
+            tokens_out=row.tokens_out,
+            cost_nano_usd=row.cost_nano_usd,
+            source="gateway",
+        )
+        for row in pending
+    ]
+    return ingest(events) if events else Report()
+
+
+def storage(*, now: datetime | None = None, hours: int = 3) -> Report:
+    """Meter task outputs kept over the last `hours` whole hours: bytes x time, one event per output and
+    hour (so a rerun of this after a missed hour still meters it, once)."""
+    from apps.fleet.models import TaskOutput
+
+    now = now or timezone.now()
+    end = now.replace(minute=0, second=0, microsecond=0)
+    events = []
+    outputs = TaskOutput.objects.select_related("task", "task__project", "task__submitter").filter(at__lt=end)
+    for output in outputs:
+        for hour in range(hours, 0, -1):
+            window_start, window_end = end - timedelta(hours=hour), end - timedelta(hours=hour - 1)
+            start = max(window_start, output.at)
+            if start >= window_end:
+                continue
+            task = output.task
+            events.append(
+                Event(
+                    event_id=f"storage:{output.pk}:{window_start:%Y%m%d%H}",
+                    kind=Kind.STORAGE,
+                    started_at=start,
+                    ended_at=window_end,
+                    user=task.submitter.username,
+                    project=task.project.name if task.project else "",
+                    bytes=output.size,
+                    source="storage",
+                )
+            )
+    return ingest(events, now=now) if events else Report()
+
+
+def usage_for(user: User) -> QuerySet[LedgerEvent]:
+    """The ledger events a user may read: everyone's for admins, their own otherwise."""
+    events = LedgerEvent.objects.all()
+    return events if user.has_role(Role.ADMIN) else events.filter(user_id=user.pk)
+
+
+def usage_filtered(events: QuerySet[Any], query: dict[str, str], *, time_field: str) -> QuerySet[Any]:
+    """`events` narrowed by the usage API's filters (kind, user, project, pool, since, until)."""
+    filters = {"kind": "kind", "user": "username", "project": "project_name", "pool": "pool"}
+    for parameter, column in filters.items():
+        if query.get(parameter) and (parameter != "user" or time_field == "started_at"):
+            events = events.filter(**{column: query[parameter]})
+    for bound, lookup in (("since", "gte"), ("until", "lt")):
+        if query.get(bound):
+            try:
+                moment = datetime.fromisoformat(query[bound])
+            except ValueError:
+                raise InvalidInput(
+                    f"{bound}: an ISO 8601 time, as 2026-11-01T00:00:00Z.", field=bound
+                ) from None
+            events = events.filter(**{f"{time_field}__{lookup}": moment})
+    return events
+
+
+def price_book() -> PriceBook:
+    return PriceBook.objects.filter(pk=1).first() or PriceBook(pk=1)
+
+
+def _price(value: Any, where: str) -> str:
+    try:
+        price = Decimal(str(value))
+    except ArithmeticError:
+        raise InvalidInput(f"{where}: a price in USD, as 2.50 (got {value!r}).", field=where) from None
+    if not price.is_finite() or price < 0:
+        raise InvalidInput(f"{where}: a price cannot be negative (got {value!r}).", field=where)
+    return str(price)
+
+
+@transaction.atomic
+def price_book_save(*, gpu_hour: dict[str, Any], tokens_million: dict[str, Any], gb_month: Any) -> PriceBook:
+    """Set the tenant's prices. They price events as they are recorded; what is recorded keeps its price."""
+    checked_gpu = {str(name): _price(price, f"gpu_hour.{name}") for name, price in gpu_hour.items()}
+    checked_tokens = {}
+    for model, prices in tokens_million.items():
+        if not isinstance(prices, dict) or set(prices) - {"in", "out"}:
+            raise InvalidInput(f'tokens_million.{model}: {{"in": <USD>, "out": <USD>}} per million tokens.')
+        checked_tokens[str(model)] = {
+            side: _price(prices.get(side, 0), f"tokens_million.{model}.{side}") for side in ("in", "out")
+        }
+    book, _ = PriceBook.objects.update_or_create(
+        pk=1,
+        defaults={
+            "gpu_hour": checked_gpu,
+            "tokens_million": checked_tokens,
+            "gb_month": Decimal(_price(gb_month, "gb_month")),
+        },
+    )
+    return book
+
+
+def _event(item: Any) -> Event:
+    if not isinstance(item, dict):
+        raise TypeError("expected an object")
+    return Event.from_dict(item)
+
+
+def import_events(items: list[Any]) -> Report:
+    """Events sent through the API (an admin's import); each bad one is refused with its reason."""
+    events, refused = [], []
+    for index, item in enumerate(items):
+        try:
+            events.append(_event(item))
+        except (ValueError, TypeError) as error:
+            event_id = str(item.get("event_id", f"#{index}")) if isinstance(item, dict) else f"#{index}"
+            refused.append((event_id, str(error)))
+            Rejection.objects.create(event_id=event_id, reason=str(error), payload={"raw": repr(item)[:2000]})
+    report = ingest(events)
+    report.rejected = refused + report.rejected
+    return report
+
+
+def rejections() -> QuerySet[Rejection]:
+    return Rejection.objects.all()
+
+
+def visible(user: User) -> Q:
+    return Q() if user.has_role(Role.ADMIN) else Q(user_id=user.pk)
+
+
+def names(column: str) -> dict[str, str]:
+    """Names for the ids a summary groups by (projects and users), so it reads as people do."""
+    from apps.accounts.models import Project
+
+    if column == "project_id":
+        return {str(pk): name for pk, name in Project.objects.values_list("pk", "name")}
+    if column == "user_id":
+        return {str(pk): name for pk, name in User.objects.values_list("pk", "username")}
+    return {}

@@ -1,0 +1,13 @@
+from __future__ import annotations
+
+from django.urls import path
+
+from apps.metering import apis
+
+urlpatterns = [
+    path("usage/", apis.UsageListView.as_view(), name="usage-list"),
+    path("usage/summary/", apis.UsageSummaryView.as_view(), name="usage-summary"),
+    path("usage/events/", apis.UsageImportView.as_view(), name="usage-import"),
+    path("usage/rejections/", apis.RejectionListView.as_view(), name="usage-rejections"),
+    path("price-book/", apis.PriceBookView.as_view(), name="price-book"),
+]
