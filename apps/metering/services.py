@@ -47,7 +47,26 @@ def run_segment(
         gpus=Fraction(units, 840),
         source="scheduler",
     )
-    return ingest([event], now=max(ended_at, timezone.now()))
+    report = ingest([event], now=max(ended_at, timezone.now()))
+    if report.accepted:
+        from gateway.services import charge
+
+        row = LedgerEvent.objects.get(event_id=event.event_id)
+        charge(user_id=str(row.user_id), project_id=str(row.project_id) if row.project_id else None,
+               cost_nano_usd=row.cost_nano_usd, at=row.ended_at)  # fmt: skip
+    return report
+
+
+def compute_cost(*, since: datetime, project_id: Any = None, user_id: Any = None) -> int:
+    """The GPU and storage cost (nano-USD) metered since `since` for a project, a user, or everyone."""
+    from django.db.models import Sum
+
+    events = LedgerEvent.objects.filter(kind__in=(Kind.GPU, Kind.STORAGE), ended_at__gte=since)
+    if project_id is not None:
+        events = events.filter(project_id=project_id)
+    if user_id is not None:
+        events = events.filter(user_id=user_id)
+    return int(events.aggregate(cost=Sum("cost_nano_usd"))["cost"] or 0)
 
 
 def gateway_calls() -> Report:

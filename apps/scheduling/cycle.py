@@ -63,8 +63,9 @@ def _engine_pool(pool: Pool, now: datetime) -> engine.Pool:
     )
 
 
-def snapshot(tenant: Tenant, now: datetime) -> engine.Snapshot:
-    """The tenant's state as the engine sees it. Call inside the cycle's transaction."""
+def snapshot(tenant: Tenant, now: datetime, *, held: frozenset[str] = frozenset()) -> engine.Snapshot:
+    """The tenant's state as the engine sees it (without the queued tasks in `held`). Call inside the
+    cycle's transaction."""
     profiles = []
     for profile in ResourceProfile.objects.prefetch_related("pool_order"):
         order = list(profile.pool_order.all())
@@ -82,6 +83,7 @@ def snapshot(tenant: Tenant, now: datetime) -> engine.Snapshot:
         for pk, resource, size, submitted, sharing, priority in Task.objects.filter(
             state=TaskState.QUEUED, compute_resource__isnull=False
         ).values_list("pk", "compute_resource_id", "size_units", "submitted_at", "sharing", "priority")
+        if str(pk) not in held
     )
     running = tuple(
         engine.Allocation(str(pk), str(resource), str(pool), size, (started or placed or now).timestamp())
@@ -109,6 +111,34 @@ def snapshot(tenant: Tenant, now: datetime) -> engine.Snapshot:
         running=running,
         tenant_share=None if tenant.gpu_share is None else tenant.gpu_share * engine.UNITS_PER_GPU,
     )
+
+
+def _held_by_budgets(now: datetime) -> dict[str, str]:
+    """Queued tasks that may not start because a budget in USD they draw from is spent (one wallet pays
+    for a project's GPU time and its gateway calls): task id -> the budget's sentence."""
+    from gateway.services import spent_budgets
+
+    blocked = spent_budgets(now=now)
+    if not (blocked.tenant or blocked.projects or blocked.users):
+        return {}
+    held = {}
+    waiting = Task.objects.filter(state=TaskState.QUEUED).values_list("pk", "submitter_id", "project_id")
+    for pk, submitter, project in waiting:
+        reason = blocked.reason(user_id=str(submitter), project_id=str(project) if project else None)
+        if reason:
+            held[str(pk)] = f"Waiting for budget: {reason}"
+    return held
+
+
+def _explain(reasons: dict[str, str], *, code: str) -> None:
+    changed = []
+    for task in Task.objects.filter(pk__in=list(reasons), state=TaskState.QUEUED).only(
+        "reason_code", "reason"
+    ):
+        if (task.reason_code, task.reason) != (code, reasons[str(task.pk)]):
+            task.reason_code, task.reason = code, reasons[str(task.pk)]
+            changed.append(task)
+    Task.objects.bulk_update(changed, ["reason_code", "reason"], batch_size=2000)
 
 
 def _lose_tasks_of_silent_pools(tenant: Tenant) -> None:
@@ -223,9 +253,11 @@ def run_cycle(tenant: Tenant) -> CycleResult:
         leases_expire()
         _lose_tasks_of_silent_pools(tenant)
         now = timezone.now()
-        state = snapshot(tenant, now)
+        held = _held_by_budgets(now)
+        state = snapshot(tenant, now, held=frozenset(held))
         decision = engine.schedule(state)
         placed, preempted = _apply(decision, now)
+        _explain(held, code="budget_exhausted")
         running_in = {allocation.task: allocation.pool for allocation in state.running}
         _tell_agents(tenant, decision, {p.victim: running_in[p.victim] for p in decision.preemptions})
     elapsed = (time.perf_counter() - started) * 1000

@@ -503,3 +503,27 @@ def test_a_changed_configuration_applies_to_the_next_call_in_every_process(a: An
         a.configure(echo_document(_echo(a)))
     with pytest.raises(openai.NotFoundError):
         a.client("ben", port_index=1).chat.completions.create(model="fresh", messages=HELLO)
+
+
+def test_one_wallet_pays_for_gpu_time_and_gateway_calls(a: Any) -> None:
+    """GPU runs of a project are charged to the same live counter its gateway calls draw from."""
+    from django.utils import timezone
+
+    from apps.accounts.models import Project
+    from gateway.services import charge
+
+    new_project(a, "shared-wallet", "ben")
+    a.budget(scope="project", project="shared-wallet", unit="usd", limit="0.001", period="none")
+    client = a.client("ben", project="shared-wallet")
+    assert client.chat.completions.create(model="chat", messages=HELLO, max_tokens=1).choices  # a call
+    project_id = a.run(lambda: str(Project.objects.get(name="shared-wallet").pk))
+    a.run(
+        lambda: charge(
+            user_id=a.user_ids["ben"], project_id=project_id, cost_nano_usd=10**9, at=timezone.now()
+        )
+    )
+    with pytest.raises(openai.RateLimitError) as refused:  # 1 USD of GPU time spent the wallet
+        client.chat.completions.create(model="chat", messages=HELLO, max_tokens=1)
+    assert said(refused.value).startswith(
+        "No room left in project shared-wallet's wallet: 1.000004 USD of 0.001 USD"
+    )
