@@ -77,8 +77,8 @@ def test_a_spent_project_wallet_holds_its_new_tasks_with_the_reason(priced: Worl
 
 
 def test_gpu_cost_reaches_the_gateways_live_counters(
-    priced: World, django_capture_on_commit_callbacks
-) -> None:  # type: ignore[no-untyped-def]
+    priced: World, django_capture_on_commit_callbacks: Any
+) -> None:
     with schema_context("acme"):
         wallet = budget_create(scope="project", project="apollo", unit="usd", limit="100", period="month")
         key = budget_key("acme", enforced(wallet), timezone.now())
