@@ -6,6 +6,7 @@ from decimal import Decimal
 from typing import Any
 
 from django.db.models import Sum
+from django.http import HttpResponse
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
 from rest_framework.request import Request
@@ -14,9 +15,9 @@ from rest_framework.response import Response
 from apps.accounts.apis import TenantAPIView
 from apps.accounts.models import Role
 from apps.core.errors import InvalidInput
-from apps.metering import services
+from apps.metering import exports, services
 from apps.metering.ledger import MS_PER_HOUR, NANO, UNITS_PER_GPU
-from apps.metering.models import LedgerEvent, Rejection, Rollup
+from apps.metering.models import LedgerEvent, Period, Rejection, Rollup
 
 GB = 10**9
 
@@ -178,3 +179,48 @@ class PriceBookView(TenantAPIView):
         return Response(
             {"gpu_hour": book.gpu_hour, "tokens_million": book.tokens_million, "gb_month": str(book.gb_month)}
         )
+
+
+class PeriodOut(serializers.ModelSerializer[Period]):
+    period = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Period
+        fields = ["period", "start", "closed_at"]
+
+    def get_period(self, period: Period) -> str:
+        return f"{period.start:%Y-%m}"
+
+
+class PeriodListView(TenantAPIView):
+    @extend_schema(responses=PeriodOut(many=True), summary="Billing months, open or closed")
+    def get(self, request: Request) -> Response:
+        return self.page(services.periods(), PeriodOut)
+
+
+class PeriodCloseView(TenantAPIView):
+    @extend_schema(responses=PeriodOut, summary="Close a month (admin): later events for it land in the next")
+    def post(self, request: Request, period: str) -> Response:
+        return Response(PeriodOut(services.period_close(start=services.period_of(period))).data)
+
+
+class ChargebackView(TenantAPIView):
+    read_role = Role.ADMIN
+
+    @extend_schema(
+        summary="A month's chargeback file (admin): usage and cost per cost center, project, kind, GPU class "
+        "and model; ?period=2026-11&file=csv|parquet",
+    )
+    def get(self, request: Request) -> HttpResponse:
+        period = services.period_of(request.query_params.get("period", ""))
+        kind = request.query_params.get("file", "csv")  # not `format`: DRF reads that one itself
+        if kind not in ("csv", "parquet"):
+            raise InvalidInput("file is csv or parquet.", field="file")
+        rows = exports.chargeback(period)
+        body = exports.to_csv(rows) if kind == "csv" else exports.to_parquet(rows)
+        response = HttpResponse(
+            body, content_type="text/csv" if kind == "csv" else "application/vnd.apache.parquet"
+        )
+        name = f"klique-{self.tenant.slug}-{period:%Y-%m}-chargeback.{kind}"
+        response["Content-Disposition"] = f'attachment; filename="{name}"'
+        return response

@@ -3,7 +3,7 @@ and what the API reads: usage, summaries, the price book."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import date, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -14,7 +14,7 @@ from django.utils import timezone
 from apps.accounts.models import Role, User
 from apps.core.errors import InvalidInput
 from apps.metering.ledger import Event, Report, ingest
-from apps.metering.models import Kind, LedgerEvent, PriceBook, Rejection
+from apps.metering.models import Kind, LedgerEvent, Period, PriceBook, Rejection
 
 
 def run_segment(
@@ -227,3 +227,28 @@ def names(column: str) -> dict[str, str]:
     if column == "user_id":
         return {str(pk): name for pk, name in User.objects.values_list("pk", "username")}
     return {}
+
+
+def period_of(text: str) -> date:
+    """A period named as 2026-11."""
+    try:
+        return datetime.strptime(text, "%Y-%m").date()
+    except ValueError:
+        raise InvalidInput(f"A period is a month, as 2026-11 (got {text!r}).", field="period") from None
+
+
+@transaction.atomic
+def period_close(*, start: date) -> Period:
+    """Close a month: events that arrive for it later land, marked late, in the next open month."""
+    period, _ = Period.objects.select_for_update().get_or_create(start=start)
+    if period.closed_at is not None:
+        raise InvalidInput(f"{start:%Y-%m} was closed on {period.closed_at:%Y-%m-%d %H:%M} UTC already.")
+    if start >= timezone.now().date().replace(day=1):
+        raise InvalidInput(f"{start:%Y-%m} has not ended yet; close a month once it is over.")
+    period.closed_at = timezone.now()
+    period.save(update_fields=["closed_at"])
+    return period
+
+
+def periods() -> QuerySet[Period]:
+    return Period.objects.all()

@@ -37,3 +37,15 @@ ENDPOINTS = [
         bad_body={"gpu_hour": {"H100": "-1"}, "tokens_million": {}, "gb_month": "0"},
     ),
 ]
+
+ENDPOINTS += [
+    Endpoint("GET", "api/v1/usage/periods/", "viewer", fixed("/api/v1/usage/periods/")),
+    Endpoint(
+        "POST",
+        "api/v1/usage/periods/<str:period>/close/",
+        "admin",
+        fixed("/api/v1/usage/periods/2026-10/close/"),
+        body=lambda w: {},
+    ),
+    Endpoint("GET", "api/v1/usage/chargeback/", "admin", fixed("/api/v1/usage/chargeback/?period=2026-11")),
+]

@@ -1,0 +1,93 @@
+"""Chargeback files: a period's ledger summed per cost center, project, kind, GPU class and model, as CSV
+(for spreadsheets) or Parquet (for data warehouses, with exact decimal types)."""
+
+from __future__ import annotations
+
+import csv
+import io
+from datetime import date
+from decimal import Decimal
+from typing import Any
+
+from django.db.models import Count, Sum
+
+from apps.metering.ledger import MS_PER_HOUR, NANO, UNITS_PER_GPU
+from apps.metering.models import LedgerEvent
+
+GB = 10**9
+COLUMNS = (
+    "period", "cost_center", "project", "kind", "gpu_class", "model", "events",
+    "gpu_hours", "tokens_in", "tokens_out", "gb_hours", "cost_usd",
+)  # fmt: skip
+SIX = Decimal("0.000001")
+
+
+def chargeback(period: date) -> list[dict[str, Any]]:
+    """The period's usage and cost per cost center and project (events that landed late in it included)."""
+    rows = (
+        LedgerEvent.objects.filter(period=period)
+        .values("cost_center", "project_name", "kind", "gpu_class", "model")
+        .annotate(
+            events=Count("event_id"),
+            unit_ms=Sum("gpu_unit_ms"),
+            tokens_in=Sum("tokens_in"),
+            tokens_out=Sum("tokens_out"),
+            byte_ms=Sum("byte_ms"),
+            cost=Sum("cost_nano_usd"),
+        )
+        .order_by("cost_center", "project_name", "kind", "gpu_class", "model")
+    )
+    return [
+        {
+            "period": f"{period:%Y-%m}",
+            "cost_center": row["cost_center"],
+            "project": row["project_name"],
+            "kind": row["kind"],
+            "gpu_class": row["gpu_class"],
+            "model": row["model"],
+            "events": row["events"],
+            "gpu_hours": (Decimal(row["unit_ms"]) / (UNITS_PER_GPU * MS_PER_HOUR)).quantize(SIX),
+            "tokens_in": int(row["tokens_in"]),
+            "tokens_out": int(row["tokens_out"]),
+            "gb_hours": (Decimal(row["byte_ms"]) / (GB * MS_PER_HOUR)).quantize(SIX),
+            "cost_usd": (Decimal(row["cost"]) / NANO).quantize(Decimal("0.000000001")),
+        }
+        for row in rows
+    ]
+
+
+def to_csv(rows: list[dict[str, Any]]) -> bytes:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(
+        {key: format(value, "f") if isinstance(value, Decimal) else value for key, value in row.items()}
+        for row in rows
+    )
+    return out.getvalue().encode()
+
+
+def to_parquet(rows: list[dict[str, Any]]) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema(
+        [
+            ("period", pa.string()),
+            ("cost_center", pa.string()),
+            ("project", pa.string()),
+            ("kind", pa.string()),
+            ("gpu_class", pa.string()),
+            ("model", pa.string()),
+            ("events", pa.int64()),
+            ("gpu_hours", pa.decimal128(24, 6)),
+            ("tokens_in", pa.int64()),
+            ("tokens_out", pa.int64()),
+            ("gb_hours", pa.decimal128(24, 6)),
+            ("cost_usd", pa.decimal128(24, 9)),
+        ]
+    )
+    table = pa.Table.from_pylist(rows, schema=schema)
+    out = io.BytesIO()
+    pq.write_table(table, out)
+    return out.getvalue()
