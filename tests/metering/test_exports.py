@@ -6,13 +6,14 @@ import csv
 import io
 from collections.abc import Callable
 from decimal import Decimal
+from typing import Any
 
 import pyarrow.parquet as pq
 from rest_framework.test import APIClient
 
 from tests.world import World
 
-EVENTS = [
+EVENTS: list[dict[str, Any]] = [
     {
         "event_id": "cb-gpu",
         "kind": "gpu",
