@@ -6,9 +6,10 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from apps.accounts.urls import identity_urlpatterns
+from apps.billing.urls import urlpatterns as billing_urlpatterns
 from tenants.urls import provider_urlpatterns
 
-api_v1 = [*provider_urlpatterns, *identity_urlpatterns]
+api_v1 = [*provider_urlpatterns, *billing_urlpatterns, *identity_urlpatterns]
 
 urlpatterns = [
     path("api/v1/", include(api_v1)),

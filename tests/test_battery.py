@@ -12,6 +12,7 @@ from rest_framework.test import APIClient
 
 from tests.accounts.endpoints import ENDPOINTS as ACCOUNTS
 from tests.battery import ROLE_HOLDERS, Endpoint
+from tests.billing.endpoints import ENDPOINTS as BILLING
 from tests.gateway.endpoints import ENDPOINTS as GATEWAY
 from tests.metering.endpoints import ENDPOINTS as METERING
 from tests.scheduling.endpoints import ENDPOINTS as SCHEDULING
@@ -19,7 +20,7 @@ from tests.tenants.endpoints import ENDPOINTS as TENANTS
 from tests.vault.endpoints import ENDPOINTS as VAULT
 from tests.world import World
 
-ENDPOINTS: list[Endpoint] = [*ACCOUNTS, *TENANTS, *SCHEDULING, *VAULT, *GATEWAY, *METERING]
+ENDPOINTS: list[Endpoint] = [*ACCOUNTS, *TENANTS, *SCHEDULING, *VAULT, *GATEWAY, *METERING, *BILLING]
 BY_ID = {f"{endpoint.site}:{endpoint.key}": endpoint for endpoint in ENDPOINTS}
 WRITE_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
 

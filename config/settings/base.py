@@ -20,6 +20,11 @@ KLIQUE_DATA_DIR = env.data_dir()
 # The vault's master keys (Fernet, comma-separated, the current one first); without any, a key is made
 # once in the data folder (laptops, tests). Production requires them.
 KLIQUE_MASTER_KEYS = env.words("KLIQUE_MASTER_KEYS")
+# Stripe, for the provider's billing: the secret key, another API address (a local Stripe in tests), and
+# whether usage goes in as billing meter events ("meter_events") or invoice items ("invoice_items").
+KLIQUE_STRIPE_API_KEY = env.text("KLIQUE_STRIPE_API_KEY", "") or ""
+KLIQUE_STRIPE_API_BASE = env.text("KLIQUE_STRIPE_API_BASE", "") or ""
+KLIQUE_STRIPE_MODE = env.text("KLIQUE_STRIPE_MODE", "meter_events") or "meter_events"
 
 # Single sign-on is configured per tenant (apps.sso); these are mozilla-django-oidc's defaults.
 AUTHENTICATION_BACKENDS = ["django.contrib.auth.backends.ModelBackend", "apps.sso.backend.TenantOIDCBackend"]
@@ -50,6 +55,7 @@ SHARED_APPS = [
     # Users live in both: provider admins in the public schema, each tenant's people in its own schema.
     "apps.accounts",
     "apps.audit",  # the provider's actions are audited in the public schema, a tenant's in its own
+    "apps.billing",  # the provider's Stripe customers and usage pushes
 ]
 TENANT_APPS = [
     "django.contrib.contenttypes",
@@ -170,6 +176,7 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": 15.0,
         "args": ("metering.gateway_calls",),
     },
+    "billing-push-pending": {"task": "billing.push_pending", "schedule": 300.0},
     "metering-storage": {
         "task": "tenants.for_each_tenant",
         "schedule": 3600.0,

@@ -1,0 +1,203 @@
+"""Usage into Stripe: a customer per tenant, a push per tenant, month and kind, and a reconciliation.
+
+`export_period` computes each tenant's month from its ledger (by the ledger's own periods, so late events
+count where they landed) and records one pending push per kind. `push_pending` sends them: as billing
+meter events (`klique_gpu_hours`, `klique_tokens`, `klique_storage_gb_hours`, with the push's key as the
+event's identifier) or, where meters are not used, as invoice items in USD cents; each request carries
+the push's idempotency key. While Stripe cannot be reached, a push stays pending and is retried (Celery
+beat); nothing is lost and nothing is sent twice. `reconcile` lists what Stripe holds per tenant against
+what the ledger says.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from decimal import ROUND_HALF_UP, Decimal
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Sum
+from django.utils import timezone
+from django_tenants.utils import get_public_schema_name, schema_context
+
+from apps.billing.models import StripeCustomer, StripePush
+from apps.core.errors import InvalidInput
+from tenants.models import Tenant
+
+log = logging.getLogger("klique.billing")
+
+METERS = {"gpu": "klique_gpu_hours", "tokens": "klique_tokens", "storage": "klique_storage_gb_hours"}
+UNITS_PER_GPU_MS_HOUR = Decimal(840 * 3_600_000)
+GB_MS_HOUR = Decimal(10**9 * 3_600_000)
+
+
+class StripeUnavailable(Exception):
+    pass
+
+
+def client() -> Any:
+    import stripe
+
+    key = settings.KLIQUE_STRIPE_API_KEY
+    if not key:
+        raise StripeUnavailable(
+            "Stripe is not configured: set KLIQUE_STRIPE_API_KEY (and KLIQUE_STRIPE_API_BASE)."
+        )
+    addresses: Any = {"api": settings.KLIQUE_STRIPE_API_BASE} if settings.KLIQUE_STRIPE_API_BASE else {}
+    return stripe.StripeClient(key, base_addresses=addresses, max_network_retries=0)
+
+
+def _month_totals(schema: str, period: date) -> dict[str, dict[str, Decimal]]:
+    from apps.metering.models import LedgerEvent
+
+    with schema_context(schema):
+        rows = LedgerEvent.objects.filter(period=period).values("kind").annotate(
+            unit_ms=Sum("gpu_unit_ms"), tokens_in=Sum("tokens_in"), tokens_out=Sum("tokens_out"),
+            byte_ms=Sum("byte_ms"), cost=Sum("cost_nano_usd"),
+        )  # fmt: skip
+        totals = {}
+        for row in rows:
+            quantity = {
+                "gpu": Decimal(row["unit_ms"]) / UNITS_PER_GPU_MS_HOUR,
+                "tokens": Decimal(row["tokens_in"] + row["tokens_out"]),
+                "storage": Decimal(row["byte_ms"]) / GB_MS_HOUR,
+            }[row["kind"]]
+            cents = (Decimal(row["cost"]) / 10**7).quantize(Decimal(1), rounding=ROUND_HALF_UP)
+            totals[row["kind"]] = {"quantity": quantity.quantize(Decimal("0.000001")), "cents": cents}
+        return totals
+
+
+@transaction.atomic
+def export_period(period: date) -> list[StripePush]:
+    """Record each tenant's usage of `period` as pushes (once; a second export changes nothing)."""
+    if period >= timezone.now().date().replace(day=1):
+        raise InvalidInput(f"{period:%Y-%m} is not over yet; export a month once it has ended.")
+    mode = (
+        StripePush.Mode.METER_EVENT
+        if settings.KLIQUE_STRIPE_MODE == "meter_events"
+        else StripePush.Mode.INVOICE_ITEM
+    )
+    pushes = []
+    with schema_context(get_public_schema_name()):
+        tenants = list(Tenant.objects.exclude(schema_name=get_public_schema_name()))
+    for tenant in tenants:
+        for kind, total in sorted(_month_totals(tenant.schema_name, period).items()):
+            push, _ = StripePush.objects.get_or_create(
+                tenant=tenant,
+                period=period,
+                kind=kind,
+                defaults={
+                    "quantity": total["quantity"],
+                    "amount_cents": int(total["cents"]),
+                    "idempotency_key": f"klique-{tenant.slug}-{period:%Y-%m}-{kind}",
+                    "mode": mode,
+                },
+            )
+            pushes.append(push)
+    return pushes
+
+
+def _customer(stripe: Any, tenant: Tenant) -> str:
+    known = StripeCustomer.objects.filter(tenant=tenant).first()
+    if known is not None:
+        return known.customer_id
+    customer = stripe.v1.customers.create(
+        params={"name": tenant.name, "metadata": {"klique_tenant": tenant.slug}},
+        options={"idempotency_key": f"klique-customer-{tenant.slug}"},
+    )
+    StripeCustomer.objects.create(tenant=tenant, customer_id=customer.id)
+    return str(customer.id)
+
+
+def _send(stripe: Any, push: StripePush, customer: str) -> str:
+    month_end = (push.period + timedelta(days=32)).replace(day=1)
+    if push.mode == StripePush.Mode.METER_EVENT:
+        event = stripe.v1.billing.meter_events.create(
+            params={
+                "event_name": METERS[push.kind],
+                "payload": {"stripe_customer_id": customer, "value": str(push.quantity)},
+                "identifier": push.idempotency_key,
+                "timestamp": int(datetime.combine(month_end, datetime.min.time(), tzinfo=UTC).timestamp())
+                - 1,
+            },
+            options={"idempotency_key": push.idempotency_key},
+        )
+        return str(event.identifier)
+    item = stripe.v1.invoice_items.create(
+        params={
+            "customer": customer,
+            "amount": push.amount_cents,
+            "currency": "usd",
+            "description": f"Klique {push.kind} {push.period:%Y-%m}: {push.quantity}",
+            "metadata": {"klique_period": f"{push.period:%Y-%m}", "klique_kind": push.kind},
+        },
+        options={"idempotency_key": push.idempotency_key},
+    )
+    return str(item.id)
+
+
+def push_pending() -> dict[str, int]:
+    """Send every pending push; those Stripe could not take stay pending for the next run."""
+    import stripe as library
+
+    counts = {"sent": 0, "pending": 0, "failed": 0}
+    stripe = client()
+    for push in StripePush.objects.select_related("tenant").filter(status=StripePush.Status.PENDING):
+        push.attempts += 1
+        try:
+            push.stripe_id = _send(stripe, push, _customer(stripe, push.tenant))
+            push.status, push.sent_at, push.last_error = StripePush.Status.SENT, timezone.now(), ""
+        except (library.APIConnectionError, library.RateLimitError) as error:
+            push.last_error = f"Stripe could not be reached ({error.user_message or error}); retrying"
+        except library.StripeError as error:
+            if (error.http_status or 500) >= 500:
+                push.last_error = f"Stripe failed ({error.http_status}); retrying"
+            else:
+                push.status, push.last_error = (
+                    StripePush.Status.FAILED,
+                    f"Stripe refused it: {error.user_message or error}",
+                )
+        push.save()
+        counts[push.status] += 1
+    return counts
+
+
+@dataclass(frozen=True)
+class Reconciled:
+    tenant: str
+    kind: str
+    ledger_cents: int
+    stripe_cents: int | None  # None: Stripe holds nothing for it
+
+    @property
+    def state(self) -> str:
+        if self.stripe_cents is None:
+            return "missing"
+        return "match" if self.stripe_cents == self.ledger_cents else "differs"
+
+
+def reconcile(period: date) -> list[Reconciled]:
+    """What Stripe holds for `period` (invoice items, by their metadata) beside what the ledger says."""
+    stripe = client()
+    rows = []
+    with schema_context(get_public_schema_name()):
+        tenants = list(Tenant.objects.exclude(schema_name=get_public_schema_name()))
+    for tenant in tenants:
+        ledger = {
+            kind: int(total["cents"]) for kind, total in _month_totals(tenant.schema_name, period).items()
+        }
+        held: dict[str, int] = {}
+        customer = StripeCustomer.objects.filter(tenant=tenant).first()
+        if customer is not None:
+            items = stripe.v1.invoice_items.list(params={"customer": customer.customer_id, "limit": 100})
+            for item in items.auto_paging_iter():
+                metadata = item.metadata.to_dict() if item.metadata else {}
+                if metadata.get("klique_period") == f"{period:%Y-%m}":
+                    kind = metadata.get("klique_kind", "")
+                    held[kind] = held.get(kind, 0) + int(item.amount)
+        for kind in sorted(set(ledger) | set(held)):
+            rows.append(Reconciled(tenant.slug, kind, ledger.get(kind, 0), held.get(kind)))
+    return rows

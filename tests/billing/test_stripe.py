@@ -1,0 +1,194 @@
+"""Usage into Stripe, against localstripe (a local Stripe API) with the real stripe library: customers,
+invoice items with idempotency keys, an outage that loses nothing, a reconciliation; and a contract test of
+the billing meter event request the library sends (localstripe has no meters)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator
+from datetime import UTC, date, datetime
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any
+
+import httpx
+import pytest
+from django.test import override_settings
+from django_tenants.utils import schema_context
+
+from apps.billing import services
+from apps.billing.models import StripeCustomer, StripePush
+from apps.metering.ledger import Event, ingest
+from apps.metering.models import PriceBook
+from tests.e2e.conftest import free_port
+from tests.world import World
+
+pytestmark = pytest.mark.django_db
+
+OCTOBER = date(2026, 10, 1)
+
+
+@pytest.fixture(scope="module")
+def localstripe() -> Iterator[str]:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "localstripe", "--port", str(port), "--from-scratch"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                httpx.get(f"{base}/v1/customers", auth=("sk_test_klique", ""), timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@pytest.fixture
+def october_usage(world: World) -> World:
+    with schema_context("acme"):
+        PriceBook.objects.update_or_create(
+            pk=1, defaults={"gpu_hour": {"H100": "2.50"}, "tokens_million": {"chat": {"in": "1", "out": "2"}}}
+        )
+        started = datetime(2026, 10, 12, 8, tzinfo=UTC)
+        ingest(
+            [
+                Event(
+                    event_id="oct-run",
+                    kind="gpu",
+                    started_at=started,
+                    ended_at=started.replace(hour=12),
+                    user="bob",
+                    pool="h100",
+                    gpus="1/7",
+                ),
+                Event(
+                    event_id="oct-call",
+                    kind="tokens",
+                    started_at=started,
+                    user="bob",
+                    model="chat",
+                    tokens_in=3_000_000,
+                    tokens_out=1_000_000,
+                ),
+            ]
+        )
+    return world
+
+
+def stripe_settings(base: str, mode: str = "invoice_items") -> Any:
+    return override_settings(
+        KLIQUE_STRIPE_API_KEY="sk_test_klique", KLIQUE_STRIPE_API_BASE=base, KLIQUE_STRIPE_MODE=mode
+    )
+
+
+def test_a_month_goes_to_stripe_once_and_reconciles(october_usage: World, localstripe: str) -> None:
+    with stripe_settings(localstripe):
+        pushes = services.export_period(OCTOBER)
+        assert {(p.tenant.slug, p.kind, p.amount_cents) for p in pushes} == {
+            ("acme", "gpu", 143),  # 4/7 GPU-hours at 2.50: 1.428571... USD
+            ("acme", "tokens", 500),  # 3M in at 1 and 1M out at 2 per million
+        }
+        assert services.push_pending() == {"sent": 2, "pending": 0, "failed": 0}
+        customer = StripeCustomer.objects.get(tenant=october_usage.tenant_a)
+        assert customer.customer_id.startswith("cus_")
+        # Exporting and pushing again sends nothing twice.
+        services.export_period(OCTOBER)
+        assert services.push_pending() == {"sent": 0, "pending": 0, "failed": 0}
+        rows = services.reconcile(OCTOBER)
+        assert {(r.tenant, r.kind, r.ledger_cents, r.stripe_cents, r.state) for r in rows} == {
+            ("acme", "gpu", 143, 143, "match"),
+            ("acme", "tokens", 500, 500, "match"),
+        }
+
+
+def test_a_stripe_outage_keeps_the_pushes_and_a_retry_sends_them(
+    october_usage: World, localstripe: str
+) -> None:
+    with stripe_settings(f"http://127.0.0.1:{free_port()}"):  # nothing listens there
+        services.export_period(OCTOBER)
+        assert services.push_pending() == {"sent": 0, "pending": 2, "failed": 0}
+        stuck = StripePush.objects.get(kind="gpu")
+        assert (stuck.status, stuck.attempts) == ("pending", 1)
+        assert "Stripe could not be reached" in stuck.last_error
+    with stripe_settings(localstripe):
+        assert services.push_pending() == {"sent": 2, "pending": 0, "failed": 0}
+        assert [r.state for r in services.reconcile(OCTOBER)] == ["match", "match"]
+        assert StripePush.objects.get(kind="gpu").attempts == 2
+
+
+def test_what_stripe_refuses_is_marked_failed_with_its_reason(october_usage: World, localstripe: str) -> None:
+    with stripe_settings(localstripe, mode="meter_events"):  # localstripe has no billing meters
+        services.export_period(OCTOBER)
+        assert services.push_pending()["failed"] == 2
+        assert StripePush.objects.get(kind="tokens").last_error.startswith("Stripe refused it")
+
+
+def test_an_unfinished_month_is_not_exported(world: World) -> None:
+    from apps.core.errors import InvalidInput
+
+    with pytest.raises(InvalidInput, match="is not over yet"):
+        services.export_period(datetime.now(UTC).date().replace(day=1))
+
+
+class Recorder(BaseHTTPRequestHandler):
+    requests: list[dict[str, Any]] = []
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"])).decode()
+        Recorder.requests.append(
+            {"path": self.path, "headers": dict(self.headers), "form": urllib.parse.parse_qs(body)}
+        )
+        answer: dict[str, Any] = {"id": "cus_contract", "object": "customer"}
+        if self.path != "/v1/customers":
+            form = urllib.parse.parse_qs(body)
+            answer = {
+                "object": "billing.meter_event",
+                "event_name": form["event_name"][0],
+                "identifier": form["identifier"][0],
+                "livemode": False,
+            }
+        payload = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_the_meter_event_request_the_library_sends(october_usage: World) -> None:
+    """The request stripe-python sends for a meter event, as Stripe's API reference describes it."""
+    server = HTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    Recorder.requests = []
+    try:
+        with stripe_settings(f"http://127.0.0.1:{server.server_port}", mode="meter_events"):
+            services.export_period(OCTOBER)
+            assert services.push_pending() == {"sent": 2, "pending": 0, "failed": 0}
+    finally:
+        server.shutdown()
+    customer, *events = Recorder.requests
+    assert customer["path"] == "/v1/customers"
+    assert customer["headers"]["Idempotency-Key"] == "klique-customer-acme"
+    gpu = next(e for e in events if e["form"]["event_name"] == ["klique_gpu_hours"])
+    assert gpu["path"] == "/v1/billing/meter_events"
+    assert gpu["headers"]["Authorization"] == "Bearer sk_test_klique"
+    assert gpu["headers"]["Idempotency-Key"] == "klique-acme-2026-10-gpu"
+    assert gpu["form"]["payload[stripe_customer_id]"] == ["cus_contract"]
+    assert gpu["form"]["payload[value]"] == ["0.571429"]  # GPU-hours, as a decimal string
+    assert gpu["form"]["identifier"] == ["klique-acme-2026-10-gpu"]
+    assert gpu["form"]["timestamp"] == [str(int(datetime(2026, 10, 31, 23, 59, 59, tzinfo=UTC).timestamp()))]
+    assert StripePush.objects.get(kind="gpu").stripe_id == "klique-acme-2026-10-gpu"
