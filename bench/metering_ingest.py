@@ -50,7 +50,10 @@ def measure(count: int, schema: str) -> int:
     from django.db import connection, transaction
     from django_tenants.utils import schema_context
 
-    from apps.metering.ledger import Directory, Event, _row, ingest
+    from apps.metering import ledger
+    from apps.metering.ledger import Directory, Event, _row
+
+    ingest = ledger.ingest
     from apps.metering.models import PriceBook
 
     rng = random.Random(5)

@@ -12,6 +12,7 @@ the 35 days within which Stripe may still receive usage for a period.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Iterable
@@ -20,9 +21,11 @@ from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from functools import lru_cache
+from operator import itemgetter
 from typing import Any
 
-from django.db import connection, transaction
+import psycopg
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from apps.accounts.models import Project, User
@@ -36,7 +39,9 @@ MS_PER_MONTH = 30 * 24 * MS_PER_HOUR  # a GB-month is 30 days
 NANO = 10**9
 FUTURE_SLACK = timedelta(minutes=5)
 KINDS = frozenset(Kind.values)
-ONE_MS = timedelta(milliseconds=1)  # clocks differ a little; events further ahead are refused
+ONE_MS = timedelta(milliseconds=1)
+ONE_US = timedelta(microseconds=1)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)  # clocks differ a little; events further ahead are refused
 COLUMNS = (
     "event_id",
     "kind",
@@ -178,10 +183,10 @@ class Directory:
         self.closed = set(Period.objects.filter(closed_at__isnull=False).values_list("start", flat=True))
         prices = PriceBook.objects.filter(pk=1).first() or PriceBook()
         # nano-USD per unit-millisecond, as a fraction: a GPU-hour is 840 units x 3,600,000 ms
-        self.gpu_price = {
-            name: _decimal(price) * NANO / (UNITS_PER_GPU * MS_PER_HOUR)
-            for name, price in prices.gpu_hour.items()
-        }
+        self.gpu_price = {}
+        for name, price in prices.gpu_hour.items():
+            each = _decimal(price) * NANO / (UNITS_PER_GPU * MS_PER_HOUR)
+            self.gpu_price[name] = (each.numerator, each.denominator)
         self.tokens = {
             name: (_decimal(price.get("in", 0)), _decimal(price.get("out", 0)))
             for name, price in prices.tokens_million.items()
@@ -189,6 +194,7 @@ class Directory:
         }
         self.gb_month = _decimal(prices.gb_month)
         self.current = now.date().replace(day=1)
+        self.latest = now + FUTURE_SLACK
 
     def period(self, ended: datetime) -> tuple[date, bool]:
         if ended.utcoffset():
@@ -218,10 +224,10 @@ class Directory:
     def cost(self, event: Event, gpu_class: str, unit_ms: int, byte_ms: int) -> int:
         if event.kind == Kind.GPU:
             price = self.gpu_price.get(gpu_class) or self.gpu_price.get("*")
-            if not price:
+            if not price or not price[0]:
                 return 0
             # half up, in integers: (2 x amount x numerator + denominator) // (2 x denominator)
-            return (2 * unit_ms * price.numerator + price.denominator) // (2 * price.denominator)
+            return (2 * unit_ms * price[0] + price[1]) // (2 * price[1])
         if event.kind == Kind.TOKENS:
             if event.model in self.tokens:
                 price_in, price_out = self.tokens[event.model]
@@ -245,9 +251,9 @@ def _row(event: Event, directory: Directory) -> tuple[Any, ...]:
         raise Invalid("ended_at has no time zone")
     if ended < event.started_at:
         raise Invalid(f"it ends ({ended.isoformat()}) before it starts ({event.started_at.isoformat()})")
-    if ended > directory.now + FUTURE_SLACK:
+    if ended > directory.latest:
         raise Invalid(f"it ends in the future ({ended.isoformat()})")
-    if min(event.tokens_in, event.tokens_out, event.bytes, event.cost_nano_usd or 0) < 0:
+    if event.tokens_in < 0 or event.tokens_out < 0 or event.bytes < 0 or (event.cost_nano_usd or 0) < 0:
         raise Invalid("tokens, bytes and costs cannot be negative")
     user_id, username = directory.user(event.user)
     project_id, project_name, cost_center = directory.project(event.project)
@@ -260,10 +266,17 @@ def _row(event: Event, directory: Directory) -> tuple[Any, ...]:
     unit_ms = (units or 0) * milliseconds
     byte_ms = event.bytes * milliseconds if event.kind == Kind.STORAGE else 0
     period, late = directory.period(ended)
+    # What the event says, not what the ledger made of it (its period, lateness and price): a replay must
+    # say the same. Instants as microseconds since 1970 UTC, so one instant in two time zones is the same.
+    said = (
+        event.kind, (event.started_at - EPOCH) // ONE_US, (ended - EPOCH) // ONE_US, user_id, project_id,
+        event.group, event.pool, event.compute_resource, units, event.model, event.tokens_in,
+        event.tokens_out, byte_ms,
+    )  # fmt: skip
     return (
         event.event_id,
         event.kind,
-        "",  # the digest is computed by PostgreSQL (DIGEST)
+        hashlib.md5("|".join(map(str, said)).encode(), usedforsecurity=False).hexdigest(),
         event.started_at,
         ended,
         period,
@@ -289,36 +302,22 @@ def _row(event: Event, directory: Directory) -> tuple[Any, ...]:
     )
 
 
-# What an event says (not what the ledger made of it: its period, lateness and price), as one hash.
-DIGEST = (
-    "md5(concat_ws('|', kind, started_at AT TIME ZONE 'UTC', ended_at AT TIME ZONE 'UTC', user_id, "
-    "project_id, group_name, pool, compute_resource, gpu_units, model, tokens_in, tokens_out, byte_ms))"
-)
-_STAGED = ", ".join(DIGEST if column == "digest" else column for column in COLUMNS)
 _MEASURES = ("events", "gpu_unit_ms", "tokens_in", "tokens_out", "byte_ms", "cost_nano_usd")
 _KEY = "kind, project_id, user_id, pool, gpu_class, model"
 _ROLLUP = f"INSERT INTO metering_rollup (grain, bucket, {_KEY}, {', '.join(_MEASURES)})"
 _TOTALS = ", ".join(f"sum({measure})" for measure in _MEASURES)
+_TYPES = ("timestamptz", "text", "uuid", "uuid", "text", "text", "text", *("numeric",) * len(_MEASURES))
 
 
 def _add(table: str) -> str:
     return ", ".join(f"{measure} = {table}.{measure} + EXCLUDED.{measure}" for measure in _MEASURES)
 
 
-# One statement: append what is new, sum it once per hour and key, and add those sums to the hourly and
-# daily rollups and to the provider's daily totals per tenant.
-_APPEND = f"""
-WITH inserted AS (
-    INSERT INTO metering_ledgerevent ({", ".join(COLUMNS)})
-    SELECT {_STAGED} FROM kq_ledger_staging
-    ON CONFLICT (event_id) DO NOTHING
-    RETURNING ended_at, {_KEY}, gpu_unit_ms, tokens_in, tokens_out, byte_ms, cost_nano_usd
-), hours AS (
-    SELECT date_trunc('hour', ended_at) AS bucket, {_KEY}, count(*) AS events,
-           sum(gpu_unit_ms) AS gpu_unit_ms, sum(tokens_in) AS tokens_in, sum(tokens_out) AS tokens_out,
-           sum(byte_ms) AS byte_ms,
-           sum(cost_nano_usd) AS cost_nano_usd
-    FROM inserted GROUP BY 1, 2, 3, 4, 5, 6, 7
+# The sums of what was just appended, per hour and key, added to the hourly and daily rollups and to the
+# provider's daily totals per tenant, in one statement.
+_ROLL = f"""
+WITH hours (bucket, {_KEY}, {", ".join(_MEASURES)}) AS (
+    SELECT * FROM unnest({", ".join(f"%s::{kind}[]" for kind in _TYPES)})
 ), hourly AS (
     {_ROLLUP} SELECT 'hour', bucket, {_KEY}, {", ".join(_MEASURES)} FROM hours
     ON CONFLICT ON CONSTRAINT one_rollup_per_bucket_and_key DO UPDATE SET {_add("metering_rollup")}
@@ -326,19 +325,18 @@ WITH inserted AS (
     {_ROLLUP} SELECT 'day', date_trunc('day', bucket), {_KEY}, {_TOTALS}
     FROM hours GROUP BY 2, 3, 4, 5, 6, 7, 8
     ON CONFLICT ON CONSTRAINT one_rollup_per_bucket_and_key DO UPDATE SET {_add("metering_rollup")}
-), provider AS (
-    INSERT INTO public.tenants_tenantusageday (tenant_id, day, kind, {", ".join(_MEASURES)})
-    SELECT (SELECT id FROM public.tenants_tenant WHERE schema_name = %s),
-           (bucket AT TIME ZONE 'UTC')::date, kind, {_TOTALS}
-    FROM hours GROUP BY 2, 3
-    ON CONFLICT ON CONSTRAINT one_usage_row_per_tenant_day DO UPDATE SET {_add("tenants_tenantusageday")}
 )
-SELECT coalesce(sum(events), 0) FROM hours
+INSERT INTO public.tenants_tenantusageday (tenant_id, day, kind, {", ".join(_MEASURES)})
+SELECT (SELECT id FROM public.tenants_tenant WHERE schema_name = %s),
+       (bucket AT TIME ZONE 'UTC')::date, kind, {_TOTALS}
+FROM hours GROUP BY 2, 3
+ON CONFLICT ON CONSTRAINT one_usage_row_per_tenant_day DO UPDATE SET {_add("tenants_tenantusageday")}
 """  # noqa: S608 -- made of this module's constants only
-_CONFLICTS = f"""
-SELECT staged.event_id FROM (SELECT event_id, {DIGEST} AS digest FROM kq_ledger_staging) staged
-JOIN metering_ledgerevent kept ON kept.event_id = staged.event_id AND kept.digest <> staged.digest
+_STAGED = f"""
+INSERT INTO metering_ledgerevent ({", ".join(COLUMNS)}) SELECT {", ".join(COLUMNS)} FROM kq_ledger_staging
+ON CONFLICT (event_id) DO NOTHING RETURNING event_id
 """  # noqa: S608 -- made of this module's constants only
+CONFLICT = "an event with this id was recorded with other content"
 
 
 def ingest(events: Iterable[Event], *, now: datetime | None = None) -> Report:
@@ -357,16 +355,9 @@ def ingest(events: Iterable[Event], *, now: datetime | None = None) -> Report:
         months = {row[5] for row in rows}
         Period.objects.bulk_create([Period(start=month) for month in months], ignore_conflicts=True)
         if rows:
-            report.accepted = _append(rows)
-            report.duplicates = len(rows) - report.accepted
-        if report.duplicates:  # only then can a replay disagree with what was kept
-            with connection.cursor() as cursor:
-                cursor.execute(_CONFLICTS)
-                for (event_id,) in cursor.fetchall():
-                    report.rejected.append(
-                        (event_id, "an event with this id was recorded with other content")
-                    )
-                    report.duplicates -= 1
+            appended = _append(rows, report)
+            report.accepted = len(appended)
+            _roll(appended)
         Rejection.objects.bulk_create(
             [
                 Rejection(event_id=event_id, reason=reason, payload=_payload(payloads.get(event_id)))
@@ -376,20 +367,77 @@ def ingest(events: Iterable[Event], *, now: datetime | None = None) -> Report:
     return report
 
 
-def _append(rows: list[tuple[Any, ...]]) -> int:
+def _append(rows: list[tuple[Any, ...]], report: Report) -> list[tuple[Any, ...]]:
+    """Append the rows the ledger does not hold yet; the rows appended.
+
+    New events, the usual case, are copied straight into the ledger. When the batch holds an id the ledger
+    has (a replay) or holds one twice, the copy fails on the primary key and the batch goes through a
+    staging table with ON CONFLICT DO NOTHING instead; then each row that was not appended is a duplicate
+    if the ledger holds the same content under its id, and is refused if it holds other content."""
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            with cursor.cursor.copy(f"COPY metering_ledgerevent ({', '.join(COLUMNS)}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row(row)
+            return rows
+    except (IntegrityError, psycopg.errors.UniqueViolation):  # Django's, or psycopg's own from COPY
+        pass
     with connection.cursor() as cursor:
         cursor.execute(
             "CREATE TEMP TABLE IF NOT EXISTS kq_ledger_staging "
             "(LIKE metering_ledgerevent INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
         )
         cursor.execute("TRUNCATE kq_ledger_staging")
-        raw = cursor.cursor  # psycopg's own cursor, for COPY
-        with raw.copy(f"COPY kq_ledger_staging ({', '.join(COLUMNS)}) FROM STDIN") as copy:
+        with cursor.cursor.copy(f"COPY kq_ledger_staging ({', '.join(COLUMNS)}) FROM STDIN") as copy:
             for row in rows:
                 copy.write_row(row)
-        cursor.execute(_APPEND, [connection.schema_name])  # type: ignore[attr-defined]
-        (accepted,) = cursor.fetchone()
-        return int(accepted)
+        cursor.execute(_STAGED)
+        taken = {event_id for (event_id,) in cursor.fetchall()}
+        cursor.execute(
+            "SELECT event_id, digest FROM metering_ledgerevent WHERE event_id = ANY(%s)",
+            [list({row[0] for row in rows})],
+        )
+        kept = dict(cursor.fetchall())
+    appended = []
+    for row in rows:
+        event_id, digest = row[0], row[2]
+        if event_id in taken and kept.get(event_id) == digest:
+            taken.discard(event_id)  # the one row of this id that went in
+            appended.append(row)
+        elif kept.get(event_id) == digest:
+            report.duplicates += 1
+        else:
+            report.rejected.append((event_id, CONFLICT))
+    return appended
+
+
+_KEY_OF = itemgetter(
+    *(COLUMNS.index(name) for name in ("kind", "project_id", "user_id", "pool", "gpu_class", "model"))
+)
+_MEASURES_OF = itemgetter(*(COLUMNS.index(name) for name in _MEASURES[1:]))
+_ENDED_AT = COLUMNS.index("ended_at")
+
+
+def _roll(rows: list[tuple[Any, ...]]) -> None:
+    """Add appended rows to the rollups: summed per hour and key here, then written in one statement."""
+    sums: dict[tuple[Any, ...], list[int]] = {}
+    for row in rows:
+        ended = row[_ENDED_AT]
+        if ended.utcoffset():
+            ended = ended.astimezone(UTC)
+        key = (ended.replace(minute=0, second=0, microsecond=0), *_KEY_OF(row))
+        totals = sums.get(key)
+        if totals is None:
+            sums[key] = [1, *_MEASURES_OF(row)]
+        else:
+            totals[0] += 1
+            for position, value in enumerate(_MEASURES_OF(row), 1):
+                totals[position] += value
+    if not sums:
+        return
+    columns = list(zip(*(key + tuple(totals) for key, totals in sums.items()), strict=True))
+    with connection.cursor() as cursor:
+        cursor.execute(_ROLL, [list(column) for column in columns] + [connection.schema_name])  # type: ignore[attr-defined]
 
 
 def _payload(event: Event | None) -> dict[str, Any]:
