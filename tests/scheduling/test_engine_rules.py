@@ -416,3 +416,44 @@ def test_a_borrowing_placement_of_this_cycle_is_taken_back_rather_than_preempted
     assert placed(decision) == {"big": "A"}
     assert decision.preemptions == (Preemption("q-old", "A", "big"),)
     assert decision.reasons["small"].code in {"reclaimed", "no_capacity"}
+
+
+def test_runs_preempted_for_a_placement_that_is_taken_back_serve_the_task_that_takes_its_room() -> None:
+    """Found by the invariant property test (hypothesis), kept as it was found. task0 (policy0,
+    guaranteed) reclaims policy1's run3 and run4 in pool0; then policy0 borrows in pool1 and rises above
+    its reservation, so in settling policy2's guaranteed task1 takes task0's placement back. run3 and run4
+    must not stay stopped for task0, which no longer starts: their preemptions now serve task1."""
+    mig, fraction = Sharing.MIG, Sharing.FRACTION
+    seventh = Fraction(1, 7)
+    decision = schedule(
+        snapshot(
+            pools=[pool("pool0", 1, sharing=[fraction, mig]), pool("pool1", 2, sharing=[mig])],
+            profiles=[profile("profile0", ["pool0", "pool1"])],
+            policies=[policy("policy0", 2, 3), policy("policy1", 0, 1), policy("policy2", 1, 1)],
+            queues=[
+                queue("queue0", "policy0", "profile0"),
+                queue("queue1", "policy2", "profile0"),
+                queue("queue3", "policy1", "profile0"),
+                queue("queue4", "policy0", "profile0", priority=1),
+            ],
+            queued=[
+                task("task0", "queue4", "0.5", at=1, sharing=fraction),
+                task("task1", "queue1", "0.5", sharing=fraction),
+                *(task(f"task{i}", "queue0", seventh, sharing=mig) for i in range(2, 10)),
+                task("task10", "queue4", seventh, sharing=mig),
+                task("task11", "queue0", 1),
+            ],
+            allocations=[
+                running("run1", "queue0", "pool0", seventh),
+                running("run2", "queue0", "pool0", seventh),
+                running("run3", "queue3", "pool0", seventh),
+                running("run4", "queue3", "pool0", seventh),
+                running("run6", "queue0", "pool1", seventh),
+            ],
+        )
+    )
+    placements = placed(decision)
+    assert placements["task1"] == "pool0"
+    assert decision.reasons["task0"].code == "reclaimed"
+    assert {p.victim for p in decision.preemptions} >= {"run3", "run4"}
+    assert all(p.for_task in placements for p in decision.preemptions)

@@ -93,6 +93,9 @@ class _Cycle:
         self.policies: dict[str, Policy] = {policy.id: policy for policy in snapshot.policies}
         self.queue_priority: dict[str, int] = {queue.id: queue.queuing_priority for queue in snapshot.queues}
         self.queue_policy: dict[str, str] = {queue.id: queue.policy for queue in snapshot.queues}
+        self.running_policy: dict[str, str] = {
+            allocation.task: self.queue_policy.get(allocation.queue, "") for allocation in snapshot.running
+        }
 
         self.pool_used: dict[str, int] = defaultdict(int)
         self.policy_used: dict[str, int] = defaultdict(int)
@@ -415,7 +418,7 @@ class _Cycle:
                 victim_policy = self.queue_policy[victim.queue]
                 self.preempted.add(victim.task)
                 if victim.task in self.placed_now:
-                    self._take_back(victim, pool_id, policy)
+                    self._take_back(victim, pool_id, policy, task.id)
                 else:
                     self.preemptions.append(Preemption(victim.task, pool_id, task.id))
                     self.pool_used[pool_id] -= victim.size
@@ -425,10 +428,15 @@ class _Cycle:
             return pool_id
         return None
 
-    def _take_back(self, victim: Allocation, pool_id: str, for_policy: Policy) -> None:
+    def _take_back(self, victim: Allocation, pool_id: str, for_policy: Policy, for_task: str) -> None:
         """Take back this cycle's placement `victim` in `pool_id` (policy and total usage are adjusted by
         the caller). Where a later task of the same queue was placed this cycle elsewhere, the earlier task
-        moves into that place and the later one is the one not placed, so the queue's order holds."""
+        moves into that place and the later one is the one not placed, so the queue's order holds.
+
+        Preemptions made to give a taken-back placement its room now serve whoever takes that room: the
+        reclaiming task `for_task` in `pool_id`, or `victim` where it moves into a later task's place (so
+        no run is stopped for a task that then does not start)."""
+        self._pass_on(victim.task, pool_id, for_task)
         _, index = self.placed_now[victim.task]
         later = [
             allocation
@@ -457,7 +465,14 @@ class _Cycle:
             if a.task != moved_to.task
         ]
         self.placements[victim.task] = Placement(victim.task, moved_to.pool)
+        self._pass_on(moved_to.task, moved_to.pool, victim.task)
         self._unplace(moved_to.task, for_policy)
+
+    def _pass_on(self, from_task: str, pool_id: str, to_task: str) -> None:
+        self.preemptions = [
+            Preemption(p.victim, p.pool, to_task) if p.for_task == from_task and p.pool == pool_id else p
+            for p in self.preemptions
+        ]
 
     def _unplace(self, task_id: str, for_policy: Policy) -> None:
         """Take back a placement made earlier in this cycle (usage is adjusted by the caller)."""
@@ -479,6 +494,7 @@ class _Cycle:
             if allocation.task not in self.preempted
             and self.queue_policy.get(allocation.queue, for_policy) != for_policy
             and self._excess(self.queue_policy[allocation.queue]) > 0
+            and not self._stopped_own_work_for(allocation.task, for_policy)
         ]
         candidates.sort(
             key=lambda allocation: (
@@ -500,6 +516,13 @@ class _Cycle:
             if freed >= need:
                 return chosen
         return None  # no useless preemption: if the task still could not start, preempt nothing
+
+    def _stopped_own_work_for(self, task_id: str, policy_id: str) -> bool:
+        """Whether this cycle preempted work of `policy_id` to place `task_id`: taking that placement back
+        for `policy_id` would leave its own work stopped for its own task, so it is not a candidate."""
+        return task_id in self.placed_now and any(
+            p.for_task == task_id and self.running_policy.get(p.victim) == policy_id for p in self.preemptions
+        )
 
     # -- reasons ---------------------------------------------------------------------------------------
 
