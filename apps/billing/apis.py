@@ -73,5 +73,5 @@ class ReconciliationView(ProviderView):
     def get(self, request: Request) -> Response:
         period = period_of(request.query_params.get("period", ""))
         rows = _stripe(services.reconcile, period)
-        fields = ("tenant", "kind", "ledger_cents", "stripe_cents", "state")
+        fields = ("tenant", "kind", "ledger_cents", "stripe_cents", "state", "source")
         return Response([{name: getattr(row, name) for name in fields} for row in rows])

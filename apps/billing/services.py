@@ -170,7 +170,8 @@ class Reconciled:
     tenant: str
     kind: str
     ledger_cents: int
-    stripe_cents: int | None  # None: Stripe holds nothing for it
+    stripe_cents: int | None  # None: Stripe holds nothing for it (or, for meter events, nothing was sent)
+    source: str = "invoice items"  # what stripe_cents was read from
 
     @property
     def state(self) -> str:
@@ -180,8 +181,11 @@ class Reconciled:
 
 
 def reconcile(period: date) -> list[Reconciled]:
-    """What Stripe holds for `period` (invoice items, by their metadata) beside what the ledger says."""
-    stripe = client()
+    """What Stripe holds for `period` beside what each tenant's ledger says. Invoice items are read back
+    from Stripe (by their metadata). Meter events cannot be listed back one by one (Stripe only sums them
+    per meter), so for those the report shows what was sent and acknowledged, marked as such."""
+    stripe = client()  # configured or refused, whichever way usage went in
+    meters = settings.KLIQUE_STRIPE_MODE == "meter_events"
     rows = []
     with schema_context(get_public_schema_name()):
         tenants = list(Tenant.objects.exclude(schema_name=get_public_schema_name()))
@@ -189,15 +193,27 @@ def reconcile(period: date) -> list[Reconciled]:
         ledger = {
             kind: int(total["cents"]) for kind, total in _month_totals(tenant.schema_name, period).items()
         }
-        held: dict[str, int] = {}
-        customer = StripeCustomer.objects.filter(tenant=tenant).first()
-        if customer is not None:
-            items = stripe.v1.invoice_items.list(params={"customer": customer.customer_id, "limit": 100})
-            for item in items.auto_paging_iter():
-                metadata = item.metadata.to_dict() if item.metadata else {}
-                if metadata.get("klique_period") == f"{period:%Y-%m}":
-                    kind = metadata.get("klique_kind", "")
-                    held[kind] = held.get(kind, 0) + int(item.amount)
+        if meters:
+            sent = StripePush.objects.filter(tenant=tenant, period=period, status=StripePush.Status.SENT)
+            held = {push.kind: push.amount_cents for push in sent}
+            source = "meter events acknowledged"
+        else:
+            held = _invoice_items(stripe, tenant, period)
+            source = "invoice items"
         for kind in sorted(set(ledger) | set(held)):
-            rows.append(Reconciled(tenant.slug, kind, ledger.get(kind, 0), held.get(kind)))
+            rows.append(Reconciled(tenant.slug, kind, ledger.get(kind, 0), held.get(kind), source))
     return rows
+
+
+def _invoice_items(stripe: Any, tenant: Tenant, period: date) -> dict[str, int]:
+    held: dict[str, int] = {}
+    customer = StripeCustomer.objects.filter(tenant=tenant).first()
+    if customer is None:
+        return held
+    items = stripe.v1.invoice_items.list(params={"customer": customer.customer_id, "limit": 100})
+    for item in items.auto_paging_iter():
+        metadata = item.metadata.to_dict() if item.metadata else {}
+        if metadata.get("klique_period") == f"{period:%Y-%m}":
+            kind = metadata.get("klique_kind", "")
+            held[kind] = held.get(kind, 0) + int(item.amount)
+    return held

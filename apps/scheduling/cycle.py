@@ -27,7 +27,7 @@ from apps.resources.models import (
 )
 from apps.scheduling import engine
 from apps.scheduling.models import ACTIVE_STATES, Task, TaskEvent, TaskState
-from apps.scheduling.services import SCHEDULER, leases_expire
+from apps.scheduling.services import SCHEDULER, leases_expire, meter_run
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -194,6 +194,8 @@ def _apply(decision: engine.Decision, now: datetime) -> tuple[int, int]:
         victim = Task.objects.filter(pk=preemption.victim, state__in=ACTIVE_STATES).first()
         if victim is None:
             continue
+        if victim.state == TaskState.RUNNING and victim.started_at is not None:
+            meter_run(victim, ended_at=now)  # the preempted run is a segment of its own
         message = (
             f"Preempted to return borrowed capacity to guaranteed task {preemption.for_task}; "
             "back at the front of its queue."

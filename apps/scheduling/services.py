@@ -70,7 +70,7 @@ def transition(task: Task, *, to_state: str, actor: str, message: str = "", **fi
         task=task, at=now, actor=actor, from_state=task.state, to_state=to_state, message=message
     )
     if task.state == TaskState.RUNNING and task.started_at is not None:
-        _meter_run(task, ended_at=now)
+        meter_run(task, ended_at=now)
     task.state = to_state
     for name, value in fields.items():
         setattr(task, name, value)
@@ -80,8 +80,9 @@ def transition(task: Task, *, to_state: str, actor: str, message: str = "", **fi
     return task
 
 
-def _meter_run(task: Task, *, ended_at: datetime) -> None:
-    """The run that ends now goes to the ledger as one GPU segment (data flow, step 5)."""
+def meter_run(task: Task, *, ended_at: datetime) -> None:
+    """The run that ends now goes to the ledger as one GPU segment (data flow, step 5). Every way a run
+    ends calls this in the transaction that ends it: `transition`, and the cycle's preemptions."""
     from apps.metering.services import run_segment
 
     resource = task.compute_resource

@@ -192,3 +192,19 @@ def test_the_meter_event_request_the_library_sends(october_usage: World) -> None
     assert gpu["form"]["identifier"] == ["klique-acme-2026-10-gpu"]
     assert gpu["form"]["timestamp"] == [str(int(datetime(2026, 10, 31, 23, 59, 59, tzinfo=UTC).timestamp()))]
     assert StripePush.objects.get(kind="gpu").stripe_id == "klique-acme-2026-10-gpu"
+
+
+def test_meter_events_are_reconciled_by_what_stripe_acknowledged(october_usage: World) -> None:
+    server = HTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with stripe_settings(f"http://127.0.0.1:{server.server_port}", mode="meter_events"):
+            services.export_period(OCTOBER)
+            services.push_pending()
+            rows = services.reconcile(OCTOBER)
+    finally:
+        server.shutdown()
+    assert {(r.kind, r.state, r.source) for r in rows} == {
+        ("gpu", "match", "meter events acknowledged"),
+        ("tokens", "match", "meter events acknowledged"),
+    }

@@ -13,6 +13,7 @@ from django_tenants.utils import schema_context
 
 from apps.accounts.models import User
 from apps.accounts.services import group_save
+from apps.metering.models import LedgerEvent
 from apps.resources.models import ComputeResource, Pool
 from apps.resources.services import draft_provision, draft_save
 from apps.scheduling import engine
@@ -71,6 +72,15 @@ def test_research_reclaims_dev_s_borrowed_gpus_through_the_database(world: World
         moves = list(preempted.events.values_list("from_state", "to_state"))
         assert moves == [("running", "preempted"), ("preempted", "queued")]
         assert Task.objects.filter(state=TaskState.RUNNING).count() == 3
+        # The preempted run went to the usage ledger as a segment of its own: 10 minutes of 4 GPUs.
+        (segment,) = LedgerEvent.objects.filter(event_id__startswith=f"gpu:{preempted.pk}:")
+        assert (segment.username, segment.pool, segment.group_name, segment.gpu_units) == (
+            "carol",
+            "baremetal",
+            "dev",
+            3360,
+        )
+        assert abs(segment.gpu_unit_ms - 3360 * 600_000) < 3360 * 5_000  # within a few seconds of 10 minutes
 
 
 def test_a_second_cycle_on_the_same_state_changes_nothing(world: World, db: None) -> None:
