@@ -83,13 +83,29 @@ class GatewayApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._bind()
         request_id = f"kqr-{uuid.uuid4().hex}"
+        started = False
+
+        async def tracked(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self._serve(scope, receive, send, request_id)
+            await self._serve(scope, receive, tracked, request_id)
         except Refused as refused:
             await self.reply(send, refused.status, refused.body(), request_id, refused.headers)
         except CallerRefused as refused:
             error = Refused(refused.status, str(refused), refused.kind, refused.code)
             await self.reply(send, error.status, error.body(), request_id)
+        except Exception as error:  # a store the gateway needs did not answer: say so, in OpenAI's format
+            log.exception("gateway call failed", extra={"request_id": request_id})
+            if started:
+                raise
+            what = "Redis" if "redis" in type(error).__module__ else "its database"
+            unavailable = Refused(
+                503, f"The gateway could not reach {what}; nothing was spent. Try again shortly.", "api_error"
+            )
+            await self.reply(send, 503, unavailable.body(), request_id, {"retry-after": "5"})
 
     async def reply(
         self, send: Send, status: int, body: bytes, request_id: str, extra: dict[str, str] | None = None

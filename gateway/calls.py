@@ -4,6 +4,7 @@ reply, metering. gateway.app decides who calls and what they may call, then hand
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,6 +25,8 @@ from gateway.upstream import UpstreamError, call, stream
 
 if TYPE_CHECKING:
     from gateway.app import GatewayApp
+
+log = logging.getLogger("klique.gateway")
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -176,7 +179,10 @@ class Call:
                 await self._whole(payload)
         except BaseException:
             if not self.settled:
-                await self.fail()
+                try:
+                    await self.fail()
+                except Exception:  # the hold is swept later; the first error is the one to report
+                    log.exception("could not give back a call's hold", extra={"request_id": self.request_id})
             raise
 
     def _prepare(self, request: dict[str, Any]) -> int:
