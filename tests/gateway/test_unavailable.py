@@ -22,7 +22,8 @@ def test_redis_down_is_a_503_that_says_so(world: World, monkeypatch: Any) -> Non
     )
 
     async def call() -> httpx.Response:
-        transport = httpx.ASGITransport(app=gateway_app.GatewayApp())
+        application: Any = gateway_app.GatewayApp()
+        transport = httpx.ASGITransport(app=application)
         async with httpx.AsyncClient(transport=transport, base_url=f"http://{HOST_A}") as client:
             return await client.get("/v1/models", headers={"Authorization": f"Bearer {world.tokens['bob']}"})
 
