@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from channels.db import database_sync_to_async
 
+from apps.core.metrics import GATEWAY_CALLS, GATEWAY_LATENCY, GATEWAY_TOKENS
 from gateway import services
 from gateway.budgets import Exhausted, Missing, Reserved, Stale, nano_per_token
 from gateway.cache import UsageRow
@@ -262,6 +263,11 @@ class Call:
         }
 
     def _row(self, deployment: str, tokens_in: int, tokens_out: int, cost: int, status: str) -> UsageRow:
+        tenant = self.caller.tenant_slug
+        GATEWAY_CALLS.labels(tenant, self.model, status).inc()
+        GATEWAY_TOKENS.labels(tenant, self.model, "in").inc(tokens_in)
+        GATEWAY_TOKENS.labels(tenant, self.model, "out").inc(tokens_out)
+        GATEWAY_LATENCY.labels(self.model).observe(time.monotonic() - self.started)
         return UsageRow(
             request_id=self.request_id,
             at=self.at,

@@ -527,3 +527,18 @@ def test_one_wallet_pays_for_gpu_time_and_gateway_calls(a: Any) -> None:
     assert said(refused.value).startswith(
         "No room left in project shared-wallet's wallet: 1.000004 USD of 0.001 USD"
     )
+
+
+def test_calls_tokens_and_latency_are_in_the_metrics(a: Any) -> None:
+    a.client("ben").chat.completions.create(model="chat", messages=HELLO, max_tokens=3)
+    text = httpx.get(f"http://127.0.0.1:{a.ports[0]}/metrics").text
+    ok = [
+        line
+        for line in text.splitlines()
+        if line.startswith("klique_gateway_calls_total{") and 'tenant="gwa"' in line
+    ]
+    assert any(
+        'model="chat"' in line and 'status="ok"' in line and float(line.split()[-1]) >= 1 for line in ok
+    )
+    assert 'klique_gateway_tokens_total{direction="out",model="chat",tenant="gwa"}' in text
+    assert 'klique_gateway_call_duration_seconds_count{model="chat"}' in text
