@@ -31,10 +31,15 @@ def test_every_variable_compose_sets_is_read_by_the_settings() -> None:
 
 
 def test_the_image_copies_every_package_the_server_needs() -> None:
+    import tomllib
+
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
     copied = set(re.findall(r"^COPY (\S+?)/? ", dockerfile, flags=re.MULTILINE))
-    for package in ("config", "tenants", "apps", "klique", "agents", "requirements"):
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    packages = [pattern.rstrip("*") for pattern in found["include"] if (ROOT / pattern.rstrip("*")).is_dir()]
+    for package in (*packages, "requirements", "frontend/templates", "frontend/static"):
         assert package in copied, f"the image does not copy {package}/"
+    assert "COPY --from=assets /frontend/node_modules/ frontend/node_modules/" in dockerfile  # htmx, Chart.js
     assert "config.settings.production" in dockerfile
 
 
