@@ -8,10 +8,12 @@ EXTRAS := server,embedded,agent,dev
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml requirements/constraints.txt
+$(VENV)/.installed: pyproject.toml requirements/constraints.txt frontend/package-lock.json
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c requirements/constraints.txt -e '.[$(EXTRAS)]'
+	@command -v npm >/dev/null || { echo "npm is needed for the portal's front-end packages: install Node.js 20 (with npm)"; exit 1; }
+	cd frontend && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
 demo: install

@@ -8,6 +8,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from apps.accounts.urls import urlpatterns as accounts_urlpatterns
 from apps.fleet.apis import agent_output_upload, agent_reports_post
 from apps.metering.urls import urlpatterns as metering_urlpatterns
+from apps.portal.urls import urlpatterns as portal_urlpatterns
 from apps.scheduling.urls import urlpatterns as scheduling_urlpatterns
 from apps.sso import views as sso
 from apps.vault.urls import urlpatterns as vault_urlpatterns
@@ -25,6 +26,7 @@ api_v1 = [
 
 urlpatterns = [
     path("api/v1/", include(api_v1)),
+    *portal_urlpatterns,
     path(
         "agents/v1/tasks/<uuid:task_id>/outputs/<path:name>", agent_output_upload, name="agent-output-upload"
     ),

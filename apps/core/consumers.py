@@ -47,13 +47,42 @@ def resolve_identity(scope: dict[str, Any]) -> WebsocketIdentity:
         raise WebsocketRejected(f"Tenant {tenant.slug} is suspended: {tenant.suspended_reason}", 4403)
     scheme, _, presented = header(scope, b"authorization").partition(" ")
     if scheme.lower() != "bearer" or not presented:
-        raise WebsocketRejected("Send 'Authorization: Bearer <token>' when opening the websocket.", 4401)
+        user = _session_user(scope, tenant.schema_name, host)  # the portal, signed in with a session
+        return WebsocketIdentity(tenant.schema_name, tenant.slug, str(user.pk), user.username)
     with schema_context(tenant.schema_name):
         try:
             user, _ = token_authenticate(tenant=tenant, presented=presented.strip())
         except TokenRejected as rejected:
             raise WebsocketRejected(str(rejected), 4401) from None
     return WebsocketIdentity(tenant.schema_name, tenant.slug, str(user.pk), user.username)
+
+
+def _session_user(scope: dict[str, Any], schema_name: str, host: str) -> Any:
+    """The signed-in user of the session cookie, for pages of this tenant's own address only (another
+    site's page must not open a socket with the visitor's cookie)."""
+    from http.cookies import SimpleCookie
+    from importlib import import_module
+    from urllib.parse import urlsplit
+
+    from django.conf import settings
+
+    from apps.accounts.models import User
+
+    origin = header(scope, b"origin")
+    cookie = SimpleCookie(header(scope, b"cookie")).get(settings.SESSION_COOKIE_NAME)
+    if cookie is None:
+        raise WebsocketRejected("Send 'Authorization: Bearer <token>' when opening the websocket.", 4401)
+    if not origin or (urlsplit(origin).hostname or "").lower() != host:
+        raise WebsocketRejected(
+            "A signed-in session opens websockets from its own tenant's pages only.", 4403
+        )
+    store = import_module(settings.SESSION_ENGINE).SessionStore
+    with schema_context(schema_name):
+        user_id = store(session_key=cookie.value).get("_auth_user_id")
+        user = User.objects.filter(pk=user_id, is_active=True).first() if user_id else None
+    if user is None:
+        raise WebsocketRejected("The session has ended; sign in again.", 4401)
+    return user
 
 
 class TaskLogsConsumer(AsyncJsonWebsocketConsumer):

@@ -126,3 +126,28 @@ def user_from_claims(provider: Provider, claims: dict[str, Any]) -> User | None:
         created=created,
     )
     return user
+
+
+class SignInRefused(Exception):
+    pass
+
+
+def password_sign_in(request: Any, username: str, password: str) -> User:
+    """Break-glass password sign-in into a session: only a tenant admin, and only where the tenant allows
+    it or has no single sign-on. Refusals are audited."""
+    from django.contrib import auth
+
+    from apps.accounts.models import Role
+    from apps.audit.services import record
+    from apps.sso.models import Provider
+
+    provider = Provider.objects.filter(pk=1).first()
+    if provider is not None and not provider.break_glass_passwords:
+        raise SignInRefused("This tenant signs in through single sign-on: use the single sign-on button.")
+    user = auth.authenticate(request, username=username, password=password)
+    if not isinstance(user, User) or (provider is not None and not user.has_role(Role.ADMIN)):
+        record(actor=username[:150] or "?", action="password.refused", target="sign-in")
+        raise SignInRefused("Wrong username or password, or not a break-glass admin.")
+    auth.login(request, user, backend="django.contrib.auth.backends.ModelBackend")
+    record(actor=user.username, action="password.signed_in", target="session")
+    return user

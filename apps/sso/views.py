@@ -12,7 +12,6 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, JsonRes
 from django.views.decorators.csrf import csrf_exempt
 from mozilla_django_oidc.views import OIDCAuthenticationCallbackView, OIDCAuthenticationRequestView
 
-from apps.accounts.models import Role, User
 from apps.audit.services import record
 from apps.sso import services
 from apps.sso.backend import tenant_setting
@@ -88,17 +87,16 @@ def password_sign_in(request: HttpRequest) -> HttpResponse:
     """Break-glass: a tenant admin's password, only where the tenant allows it or has no SSO."""
     if request.method != "POST":
         return JsonResponse({"detail": "Sign in with POST username and password."}, status=405)
+    from apps.sso.services import SignInRefused
+    from apps.sso.services import password_sign_in as sign_in
+
     provider = Provider.objects.filter(pk=1).first()
     if provider is not None and not provider.break_glass_passwords:
         return JsonResponse(
             {"detail": "This tenant signs in through single sign-on: /auth/sso/login/."}, status=403
         )
-    user = auth.authenticate(
-        request, username=request.POST.get("username", ""), password=request.POST.get("password", "")
-    )
-    if not isinstance(user, User) or (provider is not None and not user.has_role(Role.ADMIN)):
-        record(actor=request.POST.get("username", "?")[:150], action="password.refused", target="sign-in")
-        return JsonResponse({"detail": "Wrong username or password, or not a break-glass admin."}, status=401)
-    auth.login(request, user, backend="django.contrib.auth.backends.ModelBackend")
-    record(actor=user.username, action="password.signed_in", target="session")
+    try:
+        user = sign_in(request, request.POST.get("username", ""), request.POST.get("password", ""))
+    except SignInRefused as refused:
+        return JsonResponse({"detail": str(refused)}, status=401)
     return JsonResponse({"detail": f"Signed in as {user.username}."})

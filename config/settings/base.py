@@ -69,6 +69,7 @@ TENANT_APPS = [
     "apps.vault",
     "apps.sso",
     "apps.metering",
+    "apps.portal",  # the tenant portal's pages (templates and assets in frontend/)
     "gateway",  # the LLM gateway: its settings, budgets and usage live in each tenant's schema
 ]
 INSTALLED_APPS = list(SHARED_APPS) + [app for app in TENANT_APPS if app not in SHARED_APPS]
@@ -219,7 +220,17 @@ TIME_ZONE = "UTC"
 USE_I18N = False
 USE_TZ = True
 
+# Browsers ignore (and complain about) Cross-Origin-Opener-Policy on plain-HTTP origins other than
+# localhost, as local tenant addresses are; production, served over HTTPS, sets it (settings/production.py).
+SECURE_CROSS_ORIGIN_OPENER_POLICY: str | None = None
+
 STATIC_URL = "/static/"
+# The portal's own assets, and the front-end packages `make install` fetches with npm (frontend/package.json).
+STATICFILES_DIRS = [
+    BASE_DIR / "frontend" / "static",
+    ("vendor/htmx", BASE_DIR / "frontend" / "node_modules" / "htmx.org" / "dist"),
+    ("vendor/chart.js", BASE_DIR / "frontend" / "node_modules" / "chart.js" / "dist"),
+]
 STATIC_ROOT: Path | None = KLIQUE_DATA_DIR / "static"
 # Task outputs and other files; a deployment points this at shared storage (see the README).
 MEDIA_ROOT = Path(env.text("KLIQUE_FILES_DIR", str(KLIQUE_DATA_DIR / "files")) or KLIQUE_DATA_DIR / "files")

@@ -1,0 +1,163 @@
+"""The tenant portal: server-rendered pages (templates in frontend/templates/portal/) that HTMX and the
+tenant's websockets keep current without reloading. Pages sign people in with a session; everything they
+show or change goes through the same services, selectors and role rules as the REST API."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+from django.contrib import auth
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.shortcuts import get_object_or_404, render
+from django.views.decorators.http import require_http_methods, require_POST
+
+from apps.accounts.models import Role, User
+from apps.core.errors import KliqueError
+
+View = Callable[..., HttpResponse]
+
+
+def signed_in(view: View) -> View:
+    """A page for a signed-in person of this tenant; anyone else goes to the sign-in page."""
+
+    @wraps(view)
+    def check(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        user = request.user
+        if not isinstance(user, User) or not user.is_active:
+            return HttpResponseRedirect(f"/portal/sign-in/?next={request.path}")
+        return view(request, *args, **kwargs)
+
+    return check
+
+
+@require_http_methods(["GET", "POST"])
+def sign_in(request: HttpRequest) -> HttpResponse:
+    from apps.sso.models import Provider
+    from apps.sso.services import SignInRefused, password_sign_in
+
+    provider = Provider.objects.filter(pk=1).first()
+    context: dict[str, Any] = {
+        "sso": provider is not None,
+        "passwords": provider is None or provider.break_glass_passwords,
+        "next": request.GET.get("next") or request.POST.get("next") or "/portal/",
+        "tenant": getattr(request, "tenant", None),
+    }
+    if request.method == "POST":
+        try:
+            password_sign_in(request, request.POST.get("username", ""), request.POST.get("password", ""))
+        except SignInRefused as refused:
+            context["error"] = str(refused)
+            return render(request, "portal/sign_in.html", context, status=401)
+        target = context["next"] if str(context["next"]).startswith("/portal/") else "/portal/"
+        return HttpResponseRedirect(target)
+    return render(request, "portal/sign_in.html", context)
+
+
+@require_POST
+def sign_out(request: HttpRequest) -> HttpResponse:
+    auth.logout(request)
+    return HttpResponseRedirect("/portal/sign-in/")
+
+
+def _tasks(user: User) -> Any:
+    from apps.scheduling.selectors import tasks_visible_to
+
+    return tasks_visible_to(user).filter(submitter=user).order_by("-submitted_at")[:50]
+
+
+@signed_in
+def tasks(request: HttpRequest) -> HttpResponse:
+    from apps.scheduling.selectors import compute_resources_for
+
+    user = request.user
+    assert isinstance(user, User)
+    resources = [resource for resource in compute_resources_for(user) if user.has_role(Role.MEMBER)]
+    return render(
+        request, "portal/tasks.html", {"tasks": _tasks(user), "resources": resources, "page": "tasks"}
+    )
+
+
+@signed_in
+def tasks_table(request: HttpRequest) -> HttpResponse:
+    user = request.user
+    assert isinstance(user, User)
+    return render(request, "portal/_tasks_table.html", {"tasks": _tasks(user)})
+
+
+def _request(request: HttpRequest, user: User) -> Any:
+    """The task the submit form asks for, or KliqueError saying what is wrong with the form."""
+    from apps.scheduling.services import TaskRequest
+
+    if not user.has_role(Role.MEMBER):
+        raise KliqueError(f"Submitting needs the member role and {user.username} is a {user.role}.")
+    command = request.POST.get("command", "").split()
+    if not command:
+        raise KliqueError("Say what to run: a command, as python train.py --epochs 3.")
+    return TaskRequest(
+        compute_resource=request.POST.get("compute_resource", ""),
+        gpus=request.POST.get("gpus") or None,
+        name=request.POST.get("name", ""),
+        spec={"command": command},
+    )
+
+
+@signed_in
+@require_POST
+def task_submit(request: HttpRequest) -> HttpResponse:
+    """The submit form (HTMX): the task table comes back, saying the task is queued or what was wrong."""
+    from apps.scheduling.services import tasks_submit
+
+    user = request.user
+    assert isinstance(user, User)
+    context: dict[str, Any] = {}
+    try:
+        tenant = request.tenant  # type: ignore[attr-defined]
+        (task,) = tasks_submit(tenant=tenant, user=user, requests=[_request(request, user)])
+        context["message"] = f"Task {task.name or str(task.pk)[:8]} is {task.state}."
+    except KliqueError as error:
+        context["error"] = error.message
+    context["tasks"] = _tasks(user)
+    return render(request, "portal/_tasks_table.html", context)
+
+
+@signed_in
+def task(request: HttpRequest, task_id: str) -> HttpResponse:
+    from apps.scheduling.selectors import tasks_visible_to
+
+    user = request.user
+    assert isinstance(user, User)
+    found = get_object_or_404(tasks_visible_to(user), pk=task_id)
+    return render(request, "portal/task.html", {"task": found, "page": "tasks"})
+
+
+@signed_in
+def dashboard(request: HttpRequest) -> HttpResponse:
+    """GPUs in use and free per pool (a chart), and the pools' state."""
+    from django.utils import timezone
+
+    from apps.resources.models import Pool
+    from apps.scheduling.models import ACTIVE_STATES, Task
+
+    now = timezone.now()
+    pools: list[dict[str, Any]] = []
+    for pool in Pool.objects.order_by("name"):
+        units = Task.objects.filter(pool=pool, state__in=ACTIVE_STATES).values_list("size_units", flat=True)
+        used = sum(units) / 840
+        pools.append(
+            {
+                "name": pool.name,
+                "environment": pool.environment,
+                "gpu_class": pool.gpu_class or "-",
+                "capacity": pool.capacity_gpus,
+                "used": round(used, 3),
+                "online": pool.is_online(now),
+            }
+        )
+    chart = {
+        "labels": [pool["name"] for pool in pools],
+        "used": [pool["used"] for pool in pools],
+        "free": [max(pool["capacity"] - pool["used"], 0) for pool in pools],
+    }
+    return render(request, "portal/dashboard.html", {"pools": pools, "chart": chart, "page": "dashboard"})

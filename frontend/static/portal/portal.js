@@ -1,0 +1,60 @@
+// Live parts of the portal, over the tenant's websockets (the session signs them in):
+// - [data-events]: the tenant's events; a task event makes the task table reload itself (htmx trigger).
+// - [data-follow]: a task's output, appended as it comes, until the task ends.
+// - #gpu-chart: the dashboard's chart, drawn with Chart.js from the JSON the page carries.
+"use strict";
+
+function socketUrl(path) {
+  const scheme = window.location.protocol === "https:" ? "wss:" : "ws:";
+  return `${scheme}//${window.location.host}${path}`;
+}
+
+function followEvents(element) {
+  const socket = new WebSocket(socketUrl(element.dataset.events));
+  socket.addEventListener("message", (message) => {
+    const event = JSON.parse(message.data);
+    if (event.type === "event" && String(event.kind).startsWith("task")) {
+      document.body.dispatchEvent(new CustomEvent("klique:tasks"));
+    }
+  });
+  socket.addEventListener("close", () => setTimeout(() => followEvents(element), 2000));
+}
+
+function followLog(element) {
+  const state = document.getElementById("log-state");
+  const socket = new WebSocket(socketUrl(element.dataset.follow));
+  socket.addEventListener("message", (message) => {
+    const chunk = JSON.parse(message.data);
+    if (chunk.type === "log") {
+      element.append(chunk.lines.map((line) => `${line}\n`).join(""));
+      element.scrollTop = element.scrollHeight;
+    } else if (chunk.type === "end") {
+      state.textContent = `The task ${chunk.state}.`;
+      document.getElementById("state").textContent = chunk.state;
+    } else if (chunk.type === "error") {
+      state.textContent = chunk.detail;
+    }
+  });
+}
+
+function drawGpus(canvas) {
+  const data = JSON.parse(document.getElementById("gpus-data").textContent);
+  canvas.chart = new window.Chart(canvas, {
+    type: "bar",
+    data: {
+      labels: data.labels,
+      datasets: [
+        { label: "GPUs in use", data: data.used, backgroundColor: "#2563eb" },
+        { label: "GPUs free", data: data.free, backgroundColor: "#cbd5e1" },
+      ],
+    },
+    options: { animation: false, scales: { x: { stacked: true }, y: { stacked: true, beginAtZero: true } } },
+  });
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  document.querySelectorAll("[data-events]").forEach(followEvents);
+  document.querySelectorAll("[data-follow]").forEach(followLog);
+  const chart = document.getElementById("gpu-chart");
+  if (chart) drawGpus(chart);
+});
