@@ -12,4 +12,13 @@ urlpatterns = [
     path("portal/tasks/submit/", views.task_submit, name="portal-task-submit"),
     path("portal/tasks/<uuid:task_id>/", views.task, name="portal-task"),
     path("portal/dashboard/", views.dashboard, name="portal-dashboard"),
+    path("portal/configuration/", views.configuration, name="portal-configuration"),
+    path(
+        "portal/configuration/validate/", views.configuration_validate, name="portal-configuration-validate"
+    ),
+    path(
+        "portal/configuration/provision/",
+        views.configuration_provision,
+        name="portal-configuration-provision",
+    ),
 ]

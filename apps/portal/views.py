@@ -4,6 +4,7 @@ show or change goes through the same services, selectors and role rules as the R
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from functools import wraps
 from typing import Any
@@ -106,7 +107,7 @@ def _request(request: HttpRequest, user: User) -> Any:
 @signed_in
 @require_POST
 def task_submit(request: HttpRequest) -> HttpResponse:
-    """The submit form (HTMX): the task table comes back, saying the task is queued or what was wrong."""
+    """The submit form (HTMX): says the task is queued, or what was wrong, and refreshes the table."""
     from apps.scheduling.services import tasks_submit
 
     user = request.user
@@ -119,7 +120,7 @@ def task_submit(request: HttpRequest) -> HttpResponse:
     except KliqueError as error:
         context["error"] = error.message
     context["tasks"] = _tasks(user)
-    return render(request, "portal/_tasks_table.html", context)
+    return render(request, "portal/_submitted.html", context)
 
 
 @signed_in
@@ -161,3 +162,105 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         "free": [max(pool["capacity"] - pool["used"], 0) for pool in pools],
     }
     return render(request, "portal/dashboard.html", {"pools": pools, "chart": chart, "page": "dashboard"})
+
+
+def _admin(view: View) -> View:
+    """A page for the tenant's admins; others are told so, in a sentence."""
+
+    @wraps(view)
+    def check(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        user = request.user
+        if isinstance(user, User) and not user.has_role(Role.ADMIN):
+            return render(
+                request,
+                "portal/refused.html",
+                {"message": f"This page needs the admin role and {user.username} is a {user.role}."},
+                status=403,
+            )
+        return view(request, *args, **kwargs)
+
+    return signed_in(check)
+
+
+def _policies() -> list[dict[str, Any]]:
+    from apps.resources.models import ResourcePolicy
+    from apps.scheduling.engine import describe
+
+    return [
+        {
+            "name": policy.name,
+            "group": policy.group.name,
+            "reservation": describe(policy.reservation_units),
+            "limit": describe(policy.limit_units),
+            "resources": ", ".join(resource.name for resource in policy.compute_resources.all()),
+        }
+        for policy in ResourcePolicy.objects.select_related("group").prefetch_related("compute_resources")
+    ]
+
+
+@_admin
+def configuration(request: HttpRequest) -> HttpResponse:
+    """The draft configuration as one document: edit, validate (the report inline), provision."""
+    from apps.resources.services import draft_get
+
+    document = json.dumps(draft_get().document, indent=2)
+    return render(
+        request,
+        "portal/configuration.html",
+        {"document": document, "policies": _policies(), "page": "configuration"},
+    )
+
+
+@_admin
+@require_POST
+def configuration_validate(request: HttpRequest) -> HttpResponse:
+    """Save the edited draft and show its report (HTMX)."""
+    from rest_framework.exceptions import ValidationError
+
+    from apps.resources.services import draft_save, draft_validate
+
+    context: dict[str, Any] = {}
+    try:
+        document = json.loads(request.POST.get("document", ""))
+        draft_save(tenant=request.tenant, user=request.user, document=document)  # type: ignore[attr-defined,arg-type]
+        context["report"] = draft_validate()
+    except json.JSONDecodeError as error:
+        context["error"] = f"The draft is not JSON: {error.msg} at line {error.lineno}, column {error.colno}."
+    except ValidationError as error:
+        context["error"] = f"The draft is not well formed: {_flatten(error.detail)}"
+    return render(request, "portal/_report.html", context)
+
+
+@_admin
+@require_POST
+def configuration_provision(request: HttpRequest) -> HttpResponse:
+    """Save the draft as shown and make it the configuration (HTMX): the result, and the policies as
+    they now are."""
+    from rest_framework.exceptions import ValidationError
+
+    from apps.resources.services import draft_provision, draft_save
+
+    context: dict[str, Any] = {}
+    tenant, user = request.tenant, request.user  # type: ignore[attr-defined]
+    assert isinstance(user, User)
+    try:
+        draft_save(tenant=tenant, user=user, document=json.loads(request.POST.get("document", "")))
+        done = draft_provision(tenant=tenant, user=user)
+        made, gone = sum(done.created.values()), sum(done.deleted.values())
+        context["message"] = f"Provisioned: {made} created, {gone} removed."
+    except json.JSONDecodeError as error:
+        context["error"] = f"The draft is not JSON: {error.msg} at line {error.lineno}, column {error.colno}."
+    except ValidationError as error:
+        context["error"] = f"The draft is not well formed: {_flatten(error.detail)}"
+    except KliqueError as error:
+        context["error"] = error.message
+    context["policies"] = _policies()
+    return render(request, "portal/_provisioned.html", context)
+
+
+def _flatten(detail: Any) -> str:
+    if isinstance(detail, dict):
+        return "; ".join(f"{key}: {_flatten(value)}" for key, value in detail.items())
+    if isinstance(detail, list):
+        return "; ".join(_flatten(item) for item in detail)
+    return str(detail)

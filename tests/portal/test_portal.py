@@ -103,3 +103,35 @@ def test_keyboard_reaches_every_control_of_the_submit_form(page: Any, portal: Po
         page.keyboard.press("Tab")
         reached.add(page.evaluate("document.activeElement.id || document.activeElement.textContent.trim()"))
     assert {"compute_resource", "gpus", "name", "command", "Submit"} <= reached
+
+
+def test_a_policy_changes_through_validate_and_provision(page: Any, portal: Portal) -> None:
+    import json
+
+    sign_in(page, portal)
+    page.get_by_role("link", name="Configuration").click()
+    assert page.evaluate(UNLABELLED) == []
+    draft = page.get_by_label("Draft configuration (JSON)")
+    document = json.loads(draft.input_value())
+    research = next(policy for policy in document["policies"] if policy["name"] == "research")
+    assert research["limit_gpus"] == "16"
+
+    draft.fill("{ not json")
+    page.get_by_role("button", name="Save and validate").click()
+    assert page.get_by_role("alert").inner_text().startswith("The draft is not JSON:")
+
+    research["limit_gpus"] = "12"
+    draft.fill(json.dumps(document, indent=2))
+    page.get_by_role("button", name="Save and validate").click()
+    page.get_by_role("status").filter(has_text="Valid: the draft can be provisioned.").wait_for()
+    screenshot(page, "configuration-validated")
+    page.get_by_role("button", name="Provision").click()
+    page.get_by_role("status").filter(has_text="Provisioned:").wait_for()
+    row = page.get_by_role("row").filter(has_text="research")
+    assert row.locator(".limit").inner_text() == "12 GPUs"  # the policies in force, updated in place
+    screenshot(page, "configuration-provisioned")
+    assert portal.errors == []
+
+    from apps.resources.models import ResourcePolicy
+
+    assert portal.run(lambda: ResourcePolicy.objects.get(name="research").limit_units) == 12 * 840
