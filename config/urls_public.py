@@ -7,12 +7,14 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from apps.accounts.urls import identity_urlpatterns
 from apps.billing.urls import urlpatterns as billing_urlpatterns
+from apps.portal.provider_urls import urlpatterns as center_urlpatterns
 from tenants.urls import provider_urlpatterns
 
 api_v1 = [*provider_urlpatterns, *billing_urlpatterns, *identity_urlpatterns]
 
 urlpatterns = [
     path("api/v1/", include(api_v1)),
+    *center_urlpatterns,
     path("api/schema/", SpectacularAPIView.as_view(urlconf="config.urls_public"), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
 ]

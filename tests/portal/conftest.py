@@ -36,7 +36,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--disable-quic",
     "--no-first-run",
-    "--host-resolver-rules=MAP *.klique.test 127.0.0.1",
+    "--host-resolver-rules=MAP *.klique.test 127.0.0.1, MAP klique.test 127.0.0.1",
 ]
 
 
@@ -56,6 +56,7 @@ def ensure_chromium() -> str:
 class Portal:
     base: str
     blocker: Any
+    provider: str = ""  # the Platform Management Center's address (the base domain)
     errors: list[str] = field(default_factory=list)
 
     def run(self, function: Any) -> Any:
@@ -68,6 +69,7 @@ class Portal:
 
 def _make_tenant() -> None:
     from django.utils import timezone
+    from django_tenants.utils import get_public_schema_name
 
     from apps.accounts.models import User
     from apps.accounts.services import group_save
@@ -76,6 +78,10 @@ def _make_tenant() -> None:
     from tenants.services import tenant_create
     from tests.scheduling.config import acme_document
 
+    with schema_context(get_public_schema_name()):  # the provider's admin signs in to the PMC
+        root = User.objects.get(username="root")
+        root.set_password(PASSWORD)
+        root.save()
     created = tenant_create(slug="portal", name="Portal Labs", admin_username="pat")
     with schema_context("portal"):
         pat = User.objects.get(username="pat")
@@ -98,7 +104,7 @@ def portal(django_db_blocker: Any, world: Any) -> Iterator[Portal]:
     web = start_web(port)
     try:
         wait_until_listening(port, web)
-        yield Portal(f"http://portal.klique.test:{port}", django_db_blocker)
+        yield Portal(f"http://portal.klique.test:{port}", django_db_blocker, f"http://klique.test:{port}")
     finally:
         web.terminate()
         web.wait(timeout=20)

@@ -52,9 +52,26 @@ function drawGpus(canvas) {
   });
 }
 
+function drawUsage(canvas) {
+  const data = JSON.parse(document.getElementById("usage-data").textContent);
+  const colors = ["#2563eb", "#16a34a", "#d97706", "#9333ea", "#dc2626", "#0891b2"];
+  canvas.chart = new window.Chart(canvas, {
+    type: "line",
+    data: {
+      labels: data.labels,
+      datasets: data.series.map((series, index) => ({
+        label: series.tenant, data: series.cost, borderColor: colors[index % colors.length], tension: 0.2,
+      })),
+    },
+    options: { animation: false, scales: { y: { beginAtZero: true } } },
+  });
+}
+
 document.addEventListener("DOMContentLoaded", () => {
   document.querySelectorAll("[data-events]").forEach(followEvents);
   document.querySelectorAll("[data-follow]").forEach(followLog);
   const chart = document.getElementById("gpu-chart");
   if (chart) drawGpus(chart);
+  const usage = document.getElementById("usage-chart");
+  if (usage) drawUsage(usage);
 });
