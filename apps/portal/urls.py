@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from apps.portal import views
+from apps.portal import pages, views
 
 urlpatterns = [
     path("portal/sign-in/", views.sign_in, name="portal-sign-in"),
@@ -12,6 +12,14 @@ urlpatterns = [
     path("portal/tasks/submit/", views.task_submit, name="portal-task-submit"),
     path("portal/tasks/<uuid:task_id>/", views.task, name="portal-task"),
     path("portal/dashboard/", views.dashboard, name="portal-dashboard"),
+    path("portal/queues/", pages.queues, name="portal-queues"),
+    path("portal/queues/table/", pages.queues_table, name="portal-queues-table"),
+    path("portal/tokens/", pages.tokens, name="portal-tokens"),
+    path("portal/tokens/create/", pages.token_create, name="portal-token-create"),
+    path("portal/tokens/<uuid:token_id>/revoke/", pages.token_revoke, name="portal-token-revoke"),
+    path("portal/secrets/", pages.secrets, name="portal-secrets"),
+    path("portal/secrets/keep/", pages.secret_keep, name="portal-secret-keep"),
+    path("portal/usage/", pages.usage, name="portal-usage"),
     path("portal/configuration/", views.configuration, name="portal-configuration"),
     path(
         "portal/configuration/validate/", views.configuration_validate, name="portal-configuration-validate"

@@ -133,17 +133,80 @@ def task(request: HttpRequest, task_id: str) -> HttpResponse:
     return render(request, "portal/task.html", {"task": found, "page": "tasks"})
 
 
+IDLE_BELOW = 80.0  # percent: a running task's GPUs averaging less than this over the last hour are idle
+
+
+def _utilization_chart(pools: list[dict[str, Any]], now: Any) -> dict[str, Any]:
+    """GPU utilization per hour over the last 24 hours: metered GPU time over the pools' capacity."""
+    from datetime import timedelta
+
+    from apps.metering.models import Rollup
+
+    capacity = sum(pool["capacity"] for pool in pools) or 1
+    start = now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=23)
+    hours = [start + timedelta(hours=offset) for offset in range(24)]
+    used: dict[Any, float] = dict.fromkeys(hours, 0.0)
+    for bucket, unit_ms in Rollup.objects.filter(grain="hour", kind="gpu", bucket__gte=start).values_list(
+        "bucket", "gpu_unit_ms"
+    ):
+        if bucket in used:
+            used[bucket] += float(unit_ms) / (840 * 3_600_000)
+    return {
+        "labels": [f"{hour:%H:00}" for hour in hours],
+        "percent": [round(100 * used[hour] / capacity, 1) for hour in hours],
+    }
+
+
+def _idle(now: Any) -> list[dict[str, Any]]:
+    """Running tasks whose GPUs averaged under IDLE_BELOW percent over the last hour (from the GPU samples
+    their nodes report)."""
+    from datetime import timedelta
+
+    from apps.fleet.models import TaskReport
+
+    samples: dict[str, list[float]] = {}
+    tasks: dict[str, Any] = {}
+    reports = TaskReport.objects.filter(
+        kind=TaskReport.Kind.METRIC, at__gte=now - timedelta(hours=1), task__state="running"
+    ).select_related("task", "task__pool", "task__submitter")
+    for report in reports:
+        gpus = (report.body.get("values") or {}).get("gpus") or []
+        for gpu in gpus:
+            if isinstance(gpu, dict) and isinstance(gpu.get("utilization_percent"), int | float):
+                samples.setdefault(str(report.task_id), []).append(float(gpu["utilization_percent"]))
+                tasks[str(report.task_id)] = report.task
+    idle = []
+    for task_id, values in samples.items():
+        average = sum(values) / len(values)
+        if average < IDLE_BELOW:
+            task = tasks[task_id]
+            idle.append(
+                {
+                    "task": task,
+                    "pool": task.pool.name if task.pool else "-",
+                    "user": task.submitter.username,
+                    "average": round(average, 1),
+                }
+            )
+    return sorted(idle, key=lambda row: row["average"])
+
+
 @signed_in
 def dashboard(request: HttpRequest) -> HttpResponse:
-    """GPUs in use and free per pool (a chart), and the pools' state."""
+    """GPUs in use and free per pool and environment, workers, utilization over the last day, idle GPUs
+    and the latest task events."""
     from django.utils import timezone
 
+    from apps.fleet.models import Agent
     from apps.resources.models import Pool
-    from apps.scheduling.models import ACTIVE_STATES, Task
+    from apps.scheduling.models import ACTIVE_STATES, Task, TaskEvent
 
     now = timezone.now()
+    workers: dict[str, int] = {}
+    for pool_id in Agent.objects.filter(connected=True).values_list("pool_id", flat=True):
+        workers[str(pool_id)] = workers.get(str(pool_id), 0) + 1
     pools: list[dict[str, Any]] = []
-    for pool in Pool.objects.order_by("name"):
+    for pool in Pool.objects.order_by("environment", "name"):
         units = Task.objects.filter(pool=pool, state__in=ACTIVE_STATES).values_list("size_units", flat=True)
         used = sum(units) / 840
         pools.append(
@@ -153,6 +216,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
                 "gpu_class": pool.gpu_class or "-",
                 "capacity": pool.capacity_gpus,
                 "used": round(used, 3),
+                "workers": workers.get(str(pool.pk), 0),
                 "online": pool.is_online(now),
             }
         )
@@ -161,7 +225,17 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         "used": [pool["used"] for pool in pools],
         "free": [max(pool["capacity"] - pool["used"], 0) for pool in pools],
     }
-    return render(request, "portal/dashboard.html", {"pools": pools, "chart": chart, "page": "dashboard"})
+    events = TaskEvent.objects.select_related("task").order_by("-at")[:20]
+    context = {
+        "pools": pools,
+        "chart": chart,
+        "utilization": _utilization_chart(pools, now),
+        "idle": _idle(now),
+        "idle_below": IDLE_BELOW,
+        "events": events,
+        "page": "dashboard",
+    }
+    return render(request, "portal/dashboard.html", context)
 
 
 def _admin(view: View) -> View:

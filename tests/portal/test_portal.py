@@ -75,7 +75,60 @@ def test_a_submitted_task_appears_without_a_reload_and_its_output_streams_live(
     assert portal.errors == []
 
 
-def test_the_dashboard_draws_its_chart_with_data(page: Any, portal: Portal) -> None:
+def seed_a_busy_hour() -> str:
+    """A task running on h100 whose GPU samples average 25%, and 4 GPU-hours metered in the last hour."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from apps.accounts.models import User
+    from apps.fleet.models import TaskReport
+    from apps.metering.ledger import Event, ingest
+    from apps.resources.models import ComputeResource, Pool
+    from apps.scheduling.models import Task, TaskEvent, TaskState
+
+    now = timezone.now()
+    pat = User.objects.get(username="pat")
+    resource = ComputeResource.objects.get(name="Research: 4 GPUs")
+    task = Task.objects.create(
+        name="idle-run",
+        compute_resource=resource,
+        compute_resource_name=resource.name,
+        submitter=pat,
+        size_units=4 * 840,
+        state=TaskState.RUNNING,
+        pool=Pool.objects.get(name="h100"),
+        submitted_at=now - timedelta(minutes=40),
+        queued_at=now - timedelta(minutes=40),
+        placed_at=now - timedelta(minutes=40),
+        started_at=now - timedelta(minutes=30),
+    )
+    TaskEvent.objects.create(
+        task=task, at=now - timedelta(minutes=30), actor="agent", from_state="dispatching", to_state="running"
+    )
+    for seq, percent in enumerate((30.0, 20.0), 1):
+        gpus = [
+            {"index": 0, "utilization_percent": percent, "memory_used_mib": 1.0, "memory_total_mib": 80.0}
+        ]
+        TaskReport.objects.create(
+            task=task, source="node-0", seq=seq, kind="metric", body={"values": {"gpus": gpus}}
+        )
+    ended = now - timedelta(minutes=1)
+    metered = Event(
+        event_id=f"dashboard-{task.pk}",
+        kind="gpu",
+        started_at=ended - timedelta(hours=1),
+        ended_at=ended,
+        user="pat",
+        pool="h100",
+        gpus=4,
+    )
+    ingest([metered])
+    return str(task.pk)
+
+
+def test_the_dashboard_draws_its_charts_with_data(page: Any, portal: Portal) -> None:
+    idle_task = portal.run(seed_a_busy_hour)
     sign_in(page, portal)
     page.get_by_role("link", name="Dashboard").click()
     page.wait_for_function("document.getElementById('gpu-chart').chart !== undefined")
@@ -92,6 +145,12 @@ def test_the_dashboard_draws_its_chart_with_data(page: Any, portal: Portal) -> N
         " for (let i = 3; i < d.length; i += 4) if (d[i] > 0) return true; return false; })()"
     )
     assert painted
+    percent = page.evaluate("document.getElementById('utilization-chart').chart.data.datasets[0].data")
+    assert len(percent) == 24
+    assert max(percent) == 25.0  # 4 GPU-hours in one hour of 16 GPUs
+    idle = page.locator(f"tr[data-idle='{idle_task}']")
+    assert idle.locator("td").all_inner_texts()[1:] == ["h100", "pat", "25.0%"]
+    assert "idle-run: dispatching → running (agent)" in page.locator("#events").inner_text()
     screenshot(page, "dashboard")
     assert portal.errors == []
 

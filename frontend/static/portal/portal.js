@@ -11,10 +11,17 @@ function socketUrl(path) {
 
 function followEvents(element) {
   const socket = new WebSocket(socketUrl(element.dataset.events));
+  const log = element.dataset.log ? document.querySelector(element.dataset.log) : null;
   socket.addEventListener("message", (message) => {
     const event = JSON.parse(message.data);
-    if (event.type === "event" && String(event.kind).startsWith("task")) {
+    if (event.type !== "event") return;
+    if (String(event.kind).startsWith("task")) {
       document.body.dispatchEvent(new CustomEvent("klique:tasks"));
+    }
+    if (log) {
+      const item = document.createElement("li");
+      item.textContent = `${new Date(event.at).toLocaleTimeString()} ${event.kind}`;
+      log.prepend(item);
     }
   });
   socket.addEventListener("close", () => setTimeout(() => followEvents(element), 2000));
@@ -52,6 +59,15 @@ function drawGpus(canvas) {
   });
 }
 
+function drawUtilization(canvas) {
+  const data = JSON.parse(document.getElementById("utilization-data").textContent);
+  canvas.chart = new window.Chart(canvas, {
+    type: "line",
+    data: { labels: data.labels, datasets: [{ label: "GPUs in use (%)", data: data.percent, borderColor: "#2563eb", fill: false }] },
+    options: { animation: false, scales: { y: { beginAtZero: true, suggestedMax: 100 } } },
+  });
+}
+
 function drawUsage(canvas) {
   const data = JSON.parse(document.getElementById("usage-data").textContent);
   const colors = ["#2563eb", "#16a34a", "#d97706", "#9333ea", "#dc2626", "#0891b2"];
@@ -72,6 +88,8 @@ document.addEventListener("DOMContentLoaded", () => {
   document.querySelectorAll("[data-follow]").forEach(followLog);
   const chart = document.getElementById("gpu-chart");
   if (chart) drawGpus(chart);
+  const utilization = document.getElementById("utilization-chart");
+  if (utilization) drawUtilization(utilization);
   const usage = document.getElementById("usage-chart");
   if (usage) drawUsage(usage);
 });

@@ -1,0 +1,165 @@
+"""More of the tenant portal: the queues and what each person may use, their tokens, their secrets and
+their gateway usage. Each reads and writes through the same services, selectors and serializers as the
+REST API, so a page never shows or allows what the API would not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, render
+from django.views.decorators.http import require_POST
+
+from apps.accounts.models import ApiToken, Role, User
+from apps.core.errors import KliqueError
+from apps.portal.views import signed_in
+
+
+def _user(request: HttpRequest) -> User:
+    user = request.user
+    assert isinstance(user, User)
+    return user
+
+
+def _access(user: User) -> list[dict[str, Any]]:
+    """Each policy of the person's groups: reservation, limit, what is in use, what it opens to them."""
+    from django.db.models import Sum
+
+    from apps.resources.models import ResourcePolicy
+    from apps.scheduling.engine import describe
+    from apps.scheduling.models import ACTIVE_STATES, Task
+
+    rows = []
+    for policy in ResourcePolicy.objects.filter(group__members=user).select_related("group").distinct():
+        in_use = Task.objects.filter(compute_resource__policy=policy, state__in=ACTIVE_STATES)
+        yours = in_use.filter(submitter=user)
+        rows.append(
+            {
+                "policy": policy.name,
+                "group": policy.group.name,
+                "reservation": describe(policy.reservation_units),
+                "limit": describe(policy.limit_units),
+                "in_use": describe(in_use.aggregate(units=Sum("size_units"))["units"] or 0),
+                "yours": describe(yours.aggregate(units=Sum("size_units"))["units"] or 0),
+                "resources": [resource.name for resource in policy.compute_resources.all()],
+            }
+        )
+    return rows
+
+
+def _queues(user: User) -> list[dict[str, Any]]:
+    from apps.resources.apis import ComputeResourceOut, _resource_context
+    from apps.scheduling import selectors
+
+    data: Any = ComputeResourceOut(
+        selectors.compute_resources(), many=True, context=_resource_context(user)
+    ).data
+    return [dict(row) for row in data]
+
+
+@signed_in
+def queues(request: HttpRequest) -> HttpResponse:
+    user = _user(request)
+    context = {"access": _access(user), "queues": _queues(user), "page": "queues"}
+    return render(request, "portal/queues.html", context)
+
+
+@signed_in
+def queues_table(request: HttpRequest) -> HttpResponse:
+    return render(request, "portal/_queues.html", {"queues": _queues(_user(request))})
+
+
+def _tokens(user: User) -> Any:
+    return ApiToken.objects.filter(user=user).order_by("-created_at")
+
+
+@signed_in
+def tokens(request: HttpRequest) -> HttpResponse:
+    user = _user(request)
+    return render(
+        request,
+        "portal/tokens.html",
+        {"tokens": _tokens(user), "scopes": ApiToken.Scope.values, "page": "tokens"},
+    )
+
+
+@signed_in
+@require_POST
+def token_create(request: HttpRequest) -> HttpResponse:
+    from apps.accounts.services import token_create as create
+
+    user = _user(request)
+    context: dict[str, Any] = {}
+    try:
+        days = request.POST.get("days") or None
+        issued = create(
+            tenant=request.tenant,  # type: ignore[attr-defined]
+            user=user,
+            name=request.POST.get("name", "").strip(),
+            scope=request.POST.get("scope", ApiToken.Scope.READ),
+            agent=request.POST.get("agent", "").strip(),
+            expires_in_days=int(days) if days is not None else None,
+        )
+        context["issued"] = issued
+    except ValueError:
+        context["error"] = "Days is a whole number."
+    except KliqueError as error:
+        context["error"] = error.message
+    context["tokens"] = _tokens(user)
+    return render(request, "portal/_token_made.html", context)
+
+
+@signed_in
+@require_POST
+def token_revoke(request: HttpRequest, token_id: str) -> HttpResponse:
+    from apps.accounts.services import token_revoke as revoke
+
+    user = _user(request)
+    revoke(token=get_object_or_404(ApiToken, pk=token_id, user=user))
+    return render(request, "portal/_token_made.html", {"tokens": _tokens(user), "revoked": True})
+
+
+@signed_in
+def secrets(request: HttpRequest) -> HttpResponse:
+    from apps.vault.services import secrets_visible_to
+
+    user = _user(request)
+    context = {"secrets": secrets_visible_to(user), "admin": user.has_role(Role.ADMIN), "page": "secrets"}
+    return render(request, "portal/secrets.html", context)
+
+
+@signed_in
+@require_POST
+def secret_keep(request: HttpRequest) -> HttpResponse:
+    """Keep a secret (write-only): its value is never shown again, here or anywhere."""
+    from apps.vault.services import secret_set, secrets_visible_to
+
+    user = _user(request)
+    context: dict[str, Any] = {}
+    try:
+        secret = secret_set(
+            user=user,
+            scope=request.POST.get("scope", "user"),
+            name=request.POST.get("name", "").strip(),
+            value=request.POST.get("value", ""),
+        )
+        context["message"] = f"Kept {secret.name} ({secret.scope}); its value cannot be read back."
+    except KliqueError as error:
+        context["error"] = error.message
+    context["secrets"] = secrets_visible_to(user)
+    return render(request, "portal/_secrets.html", context)
+
+
+@signed_in
+def usage(request: HttpRequest) -> HttpResponse:
+    """The person's gateway calls and the budgets that apply to them."""
+    from gateway.apis import BudgetOut, budgets_visible_to
+    from gateway.services import usage_for
+
+    user = _user(request)
+    context = {
+        "calls": usage_for(user).filter(user_id=user.pk)[:50],
+        "budgets": BudgetOut(budgets_visible_to(user), many=True).data,
+        "page": "usage",
+    }
+    return render(request, "portal/usage.html", context)

@@ -1,0 +1,105 @@
+"""The portal's other pages in real Chromium: queues and what a person may use, tokens (shown once,
+revoked), write-only secrets, gateway usage; each control labelled, no console errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.portal.conftest import Portal, screenshot, sign_in
+from tests.portal.test_portal import UNLABELLED
+
+pytestmark = pytest.mark.django_db
+
+
+def visit(page: Any, portal: Portal, link: str) -> None:
+    sign_in(page, portal)
+    page.get_by_role("navigation", name="Portal").get_by_role("link", name=link).click()
+    assert page.evaluate(UNLABELLED) == []
+
+
+def test_queues_show_what_a_person_may_use_and_each_queue(page: Any, portal: Portal) -> None:
+    visit(page, portal, "Queues")
+    research = page.locator("tr[data-policy='research']")
+    assert "research" in research.inner_text()
+    cells = research.locator("td").all_inner_texts()
+    assert cells[2:4] == ["8 GPUs", "12 GPUs"] or cells[2:4] == [
+        "8 GPUs",
+        "16 GPUs",
+    ]  # (another test may change it)
+    assert "Research: 4 GPUs" in cells[6]
+    queue = page.locator("tr[data-queue='Research: 4 GPUs']")
+    assert queue.locator("td").nth(1).inner_text() == "yes"
+    screenshot(page, "queues")
+    assert portal.errors == []
+
+
+def test_a_token_is_shown_once_and_revoked(page: Any, portal: Portal) -> None:
+    visit(page, portal, "Tokens")
+    page.get_by_label("Name", exact=True).fill("notebook")
+    page.get_by_label("Scope").select_option("read")
+    page.get_by_role("button", name="Create token").click()
+    page.get_by_role("status").filter(has_text="Token notebook created").wait_for()
+    secret = page.locator("#token-made pre.token").inner_text()
+    assert secret.startswith("klq_")
+    row = page.locator("tr[data-token='notebook']")
+    assert secret not in row.inner_text()  # only its prefix is listed
+    screenshot(page, "tokens")
+    page.on("dialog", lambda dialog: dialog.accept())
+    row.get_by_role("button", name="Revoke notebook").click()
+    page.locator("tr[data-token='notebook']").filter(has_text="revoked").wait_for()
+    page.reload()
+    assert secret not in page.content()  # shown that once, never again
+    assert portal.errors == []
+
+
+def test_a_secret_is_kept_and_never_shown(page: Any, portal: Portal) -> None:
+    visit(page, portal, "Secrets")
+    page.get_by_label("Name (as an environment variable").fill("WANDB_API_KEY")
+    page.get_by_label("Value").fill("wandb-value-that-must-not-leak")
+    page.get_by_role("button", name="Keep it").click()
+    page.get_by_role("status").filter(has_text="Kept WANDB_API_KEY (user)").wait_for()
+    assert page.locator("tr[data-secret='WANDB_API_KEY']").is_visible()
+    assert page.get_by_label("Value").input_value() == ""
+    page.get_by_label("Name (as an environment variable").fill("CUDA_VISIBLE_DEVICES")
+    page.get_by_label("Value").fill("0")
+    page.get_by_role("button", name="Keep it").click()
+    page.get_by_role("alert").wait_for()
+    assert "CUDA_VISIBLE_DEVICES" in page.get_by_role("alert").inner_text()
+    page.reload()
+    assert "wandb-value-that-must-not-leak" not in page.content()
+    screenshot(page, "secrets")
+    assert portal.errors == []
+
+
+def test_gateway_usage_lists_calls_and_budgets(page: Any, portal: Portal) -> None:
+    from datetime import UTC, datetime
+
+    from apps.accounts.models import User
+    from gateway.models import Usage
+    from gateway.services import budget_create
+
+    def seed() -> None:
+        pat = User.objects.get(username="pat")
+        call = {
+            "at": datetime.now(UTC),
+            "user_id": pat.pk,
+            "username": "pat",
+            "endpoint": "chat.completions",
+            "model": "chat",
+            "tokens_in": 11,
+            "tokens_out": 22,
+            "cost_nano_usd": 5,
+        }
+        Usage.objects.get_or_create(request_id="kqr-portal-1", defaults=call)
+        budget_create(scope="user", user="pat", unit="tokens", limit=1000, period="day")
+
+    portal.run(seed)
+    visit(page, portal, "Gateway")
+    assert "pat's daily budget" in page.get_by_role("table").first.inner_text()
+    calls = page.get_by_role("table").nth(1).inner_text()
+    assert "chat" in calls
+    assert "22" in calls
+    screenshot(page, "gateway-usage")
+    assert portal.errors == []
