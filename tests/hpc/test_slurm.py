@@ -101,6 +101,9 @@ def test_a_waiting_job_shows_slurms_reason_and_cancel_and_preempt_stop_jobs(
         await backend.stop(small, 0)  # cancel while it waits in Slurm
         await backend.stop(big, 10)  # preempt: SIGTERM, then cancel after the grace period
         await until(lambda: reports.of(small, "result") and reports.of(big, "result"))
+        # The node reporter posts the job's last lines itself; they may reach the plane after the
+        # agent reports the job's end (two senders), so wait for them rather than race them.
+        await until(lambda: "got TERM" in plane.lines(big))
         assert backend.poller is not None
         backend.poller.cancel()
 
