@@ -119,6 +119,51 @@ def token_revoke(request: HttpRequest, token_id: str) -> HttpResponse:
     return render(request, "portal/_token_made.html", {"tokens": _tokens(user), "revoked": True})
 
 
+def _service_accounts() -> Any:
+    from apps.accounts.selectors import service_account_list
+
+    return service_account_list().prefetch_related("api_tokens").order_by("username")
+
+
+@signed_in
+def service_accounts(request: HttpRequest) -> HttpResponse:
+    user = _user(request)
+    if not user.has_role(Role.ADMIN):
+        message = f"This page needs the admin role and {user.username} is a {user.role}."
+        return render(request, "portal/refused.html", {"message": message}, status=403)
+    return render(
+        request, "portal/service_accounts.html", {"accounts": _service_accounts(), "page": "service-accounts"}
+    )
+
+
+@signed_in
+@require_POST
+def service_account_create(request: HttpRequest) -> HttpResponse:
+    """Create a service account (admins) with its first token, shown once."""
+    from apps.accounts.services import service_account_create as create
+    from apps.accounts.services import token_create as issue
+
+    user = _user(request)
+    context: dict[str, Any] = {}
+    if not user.has_role(Role.ADMIN):
+        message = f"Service accounts are an admin's to make and {user.username} is a {user.role}."
+        return render(request, "portal/refused.html", {"message": message}, status=403)
+    try:
+        tenant = request.tenant  # type: ignore[attr-defined]
+        account = create(
+            tenant=tenant,
+            name=request.POST.get("name", "").strip(),
+            role=request.POST.get("role", Role.MEMBER),
+            description=request.POST.get("description", "").strip(),
+        )
+        context["issued"] = issue(tenant=tenant, user=account, name="first", scope=ApiToken.Scope.SUBMIT)
+        context["account"] = account
+    except KliqueError as error:
+        context["error"] = error.message
+    context["accounts"] = _service_accounts()
+    return render(request, "portal/_service_account_made.html", context)
+
+
 @signed_in
 def secrets(request: HttpRequest) -> HttpResponse:
     from apps.vault.services import secrets_visible_to

@@ -17,6 +17,10 @@ urlpatterns = [
     path("portal/tokens/", pages.tokens, name="portal-tokens"),
     path("portal/tokens/create/", pages.token_create, name="portal-token-create"),
     path("portal/tokens/<uuid:token_id>/revoke/", pages.token_revoke, name="portal-token-revoke"),
+    path("portal/service-accounts/", pages.service_accounts, name="portal-service-accounts"),
+    path(
+        "portal/service-accounts/create/", pages.service_account_create, name="portal-service-account-create"
+    ),
     path("portal/secrets/", pages.secrets, name="portal-secrets"),
     path("portal/secrets/keep/", pages.secret_keep, name="portal-secret-keep"),
     path("portal/usage/", pages.usage, name="portal-usage"),

@@ -62,10 +62,16 @@ def sign_out(request: HttpRequest) -> HttpResponse:
     return HttpResponseRedirect("/portal/sign-in/")
 
 
-def _tasks(user: User) -> Any:
-    from apps.scheduling.selectors import tasks_visible_to
+def _tasks(user: User) -> list[dict[str, Any]]:
+    """The person's latest tasks, each queued one with its place in its queue (as `klique why` says)."""
+    from apps.scheduling.models import TaskState
+    from apps.scheduling.selectors import tasks_visible_to, why
 
-    return tasks_visible_to(user).filter(submitter=user).order_by("-submitted_at")[:50]
+    rows = []
+    for task in tasks_visible_to(user).filter(submitter=user).order_by("-submitted_at")[:50]:
+        position = why(task).position if task.state == TaskState.QUEUED else None
+        rows.append({"task": task, "position": position})
+    return rows
 
 
 @signed_in
@@ -130,7 +136,8 @@ def task(request: HttpRequest, task_id: str) -> HttpResponse:
     user = request.user
     assert isinstance(user, User)
     found = get_object_or_404(tasks_visible_to(user), pk=task_id)
-    return render(request, "portal/task.html", {"task": found, "page": "tasks"})
+    outputs = found.outputs.order_by("name")
+    return render(request, "portal/task.html", {"task": found, "outputs": outputs, "page": "tasks"})
 
 
 IDLE_BELOW = 80.0  # percent: a running task's GPUs averaging less than this over the last hour are idle
@@ -226,6 +233,10 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         "free": [max(pool["capacity"] - pool["used"], 0) for pool in pools],
     }
     events = TaskEvent.objects.select_related("task").order_by("-at")[:20]
+    by_group: dict[str, float] = {}
+    active = Task.objects.filter(state__in=ACTIVE_STATES, compute_resource__isnull=False)
+    for group, size in active.values_list("compute_resource__policy__group__name", "size_units"):
+        by_group[group] = by_group.get(group, 0.0) + size / 840
     context = {
         "pools": pools,
         "chart": chart,
@@ -233,6 +244,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         "idle": _idle(now),
         "idle_below": IDLE_BELOW,
         "events": events,
+        "groups": sorted(by_group.items()),
         "page": "dashboard",
     }
     return render(request, "portal/dashboard.html", context)

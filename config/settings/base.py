@@ -28,7 +28,7 @@ KLIQUE_STRIPE_MODE = env.text("KLIQUE_STRIPE_MODE", "meter_events") or "meter_ev
 
 # Single sign-on is configured per tenant (apps.sso); these are mozilla-django-oidc's defaults.
 AUTHENTICATION_BACKENDS = ["django.contrib.auth.backends.ModelBackend", "apps.sso.backend.TenantOIDCBackend"]
-LOGIN_REDIRECT_URL = "/api/v1/me/"
+LOGIN_REDIRECT_URL = "/portal/"  # after single sign-on, unless the sign-in named where to go next
 LOGOUT_REDIRECT_URL = "/"
 OIDC_CALLBACK_CLASS = "apps.sso.views.Callback"
 OIDC_AUTHENTICATION_CALLBACK_URL = "oidc_authentication_callback"

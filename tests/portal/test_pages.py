@@ -103,3 +103,16 @@ def test_gateway_usage_lists_calls_and_budgets(page: Any, portal: Portal) -> Non
     assert "22" in calls
     screenshot(page, "gateway-usage")
     assert portal.errors == []
+
+
+def test_an_admin_creates_a_service_account_with_its_first_token(page: Any, portal: Portal) -> None:
+    visit(page, portal, "Service accounts")
+    page.get_by_label("Name", exact=True).fill("nightly-ci")
+    page.get_by_label("What it is for").fill("the nightly evaluation")
+    page.get_by_role("button", name="Create service account").click()
+    page.get_by_role("status").filter(has_text="Service account nightly-ci created").wait_for()
+    assert page.locator("#account-made pre.token").inner_text().startswith("klq_")
+    row = page.locator("tr[data-account='nightly-ci']").locator("td").all_inner_texts()
+    assert row == ["nightly-ci", "member", "the nightly evaluation", "1"]
+    screenshot(page, "service-accounts")
+    assert portal.errors == []

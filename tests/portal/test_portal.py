@@ -5,6 +5,7 @@ errors. Screenshots of each page go to test-artifacts/portal/."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -45,6 +46,7 @@ def test_a_submitted_task_appears_without_a_reload_and_its_output_streams_live(
     page.get_by_role("button", name="Submit").click()
     page.get_by_role("status").filter(has_text="Task portal-run is queued.").wait_for()
     assert page.get_by_role("link", name="portal-run").is_visible()
+    assert page.locator("tr[data-task='portal-run'] .position").inner_text() == "1"  # first in its queue
     assert page.evaluate("window.notReloaded") is True  # the table came back in place
     screenshot(page, "tasks")
 
@@ -72,6 +74,23 @@ def test_a_submitted_task_appears_without_a_reload_and_its_output_streams_live(
         "epoch 3/3 loss=0.333",
     ]
     screenshot(page, "task-log")
+
+    def keep_output() -> None:
+        from django.core.files.base import ContentFile
+        from django.core.files.storage import default_storage
+
+        from apps.fleet.models import TaskOutput
+
+        stored = default_storage.save(f"portal/{task_id}/metrics.json", ContentFile(b'{"loss": 0.333}'))
+        TaskOutput.objects.create(
+            task_id=task_id, name="metrics.json", size=15, sha256="0" * 64, stored=stored
+        )
+
+    portal.run(keep_output)
+    page.reload()
+    with page.expect_download() as download:
+        page.get_by_role("link", name="metrics.json").click()
+    assert Path(download.value.path()).read_bytes() == b'{"loss": 0.333}'
     assert portal.errors == []
 
 
@@ -151,6 +170,7 @@ def test_the_dashboard_draws_its_charts_with_data(page: Any, portal: Portal) -> 
     idle = page.locator(f"tr[data-idle='{idle_task}']")
     assert idle.locator("td").all_inner_texts()[1:] == ["h100", "pat", "25.0%"]
     assert "idle-run: dispatching → running (agent)" in page.locator("#events").inner_text()
+    assert page.locator("tr[data-group='research'] td").nth(1).inner_text() == "4.000"
     screenshot(page, "dashboard")
     assert portal.errors == []
 

@@ -129,6 +129,7 @@ def test_sign_in_with_a_role_from_the_group_claim_then_sign_out(
     back = sign_in(browser, "admin-jane")
     landed = browser.get(back.removeprefix(f"http://{HOST_A}"))
     assert landed.status_code == 302, landed.content
+    assert landed["Location"] == "/portal/"  # single sign-on lands in the portal
     me = browser.get("/api/v1/me/")
     assert me.status_code == 200, me.content
     assert (me.json()["username"], me.json()["role"]) == ("admin-jane", "admin")
