@@ -18,6 +18,9 @@ class Tenant(TenantMixin):
     suspended_at = models.DateTimeField(null=True, blank=True)
     # The provider's cap on the tenant's GPUs in use at once, in whole GPUs; null means no cap.
     gpu_share = models.PositiveIntegerField(null=True, blank=True)
+    # What the tenant's work holds now (1/840 GPU units), written by each scheduling cycle, so the
+    # provider's pages read it here rather than in the tenant's schema.
+    gpu_units_in_use = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
 
     auto_create_schema = True

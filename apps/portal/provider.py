@@ -67,6 +67,7 @@ def _tenants() -> list[dict[str, Any]]:
             "status": tenant.status,
             "reason": tenant.suspended_reason,
             "share": tenant.gpu_share,
+            "in_use": round(tenant.gpu_units_in_use / 840, 3),
             "gpu_hours": round(usage[tenant.slug]["gpu_hours"], 2),
             "cost": round(usage[tenant.slug]["cost"], 2),
         }

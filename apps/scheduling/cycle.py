@@ -113,6 +113,14 @@ def snapshot(tenant: Tenant, now: datetime, *, held: frozenset[str] = frozenset(
     )
 
 
+def _publish_use(tenant: Tenant) -> None:
+    """The GPUs the tenant's work holds after this cycle, on its public row for the provider's pages."""
+    from django.db.models import Sum
+
+    held = Task.objects.filter(state__in=ACTIVE_STATES).aggregate(units=Sum("size_units"))["units"] or 0
+    type(tenant).objects.filter(pk=tenant.pk).update(gpu_units_in_use=held)
+
+
 def _held_by_budgets(now: datetime) -> dict[str, str]:
     """Queued tasks that may not start because a budget in USD they draw from is spent (one wallet pays
     for a project's GPU time and its gateway calls): task id -> the budget's sentence."""
@@ -260,6 +268,7 @@ def run_cycle(tenant: Tenant) -> CycleResult:
         decision = engine.schedule(state)
         placed, preempted = _apply(decision, now)
         _explain(held, code="budget_exhausted")
+        _publish_use(tenant)
         running_in = {allocation.task: allocation.pool for allocation in state.running}
         _tell_agents(tenant, decision, {p.victim: running_in[p.victim] for p in decision.preemptions})
     elapsed = (time.perf_counter() - started) * 1000

@@ -24,10 +24,17 @@ def provider_sign_in(page: Any, portal: Portal, username: str = "root") -> None:
 
 
 def test_the_center_lists_every_tenant_with_usage_and_draws_it(page: Any, portal: Portal) -> None:
+    from apps.scheduling.cycle import run_cycle
+    from tenants.models import Tenant
+    from tests.portal.test_portal import seed_a_busy_hour
+
+    portal.run(seed_a_busy_hour)  # a 4-GPU task running in tenant portal
+    portal.run(lambda: run_cycle(Tenant.objects.get(slug="portal")))  # each cycle publishes what is held
     provider_sign_in(page, portal)
     page.wait_for_url(f"{portal.provider}/portal/")
     listed = page.locator("tr[data-tenant]").evaluate_all("rows => rows.map(row => row.dataset.tenant)")
     assert {"acme", "globex", "portal"} <= set(listed)
+    assert page.locator("tr[data-tenant='portal'] .in-use").inner_text() == "4.0"
     page.wait_for_function("document.getElementById('usage-chart').chart !== undefined")
     series = page.evaluate("document.getElementById('usage-chart').chart.data.datasets.map(d => d.label)")
     assert "acme" in series  # acme's ledger has usage (the world's gateway call)
