@@ -276,7 +276,7 @@ def _row(event: Event, directory: Directory) -> tuple[Any, ...]:
     return (
         event.event_id,
         event.kind,
-        hashlib.md5("|".join(map(str, said)).encode(), usedforsecurity=False).hexdigest(),
+        hashlib.md5(repr(said).encode(), usedforsecurity=False).hexdigest(),
         event.started_at,
         ended,
         period,
