@@ -50,6 +50,7 @@ def usage_by_tenant(
 
     from django.db.models import Sum
 
+    from apps.metering.ledger import gpu_hours, usd
     from tenants.models import TenantUsageDay
 
     rows = TenantUsageDay.objects.all()
@@ -72,10 +73,10 @@ def usage_by_tenant(
             "kind": row["kind"],
             **({"day": row["day"].isoformat()} if by_day else {}),
             "events": int(row["events"]),
-            "gpu_hours": str((Decimal(row["gpu_unit_ms"]) / (840 * 3_600_000)).quantize(Decimal("0.000001"))),
+            "gpu_hours": str(gpu_hours(row["gpu_unit_ms"]).quantize(Decimal("0.000001"))),
             "tokens_in": int(row["tokens_in"]),
             "tokens_out": int(row["tokens_out"]),
-            "cost_usd": str((Decimal(row["cost"]) / 10**9).quantize(Decimal("0.000001"))),
+            "cost_usd": str(usd(row["cost"]).quantize(Decimal("0.000001"))),
         }
         for row in totals.order_by(*keys)
     ]

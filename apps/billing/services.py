@@ -30,8 +30,6 @@ from tenants.models import Tenant
 log = logging.getLogger("klique.billing")
 
 METERS = {"gpu": "klique_gpu_hours", "tokens": "klique_tokens", "storage": "klique_storage_gb_hours"}
-UNITS_PER_GPU_MS_HOUR = Decimal(840 * 3_600_000)
-GB_MS_HOUR = Decimal(10**9 * 3_600_000)
 
 
 class StripeUnavailable(Exception):
@@ -51,6 +49,7 @@ def client() -> Any:
 
 
 def _month_totals(schema: str, period: date) -> dict[str, dict[str, Decimal]]:
+    from apps.metering.ledger import gb_hours, gpu_hours
     from apps.metering.models import LedgerEvent
 
     with schema_context(schema):
@@ -61,9 +60,9 @@ def _month_totals(schema: str, period: date) -> dict[str, dict[str, Decimal]]:
         totals = {}
         for row in rows:
             quantity = {
-                "gpu": Decimal(row["unit_ms"]) / UNITS_PER_GPU_MS_HOUR,
+                "gpu": gpu_hours(row["unit_ms"]),
                 "tokens": Decimal(row["tokens_in"] + row["tokens_out"]),
-                "storage": Decimal(row["byte_ms"]) / GB_MS_HOUR,
+                "storage": gb_hours(row["byte_ms"]),
             }[row["kind"]]
             cents = (Decimal(row["cost"]) / 10**7).quantize(Decimal(1), rounding=ROUND_HALF_UP)
             totals[row["kind"]] = {"quantity": quantity.quantize(Decimal("0.000001")), "cents": cents}

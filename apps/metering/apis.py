@@ -15,23 +15,23 @@ from rest_framework.response import Response
 from apps.accounts.apis import TenantAPIView
 from apps.accounts.models import Role
 from apps.core.errors import InvalidInput
-from apps.metering import exports, services
-from apps.metering.ledger import MS_PER_HOUR, NANO, UNITS_PER_GPU
+from apps.metering import exports, ledger, services
+from apps.metering.ledger import UNITS_PER_GPU
 from apps.metering.models import LedgerEvent, Period, Rejection, Rollup
 
-GB = 10**9
+SIX = Decimal("0.000001")
 
 
 def usd(nano: int | Decimal) -> str:
-    return str((Decimal(nano) / NANO).quantize(Decimal("0.000001")))
+    return str(ledger.usd(nano).quantize(SIX))
 
 
 def gpu_hours(unit_ms: int | Decimal) -> str:
-    return str((Decimal(unit_ms) / (UNITS_PER_GPU * MS_PER_HOUR)).quantize(Decimal("0.000001")))
+    return str(ledger.gpu_hours(unit_ms).quantize(SIX))
 
 
 def gb_hours(byte_ms: int | Decimal) -> str:
-    return str((Decimal(byte_ms) / (GB * MS_PER_HOUR)).quantize(Decimal("0.000001")))
+    return str(ledger.gb_hours(byte_ms).quantize(SIX))
 
 
 class EventOut(serializers.ModelSerializer[LedgerEvent]):

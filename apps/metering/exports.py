@@ -11,10 +11,9 @@ from typing import Any
 
 from django.db.models import Count, Sum
 
-from apps.metering.ledger import MS_PER_HOUR, NANO, UNITS_PER_GPU
+from apps.metering.ledger import gb_hours, gpu_hours, usd
 from apps.metering.models import LedgerEvent
 
-GB = 10**9
 COLUMNS = (
     "period", "cost_center", "project", "kind", "gpu_class", "model", "events",
     "gpu_hours", "tokens_in", "tokens_out", "gb_hours", "cost_usd",
@@ -46,11 +45,11 @@ def chargeback(period: date) -> list[dict[str, Any]]:
             "gpu_class": row["gpu_class"],
             "model": row["model"],
             "events": row["events"],
-            "gpu_hours": (Decimal(row["unit_ms"]) / (UNITS_PER_GPU * MS_PER_HOUR)).quantize(SIX),
+            "gpu_hours": gpu_hours(row["unit_ms"]).quantize(SIX),
             "tokens_in": int(row["tokens_in"]),
             "tokens_out": int(row["tokens_out"]),
-            "gb_hours": (Decimal(row["byte_ms"]) / (GB * MS_PER_HOUR)).quantize(SIX),
-            "cost_usd": (Decimal(row["cost"]) / NANO).quantize(Decimal("0.000000001")),
+            "gb_hours": gb_hours(row["byte_ms"]).quantize(SIX),
+            "cost_usd": usd(row["cost"]).quantize(Decimal("0.000000001")),
         }
         for row in rows
     ]

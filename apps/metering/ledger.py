@@ -30,7 +30,7 @@ from django.utils import timezone
 
 from apps.accounts.models import Project, User
 from apps.core.ids import as_uuid
-from apps.metering.models import Kind, LedgerEvent, Period, PriceBook, Rejection
+from apps.metering.models import Kind, Period, PriceBook, Rejection
 from apps.resources.models import Pool
 
 UNITS_PER_GPU = 840
@@ -455,5 +455,11 @@ def gpu_hours(unit_ms: int | Decimal) -> Decimal:
     return (Decimal(unit_ms) / (UNITS_PER_GPU * MS_PER_HOUR)).quantize(Decimal("1e-12"))
 
 
-def ledger_events() -> Any:
-    return LedgerEvent.objects.all()
+def gb_hours(byte_ms: int | Decimal) -> Decimal:
+    """GB-hours of a bytes x milliseconds figure, exact to 12 decimal places."""
+    return (Decimal(byte_ms) / (NANO * MS_PER_HOUR)).quantize(Decimal("1e-12"))
+
+
+def usd(nano: int | Decimal) -> Decimal:
+    """USD of a nano-USD figure, exact."""
+    return Decimal(nano) / NANO

@@ -8,7 +8,7 @@ from decimal import Decimal
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Q, QuerySet
+from django.db.models import QuerySet
 from django.utils import timezone
 
 from apps.accounts.models import Role, User
@@ -212,10 +212,6 @@ def import_events(items: list[Any]) -> Report:
 
 def rejections() -> QuerySet[Rejection]:
     return Rejection.objects.all()
-
-
-def visible(user: User) -> Q:
-    return Q() if user.has_role(Role.ADMIN) else Q(user_id=user.pk)
 
 
 def names(column: str) -> dict[str, str]:

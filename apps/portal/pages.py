@@ -12,7 +12,7 @@ from django.views.decorators.http import require_POST
 
 from apps.accounts.models import ApiToken, Role, User
 from apps.core.errors import KliqueError
-from apps.portal.views import signed_in
+from apps.portal.views import admin_only, signed_in
 
 
 def _user(request: HttpRequest) -> User:
@@ -125,29 +125,21 @@ def _service_accounts() -> Any:
     return service_account_list().prefetch_related("api_tokens").order_by("username")
 
 
-@signed_in
+@admin_only
 def service_accounts(request: HttpRequest) -> HttpResponse:
-    user = _user(request)
-    if not user.has_role(Role.ADMIN):
-        message = f"This page needs the admin role and {user.username} is a {user.role}."
-        return render(request, "portal/refused.html", {"message": message}, status=403)
     return render(
         request, "portal/service_accounts.html", {"accounts": _service_accounts(), "page": "service-accounts"}
     )
 
 
-@signed_in
+@admin_only
 @require_POST
 def service_account_create(request: HttpRequest) -> HttpResponse:
     """Create a service account (admins) with its first token, shown once."""
     from apps.accounts.services import service_account_create as create
     from apps.accounts.services import token_create as issue
 
-    user = _user(request)
     context: dict[str, Any] = {}
-    if not user.has_role(Role.ADMIN):
-        message = f"Service accounts are an admin's to make and {user.username} is a {user.role}."
-        return render(request, "portal/refused.html", {"message": message}, status=403)
     try:
         tenant = request.tenant  # type: ignore[attr-defined]
         account = create(

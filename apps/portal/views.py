@@ -202,6 +202,7 @@ def _idle(now: Any) -> list[dict[str, Any]]:
 def dashboard(request: HttpRequest) -> HttpResponse:
     """GPUs in use and free per pool and environment, workers, utilization over the last day, idle GPUs
     and the latest task events."""
+    from django.db.models import Sum
     from django.utils import timezone
 
     from apps.fleet.models import Agent
@@ -212,21 +213,24 @@ def dashboard(request: HttpRequest) -> HttpResponse:
     workers: dict[str, int] = {}
     for pool_id in Agent.objects.filter(connected=True).values_list("pool_id", flat=True):
         workers[str(pool_id)] = workers.get(str(pool_id), 0) + 1
-    pools: list[dict[str, Any]] = []
-    for pool in Pool.objects.order_by("environment", "name"):
-        units = Task.objects.filter(pool=pool, state__in=ACTIVE_STATES).values_list("size_units", flat=True)
-        used = sum(units) / 840
-        pools.append(
-            {
-                "name": pool.name,
-                "environment": pool.environment,
-                "gpu_class": pool.gpu_class or "-",
-                "capacity": pool.capacity_gpus,
-                "used": round(used, 3),
-                "workers": workers.get(str(pool.pk), 0),
-                "online": pool.is_online(now),
-            }
-        )
+    held = dict(
+        Task.objects.filter(state__in=ACTIVE_STATES, pool__isnull=False)
+        .values("pool_id")
+        .annotate(units=Sum("size_units"))
+        .values_list("pool_id", "units")
+    )
+    pools: list[dict[str, Any]] = [
+        {
+            "name": pool.name,
+            "environment": pool.environment,
+            "gpu_class": pool.gpu_class or "-",
+            "capacity": pool.capacity_gpus,
+            "used": round((held.get(pool.pk) or 0) / 840, 3),
+            "workers": workers.get(str(pool.pk), 0),
+            "online": pool.is_online(now),
+        }
+        for pool in Pool.objects.order_by("environment", "name")
+    ]
     chart = {
         "labels": [pool["name"] for pool in pools],
         "used": [pool["used"] for pool in pools],
@@ -250,7 +254,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
     return render(request, "portal/dashboard.html", context)
 
 
-def _admin(view: View) -> View:
+def admin_only(view: View) -> View:
     """A page for the tenant's admins; others are told so, in a sentence."""
 
     @wraps(view)
@@ -284,7 +288,7 @@ def _policies() -> list[dict[str, Any]]:
     ]
 
 
-@_admin
+@admin_only
 def configuration(request: HttpRequest) -> HttpResponse:
     """The draft configuration as one document: edit, validate (the report inline), provision."""
     from apps.resources.services import draft_get
@@ -297,7 +301,7 @@ def configuration(request: HttpRequest) -> HttpResponse:
     )
 
 
-@_admin
+@admin_only
 @require_POST
 def configuration_validate(request: HttpRequest) -> HttpResponse:
     """Save the edited draft and show its report (HTMX)."""
@@ -317,7 +321,7 @@ def configuration_validate(request: HttpRequest) -> HttpResponse:
     return render(request, "portal/_report.html", context)
 
 
-@_admin
+@admin_only
 @require_POST
 def configuration_provision(request: HttpRequest) -> HttpResponse:
     """Save the draft as shown and make it the configuration (HTMX): the result, and the policies as
