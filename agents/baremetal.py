@@ -124,6 +124,11 @@ class BareMetal:
         ]
         return {"gpus": self.gpus, "source": self.source, "mig": slices}
 
+    async def capacity(self) -> dict[str, int]:
+        """This host's CPUs, and how many are busy: the last minute's load average, at most all of them."""
+        cpus = os.cpu_count() or 1
+        return {"cpus": cpus, "cpus_in_use": min(cpus, round(os.getloadavg()[0])), "nodes": 1}
+
     def _pick_mig(self, profile: str) -> str:
         """A free MIG slice of the profile asked for; its UUID goes into CUDA_VISIBLE_DEVICES."""
         taken = {device for run in self.state.runs() for device in run.mig}

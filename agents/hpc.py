@@ -22,7 +22,7 @@ import re
 import shlex
 import shutil
 import stat
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,32 @@ class Completed:
     @property
     def message(self) -> str:
         return (self.stderr.strip() or self.stdout.strip() or f"exit code {self.returncode}")[-2000:]
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What a cluster has, as its own commands say: CPUs, those its jobs hold, and nodes."""
+
+    cpus: int
+    cpus_in_use: int | None  # None: some node does not say
+    nodes: int
+
+    @classmethod
+    def of(cls, nodes: Iterable[tuple[int, int | None]]) -> Capacity:
+        """From (CPUs, CPUs in use or None) per node."""
+        counted = list(nodes)
+        used = [in_use for _, in_use in counted]
+        in_use = None if None in used else sum(value for value in used if value is not None)
+        return cls(sum(total for total, _ in counted), in_use, len(counted))
+
+    def as_dict(self) -> dict[str, int]:
+        figures = {"cpus": self.cpus, "cpus_in_use": self.cpus_in_use, "nodes": self.nodes}
+        return {key: value for key, value in figures.items() if value is not None}
+
+
+def _count(value: object) -> int | None:
+    text = str(value).strip() if value is not None else ""
+    return int(text) if text.isdigit() else None
 
 
 # (argument list, stdin, environment or None for the agent's own) -> what the command did
@@ -228,6 +254,19 @@ class Slurm:
     def cancel(self, job_id: str) -> list[str]:
         return ["scancel", job_id]
 
+    async def capacity(self, run: Execute) -> Capacity | None:
+        """CPUs and nodes from sinfo, one line per node and partition ("allocated/idle/other/total")."""
+        shown = await run(["sinfo", "--noheader", "--Node", "--format=%N|%C"], None, None)
+        if shown.returncode:
+            raise ClusterUnavailable(shown.message)
+        nodes: dict[str, tuple[int, int]] = {}
+        for line in shown.stdout.splitlines():
+            node, _, cpus = line.strip().partition("|")
+            counts = cpus.split("/")
+            if node and len(counts) == 4 and all(count.isdigit() for count in counts):
+                nodes[node] = (int(counts[3]), int(counts[0]))  # a node in two partitions counts once
+        return Capacity.of(nodes.values()) if nodes else None
+
 
 class Pbs:
     """PBS and Torque (and Slurm's PBS wrappers from slurm-wlm-torque)."""
@@ -288,6 +327,43 @@ class Pbs:
     def cancel(self, job_id: str) -> list[str]:
         return ["qdel", job_id]
 
+    async def capacity(self, run: Execute) -> Capacity | None:
+        """CPUs and nodes from `pbsnodes -a`: blocks of "attribute = value" under each node's name.
+
+        CPUs are resources_available.ncpus (PBS Professional, OpenPBS) or np (Torque, and Slurm's
+        wrapper); those in use are resources_assigned.ncpus, or one per core in Torque's `jobs` list
+        ("0-1/12.server,2/13.server"). Slurm's wrapper says neither: a node it calls mixed is unknown."""
+        shown = await run(["pbsnodes", "-a"], None, None)
+        if shown.returncode:
+            raise ClusterUnavailable(shown.message)
+        counted: list[tuple[int, int | None]] = []
+        for block in re.split(r"\n\s*\n", shown.stdout.strip()):
+            fields = {
+                key.strip(): value.strip()
+                for key, _, value in (line.partition("=") for line in block.splitlines()[1:])
+                if value
+            }
+            total = _count(fields.get("resources_available.ncpus", fields.get("np", fields.get("pcpus"))))
+            if total is not None:
+                counted.append((total, self._in_use(fields, total)))
+        return Capacity.of(counted) if counted else None
+
+    @staticmethod
+    def _in_use(fields: dict[str, str], total: int) -> int | None:
+        if "resources_assigned.ncpus" in fields:
+            return _count(fields["resources_assigned.ncpus"])
+        if "jobs" in fields:
+            cores = 0
+            for piece in fields["jobs"].split(","):
+                first, _, last = piece.split("/")[0].strip().partition("-")
+                if first.isdigit():
+                    cores += int(last) - int(first) + 1 if last.isdigit() else 1
+            return cores
+        state = fields.get("state", "")
+        if "job-exclusive" in state or "busy" in state:
+            return total
+        return None if "slurmstate=mixed" in fields.get("status", "") else 0
+
 
 class Lsf:
     name = "lsf"
@@ -335,6 +411,19 @@ class Lsf:
 
     def cancel(self, job_id: str) -> list[str]:
         return ["bkill", job_id]
+
+    async def capacity(self, run: Execute) -> Capacity | None:
+        """Job slots (one per core unless the cluster says otherwise) and hosts from `bhosts -w`:
+        HOST_NAME STATUS JL/U MAX NJOBS ..., where MAX is "-" for a host without a limit."""
+        shown = await run(["bhosts", "-w"], None, None)
+        if shown.returncode:
+            raise ClusterUnavailable(shown.message)
+        hosts = []
+        for line in shown.stdout.splitlines()[1:]:
+            fields = line.split()
+            if len(fields) >= 5 and fields[3].isdigit() and fields[4].isdigit():
+                hosts.append((int(fields[3]), int(fields[4])))
+        return Capacity.of(hosts) if hosts else None
 
 
 DIALECTS: dict[str, type[Slurm] | type[Pbs] | type[Lsf]] = {"slurm": Slurm, "pbs": Pbs, "lsf": Lsf}
@@ -491,6 +580,15 @@ class Batch:
 
     def inventory(self) -> dict[str, Any]:
         return {"scheduler": self.name, "source": "batch", "jobs": len(self.state.jobs())}
+
+    async def capacity(self) -> dict[str, int]:
+        """The cluster's CPUs (those in use) and nodes, as its own commands say; {} while it cannot."""
+        try:
+            found = await self.dialect.capacity(self.run)
+        except ClusterUnavailable as error:
+            logger.warning("the %s nodes cannot be read: %s", self.name, error)
+            return {}
+        return found.as_dict() if found else {}
 
     def running(self) -> list[str]:
         return sorted(job.task_id for job in self.state.jobs())

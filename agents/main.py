@@ -53,6 +53,9 @@ def websocket_address(url: str) -> tuple[str, dict[str, str], dict[str, Any]]:
     return address, {}, {}
 
 
+CAPACITY_SECONDS = 30.0  # how often the environment is asked for its CPUs and nodes
+
+
 class Backoff:
     """Exponential backoff with full jitter, capped."""
 
@@ -74,6 +77,16 @@ class Agent:
         self.socket: Any = None
         self.stopping = asyncio.Event()
         self.heartbeat_seconds = 10.0
+        self.capacity: dict[str, int] = {}
+        self.capacity_at = -CAPACITY_SECONDS
+
+    async def _capacity(self) -> dict[str, int]:
+        """The environment's CPUs and nodes, asked of it at most every CAPACITY_SECONDS (on a cluster
+        that is a command, so not every heartbeat)."""
+        now = asyncio.get_running_loop().time()
+        if now - self.capacity_at >= CAPACITY_SECONDS:
+            self.capacity, self.capacity_at = await self.backend.capacity(), now
+        return self.capacity
 
     async def run(self) -> None:
         address, headers, connect_to = websocket_address(self.url)
@@ -108,6 +121,7 @@ class Agent:
                     "backend": self.backend.name,
                     "version": __version__,
                     "inventory": self.backend.inventory(),
+                    "capacity": await self._capacity(),
                     "running": self.holding(),
                 }
             )
@@ -138,6 +152,7 @@ class Agent:
                 "type": "heartbeat",
                 "running": self.backend.running(),
                 "queue": self.backend.queue(),
+                "capacity": await self._capacity(),
             }
             await socket_.send(json.dumps(heartbeat))
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 if TYPE_CHECKING:
@@ -42,8 +42,17 @@ def publish_log(*, tenant: Tenant, task_id: str, chunk: dict[str, Any]) -> None:
 
 def publish_event(*, tenant: Tenant, kind: str, data: dict[str, Any]) -> None:
     """Send `kind` with `data` to every websocket client of `tenant` once the current transaction commits."""
+    _publish(tenant.schema_name, kind, data)
+
+
+def publish_here(*, kind: str, data: dict[str, Any]) -> None:
+    """publish_event for the tenant whose schema is in use (code that holds a task, not its tenant)."""
+    _publish(connection.schema_name, kind, data)  # type: ignore[attr-defined]
+
+
+def _publish(schema_name: str, kind: str, data: dict[str, Any]) -> None:
     event = {"type": "event", "kind": kind, "data": data, "at": timezone.now().isoformat()}
-    group = events_group(tenant.schema_name)
+    group = events_group(schema_name)
 
     def send() -> None:
         layer = get_channel_layer()

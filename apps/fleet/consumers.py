@@ -96,6 +96,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
                 version=str(content.get("version", "")),
                 inventory=content.get("inventory") or {},
                 running=[str(t) for t in content.get("running", [])],
+                capacity=content.get("capacity"),
             )
             await self.send_json(
                 {
@@ -117,6 +118,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
                 token=token,
                 agent_id=self.agent_id,
                 queue=queue if isinstance(queue, list) else None,
+                capacity=content.get("capacity"),
             )
             await self._dispatch()
         elif kind == "accepted":

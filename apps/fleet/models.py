@@ -47,6 +47,11 @@ class Agent(models.Model):
     # An HPC agent's view of its cluster's queue (Klique's jobs: pending with the cluster's reason, or
     # running), as of its last heartbeat.
     queue = models.JSONField(default=list, blank=True)
+    # What the agent's environment has, as it last said (its host, or its cluster's nodes): None where
+    # it cannot say. CPUs in use are a host's load, or a cluster's CPUs allocated to jobs.
+    cpus = models.PositiveIntegerField(null=True, blank=True)
+    cpus_in_use = models.PositiveIntegerField(null=True, blank=True)
+    nodes = models.PositiveIntegerField(null=True, blank=True)
 
     class Meta:
         ordering = ["pool__name", "id"]

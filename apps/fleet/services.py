@@ -3,14 +3,16 @@ lease, reports deduplicated by sequence number, and what happens when an agent g
 
 The protocol (JSON over the websocket at /agents/ws/, agent -> plane unless marked):
 
-    hello      {agent_id, backend, version, inventory, running: [task ids]}
+    hello      {agent_id, backend, version, inventory, capacity, running: [task ids]}
     welcome    plane -> agent {heartbeat_seconds, lease_seconds, keep: [task ids], abort: [task ids]}
     assign     plane -> agent {task_id, lease_id, spec, gpus, nodes, sharing}
     accepted   {task_id, lease_id}            rejected {task_id, lease_id, reason}
     status     {task_id, seq, state}          log {task_id, seq, stream, lines}
     metric     {task_id, seq, values}         result {task_id, seq, exit_code}
     abort      plane -> agent {task_id}       preempt plane -> agent {task_id, grace_seconds}
-    heartbeat  {running: [task ids], queue: [the cluster's view of its jobs, HPC agents]}
+    heartbeat  {running: [task ids], queue: [the cluster's view of its jobs, HPC agents], capacity}
+
+capacity is {cpus, cpus_in_use, nodes}: the agent's host, or its cluster's nodes (for the dashboard).
 
 An HPC job's node reporter posts its own reports (source "node-<rank>") over HTTPS with the task's token
 (task_token), which is good for the task's current run only: see agent_reports_post in apis.py.
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
 HEARTBEAT_SECONDS = 10
 LEASE_SECONDS = 30
 PREEMPT_GRACE_SECONDS = 30
+MAX_COUNT = 100_000_000  # the most CPUs or nodes an agent may report
 AGENT_TOKEN_KIND = "kqa"  # noqa: S105 -- the kind of token (kqa_<prefix>_<secret>), not a secret
 TASK_TOKEN_KIND = "kqt"  # noqa: S105 -- kqt_<task id>_<signature>, not a secret
 
@@ -142,6 +145,7 @@ def agent_hello(
     version: str,
     inventory: dict[str, Any],
     running: list[str],
+    capacity: object = None,
 ) -> Welcome:
     """Register the agent and reconcile what it runs with what the plane believes runs in its pool."""
     pool = token.pool
@@ -156,6 +160,7 @@ def agent_hello(
             "connected": True,
             "connected_at": timezone.now(),
             "last_heartbeat_at": timezone.now(),
+            **_capacity(capacity),
         },
     )
     pool_heartbeat(tenant=tenant, pool=pool)
@@ -217,12 +222,31 @@ def agent_gone(*, agent_id: str) -> None:
     Agent.objects.filter(pk=agent_id).update(connected=False)
 
 
+def _capacity(reported: object) -> dict[str, int | None]:
+    """The CPUs and nodes an agent reports, each a whole number from 0 to MAX_COUNT; what is missing or
+    not such a number is unknown (None), never a guess."""
+    given = reported if isinstance(reported, dict) else {}
+    fields: dict[str, int | None] = {}
+    for key in ("cpus", "cpus_in_use", "nodes"):
+        value = given.get(key)
+        ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
+        fields[key] = value if ok else None
+    return fields
+
+
 def agent_heartbeat(
-    *, tenant: Tenant, token: AgentToken, agent_id: str, queue: list[dict[str, Any]] | None = None
+    *,
+    tenant: Tenant,
+    token: AgentToken,
+    agent_id: str,
+    queue: list[dict[str, Any]] | None = None,
+    capacity: object = None,
 ) -> None:
     fields: dict[str, Any] = {"last_heartbeat_at": timezone.now(), "connected": True}
     if queue is not None:
         fields["queue"] = queue[:10_000]
+    if capacity is not None:
+        fields.update(_capacity(capacity))
     Agent.objects.filter(pk=agent_id).update(**fields)
     pool_heartbeat(tenant=tenant, pool=Pool.objects.get(pk=token.pool_id))
 

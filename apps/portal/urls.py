@@ -12,6 +12,7 @@ urlpatterns = [
     path("portal/tasks/submit/", views.task_submit, name="portal-task-submit"),
     path("portal/tasks/<uuid:task_id>/", views.task, name="portal-task"),
     path("portal/dashboard/", views.dashboard, name="portal-dashboard"),
+    path("portal/dashboard/live/", views.dashboard_live, name="portal-dashboard-live"),
     path("portal/queues/", pages.queues, name="portal-queues"),
     path("portal/queues/table/", pages.queues_table, name="portal-queues-table"),
     path("portal/tokens/", pages.tokens, name="portal-tokens"),

@@ -198,60 +198,105 @@ def _idle(now: Any) -> list[dict[str, Any]]:
     return sorted(idle, key=lambda row: row["average"])
 
 
-@signed_in
-def dashboard(request: HttpRequest) -> HttpResponse:
-    """GPUs in use and free per pool and environment, workers, utilization over the last day, idle GPUs
-    and the latest task events."""
+def _dashboard(now: Any) -> dict[str, Any]:
+    """What the dashboard shows, as of now: GPUs in use and free per pool, environment and GPU class;
+    CPUs, workers and nodes per environment, as its agents last said; GPUs in use per group;
+    utilization over the last day; idle GPUs."""
     from django.db.models import Sum
-    from django.utils import timezone
 
-    from apps.fleet.models import Agent
+    from apps.fleet.selectors import NONE_REPORTED, agents_by_pool
     from apps.resources.models import Pool
-    from apps.scheduling.models import ACTIVE_STATES, Task, TaskEvent
+    from apps.scheduling.models import ACTIVE_STATES, Task
 
-    now = timezone.now()
-    workers: dict[str, int] = {}
-    for pool_id in Agent.objects.filter(connected=True).values_list("pool_id", flat=True):
-        workers[str(pool_id)] = workers.get(str(pool_id), 0) + 1
+    agents = agents_by_pool()
     held = dict(
         Task.objects.filter(state__in=ACTIVE_STATES, pool__isnull=False)
         .values("pool_id")
         .annotate(units=Sum("size_units"))
         .values_list("pool_id", "units")
     )
-    pools: list[dict[str, Any]] = [
-        {
-            "name": pool.name,
-            "environment": pool.environment,
-            "gpu_class": pool.gpu_class or "-",
-            "capacity": pool.capacity_gpus,
-            "used": round((held.get(pool.pk) or 0) / 840, 3),
-            "workers": workers.get(str(pool.pk), 0),
-            "online": pool.is_online(now),
-        }
-        for pool in Pool.objects.order_by("environment", "name")
-    ]
+    pools: list[dict[str, Any]] = []
+    for pool in Pool.objects.order_by("environment", "name"):
+        reported = agents.get(pool.pk, NONE_REPORTED)
+        pools.append(
+            {
+                "name": pool.name,
+                "environment": pool.environment,
+                "gpu_class": pool.gpu_class or "-",
+                "capacity": pool.capacity_gpus,
+                "used": round((held.get(pool.pk) or 0) / 840, 3),
+                "workers": reported.workers,
+                "online": pool.is_online(now),
+                "cpus": reported.cpus,
+                "cpus_in_use": reported.cpus_in_use,
+                "nodes": reported.nodes,
+            }
+        )
     chart = {
         "labels": [pool["name"] for pool in pools],
         "used": [pool["used"] for pool in pools],
         "free": [max(pool["capacity"] - pool["used"], 0) for pool in pools],
     }
-    events = TaskEvent.objects.select_related("task").order_by("-at")[:20]
     by_group: dict[str, float] = {}
     active = Task.objects.filter(state__in=ACTIVE_STATES, compute_resource__isnull=False)
     for group, size in active.values_list("compute_resource__policy__group__name", "size_units"):
         by_group[group] = by_group.get(group, 0.0) + size / 840
-    context = {
+    return {
         "pools": pools,
+        "environments": _totals(pools, "environment"),
+        "classes": _totals(pools, "gpu_class"),
         "chart": chart,
         "utilization": _utilization_chart(pools, now),
         "idle": _idle(now),
         "idle_below": IDLE_BELOW,
-        "events": events,
         "groups": sorted(by_group.items()),
-        "page": "dashboard",
     }
+
+
+def _known_sum(values: Any) -> int | None:
+    """The sum of what is known; None when nothing is (no agent said)."""
+    known = [value for value in values if value is not None]
+    return sum(known) if known else None
+
+
+def _totals(pools: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    """The pools' GPUs, CPUs, workers and nodes summed by environment or GPU class."""
+    totals: dict[str, dict[str, Any]] = {}
+    for pool in pools:
+        row = totals.setdefault(
+            pool[key],
+            {key: pool[key], "pools": 0, "capacity": 0, "used": 0.0, "workers": 0},
+        )
+        row["pools"] += 1
+        row["capacity"] += pool["capacity"]
+        row["used"] = round(row["used"] + pool["used"], 3)
+        row["workers"] += pool["workers"]
+        for count in ("cpus", "cpus_in_use", "nodes"):
+            row[count] = _known_sum([row.get(count), pool[count]])
+    for row in totals.values():
+        row["free"] = round(max(row["capacity"] - row["used"], 0), 3)
+    return list(totals.values())
+
+
+@signed_in
+def dashboard(request: HttpRequest) -> HttpResponse:
+    """The dashboard; its figures reload in place (dashboard_live) on the tenant's task events and every
+    15 seconds, and its charts redraw from them."""
+    from django.utils import timezone
+
+    from apps.scheduling.models import TaskEvent
+
+    context = _dashboard(timezone.now())
+    context["events"] = TaskEvent.objects.select_related("task").order_by("-at")[:20]
+    context["page"] = "dashboard"
     return render(request, "portal/dashboard.html", context)
+
+
+@signed_in
+def dashboard_live(request: HttpRequest) -> HttpResponse:
+    from django.utils import timezone
+
+    return render(request, "portal/_dashboard_live.html", _dashboard(timezone.now()))
 
 
 def admin_only(view: View) -> View:

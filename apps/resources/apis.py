@@ -11,6 +11,7 @@ from rest_framework.response import Response
 
 from apps.accounts.apis import TenantAPIView
 from apps.accounts.models import Role, User
+from apps.fleet.selectors import NONE_REPORTED, Reported, agents_by_pool
 from apps.resources import services
 from apps.resources.document import to_gpus_text
 from apps.resources.models import ComputeResource, Pool
@@ -124,6 +125,10 @@ class ActiveConfigurationView(TenantAPIView):
 class PoolOut(serializers.ModelSerializer[Pool]):
     online = serializers.SerializerMethodField()
     used_gpus = serializers.SerializerMethodField()
+    workers = serializers.SerializerMethodField(help_text="Agents connected now.")
+    cpus = serializers.SerializerMethodField(help_text="CPUs its agents report; null when none says.")
+    cpus_in_use = serializers.SerializerMethodField(help_text="Of those, busy (load) or held by jobs.")
+    nodes = serializers.SerializerMethodField(help_text="Hosts or cluster nodes its agents report.")
 
     class Meta:
         model = Pool
@@ -140,10 +145,30 @@ class PoolOut(serializers.ModelSerializer[Pool]):
             "last_heartbeat_at",
             "online",
             "used_gpus",
+            "workers",
+            "cpus",
+            "cpus_in_use",
+            "nodes",
         ]
 
     def get_online(self, pool: Pool) -> bool:
         return pool.is_online(self.context["now"])
+
+    def _reported(self, pool: Pool) -> Reported:
+        reported: Reported = self.context["agents"].get(pool.pk, NONE_REPORTED)
+        return reported
+
+    def get_workers(self, pool: Pool) -> int:
+        return self._reported(pool).workers
+
+    def get_cpus(self, pool: Pool) -> int | None:
+        return self._reported(pool).cpus
+
+    def get_cpus_in_use(self, pool: Pool) -> int | None:
+        return self._reported(pool).cpus_in_use
+
+    def get_nodes(self, pool: Pool) -> int | None:
+        return self._reported(pool).nodes
 
     def get_used_gpus(self, pool: Pool) -> str:
         return to_gpus_text(self.context["used"].get(pool.pk, 0))
@@ -159,7 +184,7 @@ class PoolListView(TenantAPIView):
             "pool_id", "size_units"
         ):
             used[pool_id] = used.get(pool_id, 0) + size
-        context = {"now": timezone.now(), "used": used}
+        context = {"now": timezone.now(), "used": used, "agents": agents_by_pool()}
         return self.page(Pool.objects.all(), lambda rows, many: PoolOut(rows, many=many, context=context))
 
 

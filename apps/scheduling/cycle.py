@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from django.db import connection, transaction
 from django.utils import timezone
 
+from apps.core.events import publish_event
 from apps.resources.models import (
     MIG_METHODS,
     ComputeResource,
@@ -268,6 +269,10 @@ def run_cycle(tenant: Tenant) -> CycleResult:
         decision = engine.schedule(state)
         placed, preempted = _apply(decision, now)
         _explain(held, code="budget_exhausted")
+        if placed or preempted:  # one event a cycle, however many tasks it moved
+            publish_event(
+                tenant=tenant, kind="tasks.scheduled", data={"placed": placed, "preempted": preempted}
+            )
         _publish_use(tenant)
         running_in = {allocation.task: allocation.pool for allocation in state.running}
         _tell_agents(tenant, decision, {p.victim: running_in[p.victim] for p in decision.preemptions})

@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from apps.accounts.models import ApiToken, Project, User
 from apps.core.errors import InvalidInput
-from apps.core.events import publish_event
+from apps.core.events import publish_event, publish_here
 from apps.core.ids import as_uuid
 from apps.resources.models import ComputeResource, TaskSharing
 from apps.scheduling.engine import UNITS_PER_GPU, SizeError, describe, units
@@ -77,6 +77,7 @@ def transition(task: Task, *, to_state: str, actor: str, message: str = "", **fi
     if to_state in ENDED_STATES:
         task.ended_at = now
     task.save()
+    publish_here(kind=f"task.{to_state}", data={"id": str(task.pk)})
     return task
 
 

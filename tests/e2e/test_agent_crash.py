@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -133,6 +134,8 @@ def test_a_killed_agent_comes_back_to_its_task_and_nothing_is_lost_or_doubled(
         )
         demo.wait_for_lines(task["id"], 3)
         assert 3 <= len(demo.logged(task["id"])) < 12, demo.logged(task["id"])
+        rack = next(row for row in demo.call("GET", "/api/v1/pools/")["results"] if row["name"] == "rack")
+        assert (rack["workers"], rack["cpus"], rack["nodes"]) == (1, os.cpu_count(), 1)  # the agent's hello
         agent.send_signal(signal.SIGKILL)
         agent.wait(timeout=10)
         time.sleep(1)  # the task goes on without its agent

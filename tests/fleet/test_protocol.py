@@ -104,6 +104,42 @@ def test_an_assignment_of_another_pool_cannot_be_acknowledged(fleet: dict[str, A
     connections.close_all()
 
 
+def test_agents_report_their_cpus_and_nodes_and_nonsense_is_kept_as_unknown(fleet: dict[str, Any]) -> None:
+    from apps.fleet.models import Agent
+
+    def seen() -> tuple[int | None, int | None, int | None]:
+        with schema_context("fleet"):
+            found = Agent.objects.get(pk="rack-cpu")
+            return found.cpus, found.cpus_in_use, found.nodes
+
+    async def scenario() -> list[tuple[int | None, int | None, int | None]]:
+        client = agent(fleet["other"].secret)  # baremetal's agent: no work waits there
+        await client.connect()
+        capacity = {"cpus": 128, "cpus_in_use": 12, "nodes": 2}
+        await client.send_json_to(
+            {"type": "hello", "agent_id": "rack-cpu", "running": [], "capacity": capacity}
+        )
+        await client.receive_json_from(timeout=10)  # welcome
+        states = [await in_fleet(seen)]
+        for reported in (
+            {"cpus": -4, "cpus_in_use": "many", "nodes": True},
+            {"cpus": 128, "cpus_in_use": 100, "nodes": 2},
+            None,  # a heartbeat without figures leaves the last ones
+        ):
+            beat: dict[str, Any] = {"type": "heartbeat", "running": []}
+            if reported is not None:
+                beat["capacity"] = reported
+            await client.send_json_to(beat)
+            await client.send_json_to({"type": "teleport"})  # its error reply says the heartbeat is done
+            await client.receive_json_from(timeout=10)
+            states.append(await in_fleet(seen))
+        await client.disconnect()
+        return states
+
+    assert asyncio.run(scenario()) == [(128, 12, 2), (None, None, None), (128, 100, 2), (128, 100, 2)]
+    connections.close_all()
+
+
 def test_a_revoked_token_is_disconnected_and_refused(fleet: dict[str, Any]) -> None:
     async def scenario() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         client = agent(fleet["token"].secret)

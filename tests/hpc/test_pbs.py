@@ -51,3 +51,22 @@ def test_qdel_stops_a_running_job(jobs_dir: Path, plane: PlaneStandIn, tmp_path:
 
     asyncio.run(scenario())
     assert reports.of(task, "result")[0]["stopped"] is True
+
+
+def test_pbsnodes_gives_the_clusters_cpus_and_nodes(
+    jobs_dir: Path, plane: PlaneStandIn, tmp_path: Path
+) -> None:
+    """Slurm's pbsnodes says np (the node's CPUs) and the PBS state, not the CPUs its jobs hold: idle
+    reads as none in use, allocated as all, mixed as unknown (left out)."""
+    import os
+    import subprocess
+
+    backend = make_backend("pbs", jobs_dir, plane, tmp_path)
+    state = subprocess.run(
+        ["sinfo", "--noheader", "--Node", "--format=%T"], capture_output=True, text=True, check=True
+    ).stdout.split()[0]
+    found = asyncio.run(backend.capacity())
+    cpus = len(os.sched_getaffinity(0))
+    assert (found["cpus"], found["nodes"]) == (cpus, 1)
+    expected = {"idle": 0, "allocated": cpus}.get(state.rstrip("*"))
+    assert found.get("cpus_in_use") == expected, (state, found)

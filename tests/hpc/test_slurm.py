@@ -93,9 +93,12 @@ def test_a_waiting_job_shows_slurms_reason_and_cancel_and_preempt_stop_jobs(
     big, small = new_task(), new_task()
     trap = "trap 'echo got TERM; exit 143' TERM; echo started; sleep 120 & wait"
 
+    busy: dict[str, int] = {}
+
     async def scenario() -> None:
         await backend.start(assignment(big, ["bash", "-c", trap], gpus=4), reports)
         await until(lambda: "started" in plane.lines(big))
+        busy.update(await backend.capacity())  # sinfo, while the job holds the node's GPUs
         await backend.start(assignment(small, ["echo", "never"], gpus=1), reports)
         await until(lambda: any(s.get("reason") == "Resources" for s in reports.of(small, "status")))
         await backend.stop(small, 0)  # cancel while it waits in Slurm
@@ -117,6 +120,9 @@ def test_a_waiting_job_shows_slurms_reason_and_cancel_and_preempt_stop_jobs(
     assert (preempted["stopped"], preempted["exit_code"]) == (True, 143)
     assert preempted["cluster"]["gpus"] == "4"
     assert preempted["cluster"]["elapsed_seconds"] is not None  # for metering, as the cluster counted it
+    cpus = len(os.sched_getaffinity(0))  # single-node.sh gives the node CPUs=$(nproc)
+    assert (busy["cpus"], busy["nodes"]) == (cpus, 1)
+    assert 1 <= busy["cpus_in_use"] <= cpus  # the running job holds at least one of them
 
 
 def test_a_restarted_agent_finds_its_running_job_by_job_id(

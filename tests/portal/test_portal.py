@@ -214,3 +214,78 @@ def test_a_policy_changes_through_validate_and_provision(page: Any, portal: Port
     from apps.resources.models import ResourcePolicy
 
     assert portal.run(lambda: ResourcePolicy.objects.get(name="research").limit_units) == 12 * 840
+
+
+def test_the_dashboard_shows_cpus_and_workers_per_environment_and_follows_the_cluster_live(
+    page: Any, portal: Portal
+) -> None:
+    """Agents' reported CPUs and nodes per environment; a cycle that places a task and a heartbeat with
+    new CPU figures reach the open page's tables and chart without a reload."""
+    from apps.accounts.models import User
+    from apps.fleet.models import Agent, AgentToken
+    from apps.fleet.services import agent_heartbeat
+    from apps.resources.models import Pool
+    from apps.scheduling.cycle import run_cycle
+    from apps.scheduling.models import ACTIVE_STATES, Task
+    from apps.scheduling.services import TaskRequest, tasks_submit
+    from tenants.models import Tenant
+
+    def connect() -> None:
+        baremetal = Pool.objects.get(name="baremetal")
+        Agent.objects.create(
+            id="bm-host-1",
+            pool=baremetal,
+            backend="baremetal",
+            connected=True,
+            cpus=64,
+            cpus_in_use=16,
+            nodes=1,
+        )
+        Agent.objects.create(
+            id="k8s-1", pool=Pool.objects.get(name="h100"), backend="kubernetes", connected=True
+        )
+
+    portal.run(connect)
+    sign_in(page, portal)
+    page.get_by_role("link", name="Dashboard").click()
+    page.wait_for_function("document.getElementById('gpu-chart').chart !== undefined")
+    cells = page.locator("tr[data-environment='baremetal'] td").all_inner_texts()
+    assert cells == ["baremetal", "1", "8", cells[3], cells[4], "16 of 64", "1", "1"]
+    kubernetes = page.locator("tr[data-environment='kubernetes'] td").all_inner_texts()
+    assert kubernetes[5:] == ["not reported", "1", "-"]  # an agent that reports no CPUs is not a guess
+    assert page.locator("tr[data-class='A100'] td").nth(1).inner_text() == "8"
+    page.evaluate("window.notReloaded = true")
+    before = page.evaluate("document.getElementById('gpu-chart').chart.data.datasets[0].data")
+
+    def place_a_task() -> list[float]:
+        tenant = Tenant.objects.get(schema_name="portal")
+        token = AgentToken.objects.create(pool=Pool.objects.get(name="baremetal"), name="bm", prefix="bmlive")
+        agent_heartbeat(
+            tenant=tenant,
+            token=token,
+            agent_id="bm-host-1",
+            capacity={"cpus": 64, "cpus_in_use": 40, "nodes": 1},
+        )
+        pat = User.objects.get(username="pat")
+        tasks_submit(
+            tenant=tenant, user=pat, requests=[TaskRequest(compute_resource="Dev: 4 GPUs", name="live")]
+        )
+        assert run_cycle(tenant).placed >= 1
+        held = {pool.name: 0.0 for pool in Pool.objects.order_by("environment", "name")}
+        for name, size in Task.objects.filter(state__in=ACTIVE_STATES, pool__isnull=False).values_list(
+            "pool__name", "size_units"
+        ):
+            held[name] += size / 840
+        return list(held.values())
+
+    expected = portal.run(place_a_task)
+    assert expected != before
+    page.wait_for_function(
+        "(expected) => JSON.stringify(document.getElementById('gpu-chart').chart.data.datasets[0].data)"
+        " === JSON.stringify(expected)",
+        arg=expected,
+    )
+    page.locator("tr[data-environment='baremetal'] .cpus").filter(has_text="40 of 64").wait_for()
+    assert page.evaluate("window.notReloaded") is True
+    screenshot(page, "dashboard-live")
+    assert portal.errors == []

@@ -1,7 +1,8 @@
 // Live parts of the portal, over the tenant's websockets (the session signs them in):
 // - [data-events]: the tenant's events; a task event makes the task table reload itself (htmx trigger).
 // - [data-follow]: a task's output, appended as it comes, until the task ends.
-// - #gpu-chart: the dashboard's chart, drawn with Chart.js from the JSON the page carries.
+// - #gpu-chart, #utilization-chart: the dashboard's charts, drawn with Chart.js from the JSON the page
+//   carries, and redrawn from the new JSON each time the dashboard's figures (#live) reload in place.
 "use strict";
 
 function socketUrl(path) {
@@ -20,7 +21,7 @@ function followEvents(element) {
     }
     if (log) {
       const item = document.createElement("li");
-      item.textContent = `${new Date(event.at).toLocaleTimeString()} ${event.kind}`;
+      item.textContent = `${new Date(event.at).toLocaleTimeString([], { hour12: false })} ${event.kind}`;
       log.prepend(item);
     }
   });
@@ -44,8 +45,12 @@ function followLog(element) {
   });
 }
 
+function dataOf(id) {
+  return JSON.parse(document.getElementById(id).textContent);
+}
+
 function drawGpus(canvas) {
-  const data = JSON.parse(document.getElementById("gpus-data").textContent);
+  const data = dataOf("gpus-data");
   canvas.chart = new window.Chart(canvas, {
     type: "bar",
     data: {
@@ -60,12 +65,31 @@ function drawGpus(canvas) {
 }
 
 function drawUtilization(canvas) {
-  const data = JSON.parse(document.getElementById("utilization-data").textContent);
+  const data = dataOf("utilization-data");
   canvas.chart = new window.Chart(canvas, {
     type: "line",
     data: { labels: data.labels, datasets: [{ label: "GPUs in use (%)", data: data.percent, borderColor: "#2563eb", fill: false }] },
     options: { animation: false, scales: { y: { beginAtZero: true, suggestedMax: 100 } } },
   });
+}
+
+// The dashboard's figures came back (htmx): the charts take the new data without being rebuilt.
+function redraw() {
+  const gpus = document.getElementById("gpu-chart");
+  if (gpus && gpus.chart) {
+    const data = dataOf("gpus-data");
+    gpus.chart.data.labels = data.labels;
+    gpus.chart.data.datasets[0].data = data.used;
+    gpus.chart.data.datasets[1].data = data.free;
+    gpus.chart.update();
+  }
+  const utilization = document.getElementById("utilization-chart");
+  if (utilization && utilization.chart) {
+    const data = dataOf("utilization-data");
+    utilization.chart.data.labels = data.labels;
+    utilization.chart.data.datasets[0].data = data.percent;
+    utilization.chart.update();
+  }
 }
 
 function drawUsage(canvas) {
@@ -92,4 +116,7 @@ document.addEventListener("DOMContentLoaded", () => {
   if (utilization) drawUtilization(utilization);
   const usage = document.getElementById("usage-chart");
   if (usage) drawUsage(usage);
+  document.body.addEventListener("htmx:afterSettle", (event) => {
+    if (event.detail.target && event.detail.target.id === "live") redraw();
+  });
 });
