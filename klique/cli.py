@@ -81,6 +81,9 @@ def _web_argv(host: str, port: int, workers: int = 1) -> list[str]:
         "--lifespan",
         "off",
         "--proxy-headers",
+        # A stop (a deploy, Ctrl-C) waits this long for open requests and websockets, then ends them.
+        "--timeout-graceful-shutdown",
+        "30",
         # uvicorn's own lines propagate to the root logger that Django configures (JSON in production).
         "--log-config",
         str(Path(__file__).resolve().parent / "uvicorn_logging.json"),

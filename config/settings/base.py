@@ -139,12 +139,14 @@ DATABASE_ROUTERS = ["django_tenants.routers.TenantSyncRouter"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env.redis_url()
+# Redis publish/subscribe: Klique only sends to groups of connected websockets (events, logs, agents'
+# notices), which pub/sub does with one subscriber connection per process. The list-based layer
+# (channels_redis.core) shares one blocking pop per process under a lock; a websocket closing while its
+# consumer held that pop could leave it stuck, and every other websocket of the process without messages.
 CHANNEL_LAYERS = {
     "default": {
-        "BACKEND": "channels_redis.core.RedisChannelLayer",
-        # redis-py times reads out after 5 s by default, exactly channels_redis's blocking-pop timeout, so an
-        # idle websocket would crash; give reads room beyond it.
-        "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}], "prefix": "klique:channels:"},
+        "BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",
+        "CONFIG": {"hosts": [{"address": REDIS_URL}], "prefix": "klique:channels:"},
     },
 }
 
