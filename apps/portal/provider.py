@@ -107,6 +107,12 @@ def center(request: HttpRequest) -> HttpResponse:
 
 
 @provider_admin
+def tenants_table(request: HttpRequest) -> HttpResponse:
+    """The tenants table alone: the page reloads it in place every 30 seconds."""
+    return render(request, "portal/_tenants.html", {"tenants": _tenants()})
+
+
+@provider_admin
 @require_POST
 def tenant_create(request: HttpRequest) -> HttpResponse:
     """Create a tenant (HTMX): its address and its first admin's token, shown once."""

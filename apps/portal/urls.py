@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from apps.portal import pages, views
+from apps.portal import configuration, pages, views
 
 urlpatterns = [
     path("portal/sign-in/", views.sign_in, name="portal-sign-in"),
@@ -11,6 +11,7 @@ urlpatterns = [
     path("portal/tasks/table/", views.tasks_table, name="portal-tasks-table"),
     path("portal/tasks/submit/", views.task_submit, name="portal-task-submit"),
     path("portal/tasks/<uuid:task_id>/", views.task, name="portal-task"),
+    path("portal/tasks/<uuid:task_id>/facts/", views.task_facts, name="portal-task-facts"),
     path("portal/dashboard/", views.dashboard, name="portal-dashboard"),
     path("portal/dashboard/live/", views.dashboard_live, name="portal-dashboard-live"),
     path("portal/queues/", pages.queues, name="portal-queues"),
@@ -25,13 +26,13 @@ urlpatterns = [
     path("portal/secrets/", pages.secrets, name="portal-secrets"),
     path("portal/secrets/keep/", pages.secret_keep, name="portal-secret-keep"),
     path("portal/usage/", pages.usage, name="portal-usage"),
-    path("portal/configuration/", views.configuration, name="portal-configuration"),
+    path("portal/configuration/", configuration.configuration, name="portal-configuration"),
+    path("portal/configuration/validate/", configuration.validate, name="portal-configuration-validate"),
+    path("portal/configuration/provision/", configuration.provision, name="portal-configuration-provision"),
+    path("portal/configuration/<slug:section>/", configuration.item_save, name="portal-configuration-item"),
     path(
-        "portal/configuration/validate/", views.configuration_validate, name="portal-configuration-validate"
-    ),
-    path(
-        "portal/configuration/provision/",
-        views.configuration_provision,
-        name="portal-configuration-provision",
+        "portal/configuration/<slug:section>/remove/",
+        configuration.item_remove,
+        name="portal-configuration-item-remove",
     ),
 ]

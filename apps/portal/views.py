@@ -4,7 +4,6 @@ show or change goes through the same services, selectors and role rules as the R
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from functools import wraps
 from typing import Any
@@ -138,6 +137,17 @@ def task(request: HttpRequest, task_id: str) -> HttpResponse:
     found = get_object_or_404(tasks_visible_to(user), pk=task_id)
     outputs = found.outputs.order_by("name")
     return render(request, "portal/task.html", {"task": found, "outputs": outputs, "page": "tasks"})
+
+
+@signed_in
+def task_facts(request: HttpRequest, task_id: str) -> HttpResponse:
+    """A task's state, pool and reason (HTMX): its page reloads them on the tenant's task events."""
+    from apps.scheduling.selectors import tasks_visible_to
+
+    user = request.user
+    assert isinstance(user, User)
+    found = get_object_or_404(tasks_visible_to(user).select_related("pool", "submitter"), pk=task_id)
+    return render(request, "portal/_task_facts.html", {"task": found})
 
 
 IDLE_BELOW = 80.0  # percent: a running task's GPUs averaging less than this over the last hour are idle
@@ -315,87 +325,3 @@ def admin_only(view: View) -> View:
         return view(request, *args, **kwargs)
 
     return signed_in(check)
-
-
-def _policies() -> list[dict[str, Any]]:
-    from apps.resources.models import ResourcePolicy
-    from apps.scheduling.engine import describe
-
-    return [
-        {
-            "name": policy.name,
-            "group": policy.group.name,
-            "reservation": describe(policy.reservation_units),
-            "limit": describe(policy.limit_units),
-            "resources": ", ".join(resource.name for resource in policy.compute_resources.all()),
-        }
-        for policy in ResourcePolicy.objects.select_related("group").prefetch_related("compute_resources")
-    ]
-
-
-@admin_only
-def configuration(request: HttpRequest) -> HttpResponse:
-    """The draft configuration as one document: edit, validate (the report inline), provision."""
-    from apps.resources.services import draft_get
-
-    document = json.dumps(draft_get().document, indent=2)
-    return render(
-        request,
-        "portal/configuration.html",
-        {"document": document, "policies": _policies(), "page": "configuration"},
-    )
-
-
-@admin_only
-@require_POST
-def configuration_validate(request: HttpRequest) -> HttpResponse:
-    """Save the edited draft and show its report (HTMX)."""
-    from rest_framework.exceptions import ValidationError
-
-    from apps.resources.services import draft_save, draft_validate
-
-    context: dict[str, Any] = {}
-    try:
-        document = json.loads(request.POST.get("document", ""))
-        draft_save(tenant=request.tenant, user=request.user, document=document)  # type: ignore[attr-defined,arg-type]
-        context["report"] = draft_validate()
-    except json.JSONDecodeError as error:
-        context["error"] = f"The draft is not JSON: {error.msg} at line {error.lineno}, column {error.colno}."
-    except ValidationError as error:
-        context["error"] = f"The draft is not well formed: {_flatten(error.detail)}"
-    return render(request, "portal/_report.html", context)
-
-
-@admin_only
-@require_POST
-def configuration_provision(request: HttpRequest) -> HttpResponse:
-    """Save the draft as shown and make it the configuration (HTMX): the result, and the policies as
-    they now are."""
-    from rest_framework.exceptions import ValidationError
-
-    from apps.resources.services import draft_provision, draft_save
-
-    context: dict[str, Any] = {}
-    tenant, user = request.tenant, request.user  # type: ignore[attr-defined]
-    assert isinstance(user, User)
-    try:
-        draft_save(tenant=tenant, user=user, document=json.loads(request.POST.get("document", "")))
-        done = draft_provision(tenant=tenant, user=user)
-        made, gone = sum(done.created.values()), sum(done.deleted.values())
-        context["message"] = f"Provisioned: {made} created, {gone} removed."
-    except json.JSONDecodeError as error:
-        context["error"] = f"The draft is not JSON: {error.msg} at line {error.lineno}, column {error.colno}."
-    except ValidationError as error:
-        context["error"] = f"The draft is not well formed: {_flatten(error.detail)}"
-    except KliqueError as error:
-        context["error"] = error.message
-    context["policies"] = _policies()
-    return render(request, "portal/_provisioned.html", context)
-
-
-def _flatten(detail: Any) -> str:
-    if isinstance(detail, dict):
-        return "; ".join(f"{key}: {_flatten(value)}" for key, value in detail.items())
-    if isinstance(detail, list):
-        return "; ".join(_flatten(item) for item in detail)
-    return str(detail)

@@ -40,6 +40,17 @@ def test_the_center_lists_every_tenant_with_usage_and_draws_it(page: Any, portal
     assert "acme" in series  # acme's ledger has usage (the world's gateway call)
     assert page.evaluate(UNLABELLED) == []
     screenshot(page, "pmc")
+
+    def finish_it() -> None:
+        from apps.scheduling.models import Task
+        from apps.scheduling.services import transition
+
+        transition(Task.objects.get(name="idle-run"), to_state="completed", actor="agent")
+        run_cycle(Tenant.objects.get(slug="portal"))
+
+    portal.run(finish_it)
+    page.evaluate("htmx.ajax('GET', '/portal/tenants/table/', '#tenants')")  # as its 30-second timer does
+    page.locator("tr[data-tenant='portal'] .in-use").filter(has_text="0.0").wait_for()
     assert portal.errors == []
 
 
@@ -88,3 +99,5 @@ def test_a_tenant_admin_cannot_open_the_center(page: Any, portal: Portal) -> Non
     alert = page.get_by_role("alert").inner_text()
     assert alert == "Wrong username or password, or not one of the provider's admins."
     assert page.locator("tr[data-tenant]").count() == 0
+    page.goto(f"{portal.provider}/portal/tenants/table/")
+    assert "/portal/sign-in/" in page.url

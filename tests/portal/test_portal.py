@@ -75,6 +75,17 @@ def test_a_submitted_task_appears_without_a_reload_and_its_output_streams_live(
     ]
     screenshot(page, "task-log")
 
+    def place() -> None:
+        from apps.resources.models import Pool
+        from apps.scheduling.services import transition
+
+        task = Task.objects.get(pk=task_id)
+        transition(task, to_state="placed", actor="scheduler", pool=Pool.objects.get(name="baremetal"))
+
+    portal.run(place)  # its state and pool change on the open page
+    page.locator("#state").filter(has_text="placed").wait_for()
+    assert "baremetal" in page.locator("#facts").inner_text()
+
     def keep_output() -> None:
         from django.core.files.base import ContentFile
         from django.core.files.storage import default_storage
@@ -170,7 +181,14 @@ def test_the_dashboard_draws_its_charts_with_data(page: Any, portal: Portal) -> 
     idle = page.locator(f"tr[data-idle='{idle_task}']")
     assert idle.locator("td").all_inner_texts()[1:] == ["h100", "pat", "25.0%"]
     assert "idle-run: dispatching → running (agent)" in page.locator("#events").inner_text()
-    assert page.locator("tr[data-group='research'] td").nth(1).inner_text() == "4.000"
+
+    def research_gpus() -> str:
+        from apps.scheduling.models import ACTIVE_STATES, Task
+
+        held = Task.objects.filter(state__in=ACTIVE_STATES, compute_resource__policy__group__name="research")
+        return f"{sum(held.values_list('size_units', flat=True)) / 840:.3f}"  # 4 of them idle-run's
+
+    assert page.locator("tr[data-group='research'] td").nth(1).inner_text() == portal.run(research_gpus)
     screenshot(page, "dashboard")
     assert portal.errors == []
 

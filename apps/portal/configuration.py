@@ -1,0 +1,292 @@
+"""The portal's resource configuration: the draft as forms (a pool, a profile or a policy at a time) and as
+one JSON document, both saved through the same draft service; validate shows the report inline, and
+provision makes the draft the configuration.
+
+A form changes only the fields it shows: what else an item holds (a compute resource's batch templates, a
+profile's pool priorities) is kept. A form that does not make a well-formed draft saves nothing and says
+what was wrong, keeping what was typed."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from typing import Any
+
+from django.http import Http404, HttpRequest, HttpResponse, QueryDict
+from django.shortcuts import render
+from django.views.decorators.http import require_POST
+from rest_framework.exceptions import ValidationError
+
+from apps.accounts.models import User
+from apps.core.errors import KliqueError
+from apps.portal.views import admin_only
+from apps.resources.models import Environment, SharingMethod, TaskSharing
+
+SIZE_FIELDS = ("gpus", "nodes", "gpus_per_node", "min_gpus", "max_gpus", "mig_profile")
+NOUN = {"pools": "pool", "profiles": "profile", "policies": "policy"}
+
+
+def _whole(value: str | None) -> int | str:
+    """A whole number as typed becomes a number; anything else is kept, for the draft's check to name."""
+    text = (value or "").strip()
+    return int(text) if text.isdigit() else text
+
+
+def _optional(item: dict[str, Any], key: str, value: str | None, *, whole: bool = False) -> None:
+    """Set key to what was typed, or leave it out (the document's default) when nothing was."""
+    text = (value or "").strip()
+    if text:
+        item[key] = _whole(text) if whole else text
+    else:
+        item.pop(key, None)
+
+
+def pool_from(form: QueryDict, item: dict[str, Any]) -> dict[str, Any]:
+    item["name"] = form.get("name", "").strip()
+    item["environment"] = form.get("environment", "")
+    item["capacity_gpus"] = _whole(form.get("capacity_gpus"))
+    item["sharing"] = form.getlist("sharing") or ["whole"]
+    for key in ("gpu_class", "region"):
+        _optional(item, key, form.get(key))
+    for key in ("cost_tier", "heartbeat_timeout_seconds"):
+        _optional(item, key, form.get(key), whole=True)
+    return item
+
+
+def profile_from(form: QueryDict, item: dict[str, Any]) -> dict[str, Any]:
+    item["name"] = form.get("name", "").strip()
+    item["sharing"] = form.get("sharing", TaskSharing.WHOLE)
+    _optional(item, "display_name", form.get("display_name"))
+    for key in SIZE_FIELDS:
+        _optional(item, key, form.get(key), whole=key in ("nodes", "gpus_per_node"))
+    kept = {entry.get("pool"): entry for entry in item.get("pools", []) if isinstance(entry, dict)}
+    names = [name.strip() for name in form.get("pools", "").split(",") if name.strip()]
+    item["pools"] = [kept.get(name, {"pool": name}) for name in names]  # in the order typed
+    item["strict_fifo"] = form.get("strict_fifo") == "on"
+    _optional(item, "starvation_seconds", form.get("starvation_seconds"), whole=True)
+    return item
+
+
+def policy_from(form: QueryDict, item: dict[str, Any]) -> dict[str, Any]:
+    item["name"] = form.get("name", "").strip()
+    item["group"] = form.get("group", "").strip()
+    item["reservation_gpus"] = form.get("reservation_gpus", "").strip()
+    item["limit_gpus"] = form.get("limit_gpus", "").strip()
+    before = list(item.get("compute_resources", []))
+    resources = []
+    rows = zip(
+        form.getlist("resource_index"),
+        form.getlist("resource_profile"),
+        form.getlist("resource_name"),
+        form.getlist("resource_priority"),
+        strict=False,
+    )
+    for index, profile, name, priority in rows:
+        if not profile:
+            continue  # a row without a profile is removed (or was the empty row for a new one)
+        resource = dict(before[int(index)]) if index.isdigit() and int(index) < len(before) else {}
+        resource.update(profile=profile, name=name.strip(), queuing_priority=_whole(priority or "0"))
+        resources.append(resource)
+    item["compute_resources"] = resources
+    return item
+
+
+SECTIONS: dict[str, Callable[[QueryDict, dict[str, Any]], dict[str, Any]]] = {
+    "pools": pool_from,
+    "profiles": profile_from,
+    "policies": policy_from,
+}
+
+
+def where(detail: Any, path: str = "") -> list[str]:
+    """A serializer's nested errors as "path: message" lines, e.g. "pools[1].capacity_gpus: ..."."""
+
+    def step(key: object) -> str:
+        if isinstance(key, int):
+            return f"{path}[{key}]"
+        return f"{path}.{key}" if path else str(key)
+
+    if isinstance(detail, dict):
+        return [line for key, value in detail.items() for line in where(value, step(key))]
+    if isinstance(detail, list) and all(not isinstance(entry, dict | list) for entry in detail):
+        return [f"{path}: {' '.join(str(entry) for entry in detail)}"] if detail else []
+    if isinstance(detail, list):
+        return [line for index, entry in enumerate(detail) for line in where(entry, step(index))]
+    return [f"{path}: {detail}" if path else str(detail)]
+
+
+def _malformed(error: ValidationError) -> str:
+    return "The draft is not well formed, so nothing was saved: " + "; ".join(where(error.detail))
+
+
+def _policies() -> list[dict[str, Any]]:
+    from apps.resources.models import ResourcePolicy
+    from apps.scheduling.engine import describe
+
+    return [
+        {
+            "name": policy.name,
+            "group": policy.group.name,
+            "reservation": describe(policy.reservation_units),
+            "limit": describe(policy.limit_units),
+            "resources": ", ".join(resource.name for resource in policy.compute_resources.all()),
+        }
+        for policy in ResourcePolicy.objects.select_related("group").prefetch_related("compute_resources")
+    ]
+
+
+def _editor(document: dict[str, Any]) -> dict[str, Any]:
+    """What the editor shows of a draft: each item's form, and the whole as JSON."""
+    from apps.accounts.models import Group
+
+    profiles = [
+        {**profile, "pool_names": ", ".join(str(entry.get("pool", "")) for entry in profile.get("pools", []))}
+        for profile in document.get("profiles", [])
+    ]
+    return {
+        "document": json.dumps(document, indent=2),
+        "pools": document.get("pools", []),
+        "profiles": profiles,
+        "policies": document.get("policies", []),
+        "profile_names": [profile.get("name", "") for profile in document.get("profiles", [])],
+        "group_names": list(Group.objects.order_by("name").values_list("name", flat=True)),
+        "environments": Environment.values,
+        "sharing_methods": SharingMethod.values,
+        "task_sharing": TaskSharing.values,
+    }
+
+
+@admin_only
+def configuration(request: HttpRequest) -> HttpResponse:
+    """The draft configuration, as forms and as one document: edit, validate (the report inline),
+    provision."""
+    from apps.resources.services import draft_get
+
+    context = {**_editor(draft_get().document), "policies_in_force": _policies(), "page": "configuration"}
+    return render(request, "portal/configuration.html", context)
+
+
+def _refused(request: HttpRequest, message: str) -> HttpResponse:
+    """A change that saved nothing: the message goes where the report is; the forms keep what was typed."""
+    response = render(request, "portal/_report.html", {"error": message})
+    response["HX-Retarget"] = "#report"
+    response["HX-Reswap"] = "innerHTML"
+    return response
+
+
+@admin_only
+@require_POST
+def item_save(request: HttpRequest, section: str) -> HttpResponse:
+    """Save one pool, profile or policy into the draft from its form (HTMX): the editor again, with the
+    draft's report."""
+    from apps.resources.services import draft_get, draft_save, draft_validate
+
+    if section not in SECTIONS:
+        raise Http404(section)
+    document = copy.deepcopy(draft_get().document)
+    items: list[dict[str, Any]] = document.setdefault(section, [])
+    original = request.POST.get("original", "")
+    index = next((i for i, item in enumerate(items) if item.get("name") == original), None)
+    if original and index is None:
+        return _refused(
+            request,
+            f"The {NOUN[section]} {original} is no longer in the draft; reload the page to see it now.",
+        )
+    item = SECTIONS[section](request.POST, copy.deepcopy(items[index]) if index is not None else {})
+    if any(other.get("name") == item["name"] for i, other in enumerate(items) if i != index):
+        return _refused(
+            request, f"The draft already has a {NOUN[section]} named {item['name']}; choose another."
+        )
+    if index is None:
+        items.append(item)
+    else:
+        items[index] = item
+    user = request.user
+    assert isinstance(user, User)
+    try:
+        draft_save(tenant=request.tenant, user=user, document=document)  # type: ignore[attr-defined]
+    except ValidationError as error:
+        return _refused(request, _malformed(error))
+    context = {**_editor(document), "report": draft_validate()}
+    context["message"] = f"Saved {NOUN[section]} {item['name']} in the draft."
+    context["opened"] = f"{section}:{item['name']}"  # its form stays open
+    return render(request, "portal/_editor.html", context)
+
+
+@admin_only
+@require_POST
+def item_remove(request: HttpRequest, section: str) -> HttpResponse:
+    """Take one pool, profile or policy out of the draft (HTMX)."""
+    from apps.resources.services import draft_get, draft_save, draft_validate
+
+    if section not in SECTIONS:
+        raise Http404(section)
+    document = copy.deepcopy(draft_get().document)
+    name = request.POST.get("original", "")
+    kept = [item for item in document.get(section, []) if item.get("name") != name]
+    if len(kept) == len(document.get(section, [])):
+        return _refused(request, f"The {NOUN[section]} {name} is no longer in the draft; reload the page.")
+    document[section] = kept
+    user = request.user
+    assert isinstance(user, User)
+    try:
+        draft_save(tenant=request.tenant, user=user, document=document)  # type: ignore[attr-defined]
+    except ValidationError as error:
+        return _refused(request, _malformed(error))
+    context = {**_editor(document), "report": draft_validate()}
+    context["message"] = f"Removed {NOUN[section]} {name} from the draft."
+    return render(request, "portal/_editor.html", context)
+
+
+def _save_document(request: HttpRequest) -> tuple[dict[str, Any] | None, HttpResponse | None]:
+    """Save the JSON document the page holds as the draft: (the document, None), or (None, the refusal)."""
+    from apps.resources.services import draft_save
+
+    user = request.user
+    assert isinstance(user, User)
+    try:
+        document = json.loads(request.POST.get("document", ""))
+        draft_save(tenant=request.tenant, user=user, document=document)  # type: ignore[attr-defined]
+    except json.JSONDecodeError as error:
+        where_ = f"line {error.lineno}, column {error.colno}"
+        return None, _refused(request, f"The draft is not JSON: {error.msg} at {where_}; nothing was saved.")
+    except ValidationError as error:
+        return None, _refused(request, _malformed(error))
+    return document, None
+
+
+@admin_only
+@require_POST
+def validate(request: HttpRequest) -> HttpResponse:
+    """Save the draft as the JSON document shows it and report on it (HTMX): the editor again."""
+    from apps.resources.services import draft_validate
+
+    document, refused = _save_document(request)
+    if refused is not None:
+        return refused
+    assert document is not None
+    return render(request, "portal/_editor.html", {**_editor(document), "report": draft_validate()})
+
+
+@admin_only
+@require_POST
+def provision(request: HttpRequest) -> HttpResponse:
+    """Save the draft as the page shows it and make it the configuration (HTMX): the result, and the
+    policies as they now are."""
+    from apps.resources.services import draft_provision
+
+    _, refused = _save_document(request)
+    if refused is not None:
+        return refused
+    context: dict[str, Any] = {}
+    user = request.user
+    assert isinstance(user, User)
+    try:
+        done = draft_provision(tenant=request.tenant, user=user)  # type: ignore[attr-defined]
+        made, gone = sum(done.created.values()), sum(done.deleted.values())
+        context["message"] = f"Provisioned: {made} created, {gone} removed."
+    except KliqueError as error:
+        context["error"] = error.message
+    context["policies_in_force"] = _policies()
+    return render(request, "portal/_provisioned.html", context)
