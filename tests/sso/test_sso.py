@@ -38,8 +38,9 @@ CLIENT_ID, CLIENT_SECRET = "klique-acme", "acme-client-secret-value"
 CALLBACK = f"http://{HOST_A}/auth/sso/callback/"
 
 
-@pytest.fixture(scope="session")
-def provider_url() -> Iterator[str]:
+def start_provider(callback: str, after_sign_out: str) -> tuple[str, subprocess.Popen[str]]:
+    """A running identity provider (tests/oidc/provider.mjs) whose one client is Klique's, sending the
+    browser back to `callback`: its address and its process."""
     if shutil.which("node") is None:
         pytest.skip("Node.js is not installed; the SSO tests need it to run the identity provider")
     if not (HERE / "node_modules" / "oidc-provider").exists():
@@ -48,7 +49,7 @@ def provider_url() -> Iterator[str]:
         )
     port = free_port()
     process = subprocess.Popen(
-        ["node", "provider.mjs", str(port), CLIENT_ID, CLIENT_SECRET, CALLBACK, f"http://{HOST_A}/"],
+        ["node", "provider.mjs", str(port), CLIENT_ID, CLIENT_SECRET, callback, after_sign_out],
         cwd=HERE,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -65,6 +66,12 @@ def provider_url() -> Iterator[str]:
     else:
         process.kill()
         raise AssertionError(f"the identity provider did not start: {process.communicate()[0]}")
+    return url, process
+
+
+@pytest.fixture(scope="session")
+def provider_url() -> Iterator[str]:
+    url, process = start_provider(CALLBACK, f"http://{HOST_A}/")
     yield url
     process.terminate()
     process.wait(timeout=10)
