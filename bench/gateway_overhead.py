@@ -169,12 +169,9 @@ def main() -> int:
     upstream_port, klique_port, proxy_port = free_port(), free_port(), free_port()
     upstream = f"http://127.0.0.1:{upstream_port}/v1"
     quiet = {**os.environ, "ECHO_API_KEY": UPSTREAM_KEY}
-    from cryptography.fernet import Fernet
-
-    master = Fernet.generate_key().decode()
     results: dict[str, dict[str, float]] = {}
     with (
-        scratch_klique(redis_db=12, KLIQUE_MASTER_KEYS=master) as (environment, demo),
+        scratch_klique(redis_db=12) as (environment, demo),
         running([sys.executable, "-m", "gateway.echo", "--port", str(upstream_port)], quiet) as echo,
         running([*KLIQUE, "web", "--port", str(klique_port)], environment) as web,
     ):

@@ -33,10 +33,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=200_000)
     args = parser.parse_args()
-    from cryptography.fernet import Fernet
-
-    master = Fernet.generate_key().decode()
-    with scratch_klique(redis_db=13, KLIQUE_MASTER_KEYS=master) as (environment, demo):
+    with scratch_klique(redis_db=13) as (environment, demo):
         names = ("DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE", "SECRET_KEY", "KLIQUE_MASTER_KEYS")
         os.environ.update({key: environment[key] for key in names})
         sys.path.insert(0, str(ROOT))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from cryptography.fernet import Fernet
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -33,6 +34,7 @@ def scratch_klique(*, redis_db: int, **settings: str) -> Iterator[tuple[dict[str
         "DJANGO_SETTINGS_MODULE": "config.settings.production",
         "SECRET_KEY": uuid.uuid4().hex * 2,
         "KLIQUE_LOG_LEVEL": "WARNING",
+        "KLIQUE_MASTER_KEYS": Fernet.generate_key().decode(),  # production settings require a vault key
         **settings,
     }
     try:

@@ -1,11 +1,20 @@
-"""Tenant events pushed to websocket clients (the portal, `klique` watchers) after the change commits."""
+"""Tenant events pushed to websocket clients (the portal, `klique` watchers) after the change commits.
+
+Sending never waits on the channel layer: the code that committed (an agent's report on the websocket
+loop's path, a request, the scheduling cycle) hands the message to one publisher thread per process, whose
+event loop sends group messages in the order they were handed over. A message not yet sent when the
+process exits gets up to two seconds."""
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import concurrent.futures
 import logging
+import os
+import threading
 from typing import TYPE_CHECKING, Any
 
-from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.db import connection, transaction
 from django.utils import timezone
@@ -14,6 +23,47 @@ if TYPE_CHECKING:
     from tenants.models import Tenant
 
 logger = logging.getLogger(__name__)
+
+
+class _Publisher:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pid = 0
+        self.pending: set[concurrent.futures.Future[None]] = set()
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """This process's publisher loop (a forked child starts its own)."""
+        with self._lock:
+            if self._loop is None or self._pid != os.getpid():
+                self._loop, self._pid = asyncio.new_event_loop(), os.getpid()
+                self.pending = set()
+                threading.Thread(target=self._loop.run_forever, name="klique-publisher", daemon=True).start()
+            return self._loop
+
+    def drain(self, timeout: float = 2.0) -> None:
+        concurrent.futures.wait(list(self.pending), timeout=timeout)
+
+
+_publisher = _Publisher()
+atexit.register(_publisher.drain)
+
+
+def send_to_group(group: str, message: dict[str, Any], *, what: str) -> None:
+    """Hand `message` to the publisher for the channel layer's `group`; `what` names it in a warning if
+    it cannot be sent (the change is committed: a client that misses the push sees it on its next read)."""
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    future = asyncio.run_coroutine_threadsafe(layer.group_send(group, message), _publisher.loop())
+    _publisher.pending.add(future)
+
+    def sent(done: concurrent.futures.Future[None]) -> None:
+        _publisher.pending.discard(done)
+        if not done.cancelled() and done.exception() is not None:
+            logger.warning("could not publish %s", what, exc_info=done.exception())
+
+    future.add_done_callback(sent)
 
 
 def events_group(schema_name: str) -> str:
@@ -28,16 +78,9 @@ def publish_log(*, tenant: Tenant, task_id: str, chunk: dict[str, Any]) -> None:
     """Send a task's new output (or its end) to whoever follows its logs, once the transaction commits."""
     group = logs_group(tenant.schema_name, task_id)
 
-    def send() -> None:
-        layer = get_channel_layer()
-        if layer is None:
-            return
-        try:
-            async_to_sync(layer.group_send)(group, {"type": "task.log", "chunk": chunk})
-        except Exception:
-            logger.warning("could not publish a log chunk", exc_info=True)
-
-    transaction.on_commit(send)
+    transaction.on_commit(
+        lambda: send_to_group(group, {"type": "task.log", "chunk": chunk}, what="a log chunk")
+    )
 
 
 def publish_event(*, tenant: Tenant, kind: str, data: dict[str, Any]) -> None:
@@ -54,14 +97,5 @@ def _publish(schema_name: str, kind: str, data: dict[str, Any]) -> None:
     event = {"type": "event", "kind": kind, "data": data, "at": timezone.now().isoformat()}
     group = events_group(schema_name)
 
-    def send() -> None:
-        layer = get_channel_layer()
-        if layer is None:
-            return
-        try:
-            async_to_sync(layer.group_send)(group, {"type": "event.message", "event": event})
-        except Exception:
-            # The change itself is committed; a client that misses the push sees it on its next read.
-            logger.warning("could not publish event", extra={"event_kind": kind}, exc_info=True)
-
-    transaction.on_commit(send)
+    message = {"type": "event.message", "event": event}
+    transaction.on_commit(lambda: send_to_group(group, message, what=f"event {kind}"))

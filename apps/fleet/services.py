@@ -29,8 +29,6 @@ from datetime import timedelta
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Protocol
 
-from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
 from django.conf import settings
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
@@ -39,7 +37,7 @@ from django.utils import timezone
 
 from apps.accounts.tokens import hash_token
 from apps.core.errors import NotFound
-from apps.core.events import publish_log
+from apps.core.events import publish_log, send_to_group
 from apps.core.ids import as_uuid
 from apps.fleet.models import Agent, AgentToken, TaskOutput, TaskReport
 from apps.resources.models import Pool
@@ -75,14 +73,9 @@ def pool_group(schema_name: str, pool_id: object) -> str:
 def notify_pool(*, tenant: Tenant, pool_id: object, message: dict[str, Any]) -> None:
     """Send `message` to the pool's connected agents once the current transaction commits."""
 
-    def send() -> None:
-        layer = get_channel_layer()
-        if layer is not None:
-            async_to_sync(layer.group_send)(
-                pool_group(tenant.schema_name, pool_id), {"type": "plane.message", "message": message}
-            )
-
-    transaction.on_commit(send)
+    group = pool_group(tenant.schema_name, pool_id)
+    notice = {"type": "plane.message", "message": message}
+    transaction.on_commit(lambda: send_to_group(group, notice, what=f"a {message.get('type')} notice"))
 
 
 @dataclass(frozen=True)
