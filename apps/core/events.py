@@ -41,8 +41,17 @@ class _Publisher:
                 threading.Thread(target=self._loop.run_forever, name="klique-publisher", daemon=True).start()
             return self._loop
 
+    def track(self, future: concurrent.futures.Future[None], *, done: bool = False) -> None:
+        with self._lock:
+            if done:
+                self.pending.discard(future)
+            else:
+                self.pending.add(future)
+
     def drain(self, timeout: float = 2.0) -> None:
-        concurrent.futures.wait(list(self.pending), timeout=timeout)
+        with self._lock:
+            waiting = list(self.pending)
+        concurrent.futures.wait(waiting, timeout=timeout)
 
 
 _publisher = _Publisher()
@@ -56,10 +65,10 @@ def send_to_group(group: str, message: dict[str, Any], *, what: str) -> None:
     if layer is None:
         return
     future = asyncio.run_coroutine_threadsafe(layer.group_send(group, message), _publisher.loop())
-    _publisher.pending.add(future)
+    _publisher.track(future)
 
     def sent(done: concurrent.futures.Future[None]) -> None:
-        _publisher.pending.discard(done)
+        _publisher.track(done, done=True)
         if not done.cancelled() and done.exception() is not None:
             logger.warning("could not publish %s", what, exc_info=done.exception())
 

@@ -12,6 +12,7 @@ urlpatterns = [
     path("portal/tasks/submit/", views.task_submit, name="portal-task-submit"),
     path("portal/tasks/<uuid:task_id>/", views.task, name="portal-task"),
     path("portal/tasks/<uuid:task_id>/facts/", views.task_facts, name="portal-task-facts"),
+    path("portal/tasks/<uuid:task_id>/cancel/", views.task_cancel, name="portal-task-cancel"),
     path("portal/dashboard/", views.dashboard, name="portal-dashboard"),
     path("portal/dashboard/live/", views.dashboard_live, name="portal-dashboard-live"),
     path("portal/queues/", pages.queues, name="portal-queues"),

@@ -128,26 +128,63 @@ def task_submit(request: HttpRequest) -> HttpResponse:
     return render(request, "portal/_submitted.html", context)
 
 
-@signed_in
-def task(request: HttpRequest, task_id: str) -> HttpResponse:
+def _may_cancel(user: User, task: Any) -> bool:
+    """As the API has it: a member may cancel their own task that has not ended; an admin anyone's."""
+    from apps.scheduling.models import ENDED_STATES
+
+    mine = task.submitter_id == user.pk and user.has_role(Role.MEMBER)
+    return task.state not in ENDED_STATES and (mine or user.has_role(Role.ADMIN))
+
+
+def _facts(request: HttpRequest, task_id: str) -> tuple[User, Any]:
     from apps.scheduling.selectors import tasks_visible_to
 
     user = request.user
     assert isinstance(user, User)
-    found = get_object_or_404(tasks_visible_to(user), pk=task_id)
-    outputs = found.outputs.order_by("name")
-    return render(request, "portal/task.html", {"task": found, "outputs": outputs, "page": "tasks"})
+    return user, get_object_or_404(tasks_visible_to(user).select_related("pool", "submitter"), pk=task_id)
+
+
+@signed_in
+def task(request: HttpRequest, task_id: str) -> HttpResponse:
+    user, found = _facts(request, task_id)
+    context = {
+        "task": found,
+        "outputs": found.outputs.order_by("name"),
+        "may_cancel": _may_cancel(user, found),
+        "page": "tasks",
+    }
+    return render(request, "portal/task.html", context)
 
 
 @signed_in
 def task_facts(request: HttpRequest, task_id: str) -> HttpResponse:
     """A task's state, pool and reason (HTMX): its page reloads them on the tenant's task events."""
-    from apps.scheduling.selectors import tasks_visible_to
+    user, found = _facts(request, task_id)
+    return render(request, "portal/_task_facts.html", {"task": found, "may_cancel": _may_cancel(user, found)})
 
-    user = request.user
-    assert isinstance(user, User)
-    found = get_object_or_404(tasks_visible_to(user).select_related("pool", "submitter"), pk=task_id)
-    return render(request, "portal/_task_facts.html", {"task": found})
+
+@signed_in
+@require_POST
+def task_cancel(request: HttpRequest, task_id: str) -> HttpResponse:
+    """Cancel the task (HTMX): its facts again, saying so, or why not."""
+    from apps.scheduling.services import task_cancel as cancel
+
+    user, found = _facts(request, task_id)
+    context: dict[str, Any] = {}
+    status = 200
+    if not _may_cancel(user, found):
+        context["error"] = (
+            "Only the task's submitter (a member) or a tenant admin may cancel it, before it ends."
+        )
+        status = 403
+    else:
+        try:
+            found = cancel(tenant=request.tenant, user=user, task=found)  # type: ignore[attr-defined]
+            context["message"] = "Cancelled."
+        except KliqueError as error:
+            context["error"] = error.message
+    context.update(task=found, may_cancel=_may_cancel(user, found))
+    return render(request, "portal/_task_facts.html", context, status=status)
 
 
 IDLE_BELOW = 80.0  # percent: a running task's GPUs averaging less than this over the last hour are idle

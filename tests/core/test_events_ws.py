@@ -130,3 +130,25 @@ def test_an_idle_channel_outlives_the_redis_read_timeout(db: None) -> None:
         return message
 
     assert asyncio.run(scenario()) == {"type": "late.message"}
+
+
+def test_group_messages_handed_to_the_publisher_arrive_in_order(db: None) -> None:
+    """send_to_group returns at once (the publisher thread sends); a group member gets every message, in
+    the order handed over, and a process waiting at exit would wait for them (drain)."""
+    from channels.layers import get_channel_layer
+
+    from apps.core.events import _publisher, send_to_group
+
+    async def scenario() -> list[int]:
+        layer = get_channel_layer()
+        channel = await layer.new_channel()
+        await layer.group_add("klique-order-test", channel)
+        for number in range(200):
+            send_to_group("klique-order-test", {"type": "n", "n": number}, what="a test message")
+        _publisher.drain()
+        got = [(await asyncio.wait_for(layer.receive(channel), timeout=10))["n"] for _ in range(200)]
+        await layer.group_discard("klique-order-test", channel)
+        await layer.flush()
+        return got
+
+    assert asyncio.run(scenario()) == list(range(200))

@@ -116,3 +116,27 @@ def test_an_admin_creates_a_service_account_with_its_first_token(page: Any, port
     assert row == ["nightly-ci", "member", "the nightly evaluation", "1"]
     screenshot(page, "service-accounts")
     assert portal.errors == []
+
+
+def test_a_task_is_cancelled_from_its_page_and_its_state_follows(page: Any, portal: Portal) -> None:
+    from apps.accounts.models import User
+    from apps.scheduling.services import TaskRequest, tasks_submit
+    from tenants.models import Tenant
+
+    def submit() -> str:
+        tenant = Tenant.objects.get(schema_name="portal")
+        pat = User.objects.get(username="pat")
+        (task,) = tasks_submit(
+            tenant=tenant, user=pat, requests=[TaskRequest(compute_resource="Dev: 4 GPUs", name="to-cancel")]
+        )
+        return str(task.pk)
+
+    task_id = portal.run(submit)
+    sign_in(page, portal)
+    page.goto(f"{portal.base}/portal/tasks/{task_id}/")
+    page.on("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name="Cancel task").click()
+    page.locator("#state").filter(has_text="aborted").wait_for()
+    assert "Cancelled by pat." in page.locator("#facts").inner_text()
+    assert page.get_by_role("button", name="Cancel task").count() == 0  # nothing left to cancel
+    assert portal.errors == []

@@ -1,13 +1,32 @@
 // Live parts of the portal, over the tenant's websockets (the session signs them in):
-// - [data-events]: the tenant's events; a task event makes the task table reload itself (htmx trigger).
+// - [data-events]: the tenant's events; task events make the parts showing tasks reload (klique:tasks).
 // - [data-follow]: a task's output, appended as it comes, until the task ends.
 // - #gpu-chart, #utilization-chart: the dashboard's charts, drawn with Chart.js from the JSON the page
 //   carries, and redrawn from the new JSON each time the dashboard's figures (#live) reload in place.
 "use strict";
 
+// A refusal (403) carries a sentence saying why: show it where the answer would have gone.
+window.htmx.config.responseHandling = [
+  { code: "204", swap: false },
+  { code: "[23]..", swap: true },
+  { code: "403", swap: true },
+  { code: "[45]..", swap: false, error: true },
+];
+
 function socketUrl(path) {
   const scheme = window.location.protocol === "https:" ? "wss:" : "ws:";
   return `${scheme}//${window.location.host}${path}`;
+}
+
+// A busy tenant's tasks change many times a second: the parts of the page that show them (htmx,
+// hx-trigger="klique:tasks from:body") reload once per half second at most, and always after the last.
+let tasksTimer = null;
+function tasksChanged() {
+  if (tasksTimer !== null) return;
+  tasksTimer = setTimeout(() => {
+    tasksTimer = null;
+    document.body.dispatchEvent(new CustomEvent("klique:tasks"));
+  }, 500);
 }
 
 function followEvents(element) {
@@ -16,9 +35,7 @@ function followEvents(element) {
   socket.addEventListener("message", (message) => {
     const event = JSON.parse(message.data);
     if (event.type !== "event") return;
-    if (String(event.kind).startsWith("task")) {
-      document.body.dispatchEvent(new CustomEvent("klique:tasks"));
-    }
+    if (String(event.kind).startsWith("task")) tasksChanged();
     if (log) {
       const item = document.createElement("li");
       item.textContent = `${new Date(event.at).toLocaleTimeString([], { hour12: false })} ${event.kind}`;
