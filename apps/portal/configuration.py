@@ -175,12 +175,35 @@ def _refused(request: HttpRequest, message: str) -> HttpResponse:
     return response
 
 
+def _save(request: HttpRequest, document: Any) -> HttpResponse | None:
+    """Save `document` as the draft; the refusal to answer with when it is not well formed."""
+    from apps.resources.services import draft_save
+
+    user = request.user
+    assert isinstance(user, User)
+    try:
+        draft_save(tenant=request.tenant, user=user, document=document)  # type: ignore[attr-defined]
+    except ValidationError as error:
+        return _refused(request, _malformed(error))
+    return None
+
+
+def _edited(
+    request: HttpRequest, document: dict[str, Any], message: str = "", opened: str = ""
+) -> HttpResponse:
+    """The editor again, with the saved draft's report and what was done."""
+    from apps.resources.services import draft_validate
+
+    context = {**_editor(document), "report": draft_validate(), "message": message, "opened": opened}
+    return render(request, "portal/_editor.html", context)
+
+
 @admin_only
 @require_POST
 def item_save(request: HttpRequest, section: str) -> HttpResponse:
     """Save one pool, profile or policy into the draft from its form (HTMX): the editor again, with the
-    draft's report."""
-    from apps.resources.services import draft_get, draft_save, draft_validate
+    draft's report and the item's form still open."""
+    from apps.resources.services import draft_get
 
     if section not in SECTIONS:
         raise Http404(section)
@@ -202,23 +225,16 @@ def item_save(request: HttpRequest, section: str) -> HttpResponse:
         items.append(item)
     else:
         items[index] = item
-    user = request.user
-    assert isinstance(user, User)
-    try:
-        draft_save(tenant=request.tenant, user=user, document=document)  # type: ignore[attr-defined]
-    except ValidationError as error:
-        return _refused(request, _malformed(error))
-    context = {**_editor(document), "report": draft_validate()}
-    context["message"] = f"Saved {NOUN[section]} {item['name']} in the draft."
-    context["opened"] = f"{section}:{item['name']}"  # its form stays open
-    return render(request, "portal/_editor.html", context)
+    refused = _save(request, document)
+    noun, name = NOUN[section], item["name"]
+    return refused or _edited(request, document, f"Saved {noun} {name} in the draft.", f"{section}:{name}")
 
 
 @admin_only
 @require_POST
 def item_remove(request: HttpRequest, section: str) -> HttpResponse:
     """Take one pool, profile or policy out of the draft (HTMX)."""
-    from apps.resources.services import draft_get, draft_save, draft_validate
+    from apps.resources.services import draft_get
 
     if section not in SECTIONS:
         raise Http404(section)
@@ -228,45 +244,30 @@ def item_remove(request: HttpRequest, section: str) -> HttpResponse:
     if len(kept) == len(document.get(section, [])):
         return _refused(request, f"The {NOUN[section]} {name} is no longer in the draft; reload the page.")
     document[section] = kept
-    user = request.user
-    assert isinstance(user, User)
-    try:
-        draft_save(tenant=request.tenant, user=user, document=document)  # type: ignore[attr-defined]
-    except ValidationError as error:
-        return _refused(request, _malformed(error))
-    context = {**_editor(document), "report": draft_validate()}
-    context["message"] = f"Removed {NOUN[section]} {name} from the draft."
-    return render(request, "portal/_editor.html", context)
+    refused = _save(request, document)
+    return refused or _edited(request, document, f"Removed {NOUN[section]} {name} from the draft.")
 
 
 def _save_document(request: HttpRequest) -> tuple[dict[str, Any] | None, HttpResponse | None]:
     """Save the JSON document the page holds as the draft: (the document, None), or (None, the refusal)."""
-    from apps.resources.services import draft_save
-
-    user = request.user
-    assert isinstance(user, User)
     try:
         document = json.loads(request.POST.get("document", ""))
-        draft_save(tenant=request.tenant, user=user, document=document)  # type: ignore[attr-defined]
     except json.JSONDecodeError as error:
         where_ = f"line {error.lineno}, column {error.colno}"
         return None, _refused(request, f"The draft is not JSON: {error.msg} at {where_}; nothing was saved.")
-    except ValidationError as error:
-        return None, _refused(request, _malformed(error))
-    return document, None
+    refused = _save(request, document)
+    return (None, refused) if refused else (document, None)
 
 
 @admin_only
 @require_POST
 def validate(request: HttpRequest) -> HttpResponse:
     """Save the draft as the JSON document shows it and report on it (HTMX): the editor again."""
-    from apps.resources.services import draft_validate
-
     document, refused = _save_document(request)
     if refused is not None:
         return refused
     assert document is not None
-    return render(request, "portal/_editor.html", {**_editor(document), "report": draft_validate()})
+    return _edited(request, document)
 
 
 @admin_only

@@ -190,24 +190,37 @@ def task_cancel(request: HttpRequest, task_id: str) -> HttpResponse:
 IDLE_BELOW = 80.0  # percent: a running task's GPUs averaging less than this over the last hour are idle
 
 
-def _utilization_chart(pools: list[dict[str, Any]], now: Any) -> dict[str, Any]:
-    """GPU utilization per hour over the last 24 hours: metered GPU time over the pools' capacity."""
+# The utilization chart's ranges: how many buckets of the ledger's rollups, of which grain.
+RANGES = {"24h": (24, "hour"), "7d": (7, "day"), "30d": (30, "day")}
+
+
+def _utilization_chart(pools: list[dict[str, Any]], now: Any, span: str) -> dict[str, Any]:
+    """GPU utilization per hour (last 24 hours) or per day (last 7 or 30 days): metered GPU time over
+    the pools' capacity. The ledger's rollups count an event in the hour (and day) it ended."""
     from datetime import timedelta
 
+    from apps.metering.ledger import gpu_hours
     from apps.metering.models import Rollup
 
-    capacity = sum(pool["capacity"] for pool in pools) or 1
-    start = now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=23)
-    hours = [start + timedelta(hours=offset) for offset in range(24)]
-    used: dict[Any, float] = dict.fromkeys(hours, 0.0)
-    for bucket, unit_ms in Rollup.objects.filter(grain="hour", kind="gpu", bucket__gte=start).values_list(
+    count, grain = RANGES.get(span, RANGES["24h"])
+    hourly = grain == "hour"
+    step = timedelta(hours=1) if hourly else timedelta(days=1)
+    last = now.replace(minute=0, second=0, microsecond=0)
+    if not hourly:
+        last = last.replace(hour=0)
+    buckets = [last - step * (count - 1 - offset) for offset in range(count)]
+    used: dict[Any, float] = dict.fromkeys(buckets, 0.0)
+    rows = Rollup.objects.filter(grain=grain, kind="gpu", bucket__gte=buckets[0]).values_list(
         "bucket", "gpu_unit_ms"
-    ):
+    )
+    for bucket, unit_ms in rows:
         if bucket in used:
-            used[bucket] += float(unit_ms) / (840 * 3_600_000)
+            used[bucket] += float(gpu_hours(unit_ms))
+    capacity_hours = (sum(pool["capacity"] for pool in pools) or 1) * (1 if hourly else 24)
     return {
-        "labels": [f"{hour:%H:00}" for hour in hours],
-        "percent": [round(100 * used[hour] / capacity, 1) for hour in hours],
+        "span": span if span in RANGES else "24h",
+        "labels": [f"{bucket:%H:00}" if hourly else f"{bucket:%b %d}" for bucket in buckets],
+        "percent": [round(100 * used[bucket] / capacity_hours, 1) for bucket in buckets],
     }
 
 
@@ -245,10 +258,10 @@ def _idle(now: Any) -> list[dict[str, Any]]:
     return sorted(idle, key=lambda row: row["average"])
 
 
-def _dashboard(now: Any) -> dict[str, Any]:
+def _dashboard(now: Any, span: str = "24h") -> dict[str, Any]:
     """What the dashboard shows, as of now: GPUs in use and free per pool, environment and GPU class;
     CPUs, workers and nodes per environment, as its agents last said; GPUs in use per group;
-    utilization over the last day; idle GPUs."""
+    utilization over the span asked for; idle GPUs."""
     from django.db.models import Sum
 
     from apps.fleet.selectors import NONE_REPORTED, agents_by_pool
@@ -293,7 +306,7 @@ def _dashboard(now: Any) -> dict[str, Any]:
         "environments": _totals(pools, "environment"),
         "classes": _totals(pools, "gpu_class"),
         "chart": chart,
-        "utilization": _utilization_chart(pools, now),
+        "utilization": _utilization_chart(pools, now, span),
         "idle": _idle(now),
         "idle_below": IDLE_BELOW,
         "groups": sorted(by_group.items()),
@@ -333,7 +346,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
 
     from apps.scheduling.models import TaskEvent
 
-    context = _dashboard(timezone.now())
+    context = _dashboard(timezone.now(), request.GET.get("range", "24h"))
     context["events"] = TaskEvent.objects.select_related("task").order_by("-at")[:20]
     context["page"] = "dashboard"
     return render(request, "portal/dashboard.html", context)
@@ -343,7 +356,9 @@ def dashboard(request: HttpRequest) -> HttpResponse:
 def dashboard_live(request: HttpRequest) -> HttpResponse:
     from django.utils import timezone
 
-    return render(request, "portal/_dashboard_live.html", _dashboard(timezone.now()))
+    return render(
+        request, "portal/_dashboard_live.html", _dashboard(timezone.now(), request.GET.get("range", "24h"))
+    )
 
 
 def admin_only(view: View) -> View:

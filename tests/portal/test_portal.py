@@ -178,6 +178,11 @@ def test_the_dashboard_draws_its_charts_with_data(page: Any, portal: Portal) -> 
     percent = page.evaluate("document.getElementById('utilization-chart').chart.data.datasets[0].data")
     assert len(percent) == 24
     assert max(percent) == 25.0  # 4 GPU-hours in one hour of 16 GPUs
+    page.get_by_label("Over the last", exact=True).select_option("7d")  # per day now, in place
+    page.wait_for_function("document.getElementById('utilization-chart').chart.data.labels.length === 7")
+    daily = page.evaluate("document.getElementById('utilization-chart').chart.data.datasets[0].data")
+    assert max(daily) == 1.0  # the same 4 GPU-hours in a day of 16 GPUs: 1.04%
+    page.get_by_label("Over the last", exact=True).select_option("24h")
     idle = page.locator(f"tr[data-idle='{idle_task}']")
     assert idle.locator("td").all_inner_texts()[1:] == ["h100", "pat", "25.0%"]
     assert "idle-run: dispatching → running (agent)" in page.locator("#events").inner_text()
