@@ -149,3 +149,23 @@ def test_nested_errors_read_as_paths() -> None:
     detail = {"pools": {1: {"capacity_gpus": ["A valid integer is required."]}}, "profiles": ["Bad."]}
     assert where(detail) == ["pools[1].capacity_gpus: A valid integer is required.", "profiles: Bad."]
     assert where({"policies": [{}, {"name": ["Required."]}]}) == ["policies[1].name: Required."]
+
+
+def test_a_policy_form_keeps_a_group_and_a_profile_the_lists_do_not_have() -> None:
+    """A draft may name a group not made yet, or a profile it lacks (the report says so): the form shows
+    them selected rather than quietly putting the first choice in their place."""
+    from django.template.loader import render_to_string
+
+    policy = {
+        "name": "later",
+        "group": "not-made-yet",
+        "reservation_gpus": "0",
+        "limit_gpus": "4",
+        "compute_resources": [{"profile": "gone", "name": "Later"}],
+    }
+    html = render_to_string(
+        "portal/_policy_form.html",
+        {"item": policy, "key": 1, "group_names": ["dev"], "profile_names": ["four-gpu"]},
+    )
+    assert "<option selected>not-made-yet</option>" in html
+    assert "<option selected>gone</option>" in html
