@@ -17,17 +17,24 @@ from rest_framework.views import exception_handler as drf_exception_handler
 from apps.core.errors import KliqueError
 
 
-def _flatten(errors: Any, path: str = "") -> list[str]:
+def error_lines(errors: Any, path: str = "") -> list[str]:
+    """A serializer's nested errors as "path: message" lines, one per message: fields by name, items of
+    a list by position ("pools[1].capacity_gpus: A valid integer is required.")."""
+
+    def step(key: object) -> str:
+        if isinstance(key, int):
+            return f"{path}[{key}]"
+        if key == "non_field_errors":
+            return path
+        return f"{path}.{key}" if path else str(key)
+
     if isinstance(errors, dict):
-        return [
-            line
-            for key, value in errors.items()
-            for line in _flatten(value, f"{path}{key}." if key != "non_field_errors" else path)
-        ]
+        return [line for key, value in errors.items() for line in error_lines(value, step(key))]
+    if isinstance(errors, list) and any(isinstance(item, dict | list) for item in errors):
+        return [line for index, item in enumerate(errors) for line in error_lines(item, step(index))]
     if isinstance(errors, list):
-        return [line for item in errors for line in _flatten(item, path)]
-    label = path.rstrip(".")
-    return [f"{label}: {errors}" if label else str(errors)]
+        return [line for item in errors for line in error_lines(item, path)]
+    return [f"{path}: {errors}" if path else str(errors)]
 
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
@@ -51,7 +58,7 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     if response is None:
         return None
     if isinstance(exc, exceptions.ValidationError):
-        lines = _flatten(exc.detail)
+        lines = error_lines(exc.detail)
         response.data = {"detail": "Invalid input: " + "; ".join(lines), "errors": exc.detail}
     elif isinstance(response.data, dict) and "detail" in response.data:
         response.data = {"detail": str(response.data["detail"])}

@@ -19,6 +19,7 @@ from django.views.decorators.http import require_POST
 from rest_framework.exceptions import ValidationError
 
 from apps.accounts.models import User
+from apps.core.api_errors import error_lines
 from apps.core.errors import KliqueError
 from apps.portal.views import admin_only
 from apps.resources.models import Environment, SharingMethod, TaskSharing
@@ -99,25 +100,8 @@ SECTIONS: dict[str, Callable[[QueryDict, dict[str, Any]], dict[str, Any]]] = {
 }
 
 
-def where(detail: Any, path: str = "") -> list[str]:
-    """A serializer's nested errors as "path: message" lines, e.g. "pools[1].capacity_gpus: ..."."""
-
-    def step(key: object) -> str:
-        if isinstance(key, int):
-            return f"{path}[{key}]"
-        return f"{path}.{key}" if path else str(key)
-
-    if isinstance(detail, dict):
-        return [line for key, value in detail.items() for line in where(value, step(key))]
-    if isinstance(detail, list) and all(not isinstance(entry, dict | list) for entry in detail):
-        return [f"{path}: {' '.join(str(entry) for entry in detail)}"] if detail else []
-    if isinstance(detail, list):
-        return [line for index, entry in enumerate(detail) for line in where(entry, step(index))]
-    return [f"{path}: {detail}" if path else str(detail)]
-
-
 def _malformed(error: ValidationError) -> str:
-    return "The draft is not well formed, so nothing was saved: " + "; ".join(where(error.detail))
+    return "The draft is not well formed, so nothing was saved: " + "; ".join(error_lines(error.detail))
 
 
 def _policies() -> list[dict[str, Any]]:

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from django.http import QueryDict
 
-from apps.portal.configuration import policy_from, profile_from, where
+from apps.core.api_errors import error_lines
+from apps.portal.configuration import policy_from, profile_from
 from tests.portal.conftest import Portal, screenshot, sign_in
 from tests.portal.test_portal import UNLABELLED
 
@@ -147,8 +148,8 @@ def test_a_form_keeps_what_it_does_not_show() -> None:
 
 def test_nested_errors_read_as_paths() -> None:
     detail = {"pools": {1: {"capacity_gpus": ["A valid integer is required."]}}, "profiles": ["Bad."]}
-    assert where(detail) == ["pools[1].capacity_gpus: A valid integer is required.", "profiles: Bad."]
-    assert where({"policies": [{}, {"name": ["Required."]}]}) == ["policies[1].name: Required."]
+    assert error_lines(detail) == ["pools[1].capacity_gpus: A valid integer is required.", "profiles: Bad."]
+    assert error_lines({"policies": [{}, {"name": ["Required."]}]}) == ["policies[1].name: Required."]
 
 
 def test_a_policy_form_keeps_a_group_and_a_profile_the_lists_do_not_have() -> None:
