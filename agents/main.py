@@ -77,18 +77,27 @@ class Agent:
         self.socket: Any = None
         self.stopping = asyncio.Event()
         self.heartbeat_seconds = 10.0
-        self.capacity: dict[str, int] = {}
-        self.capacity_at = -CAPACITY_SECONDS
+        self.capacity: dict[str, int] = {}  # as last asked of the environment; hello and heartbeats send it
 
-    async def _capacity(self) -> dict[str, int]:
-        """The environment's CPUs and nodes, asked of it at most every CAPACITY_SECONDS (on a cluster
-        that is a command, so not every heartbeat)."""
-        now = asyncio.get_running_loop().time()
-        if now - self.capacity_at >= CAPACITY_SECONDS:
-            self.capacity, self.capacity_at = await self.backend.capacity(), now
-        return self.capacity
+    async def _follow_capacity(self) -> None:
+        """Ask the environment for its CPUs and nodes every CAPACITY_SECONDS, beside the connection: on a
+        cluster that is a command, which must not hold up a hello or a heartbeat."""
+        while not self.stopping.is_set():
+            try:
+                self.capacity = await self.backend.capacity()
+            except Exception:  # a surprise here must not stop the agent; the figures stay as they were
+                logger.exception("reading the environment's capacity failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), timeout=CAPACITY_SECONDS)
 
     async def run(self) -> None:
+        capacity = asyncio.create_task(self._follow_capacity())
+        try:
+            await self._connect_forever()
+        finally:
+            capacity.cancel()
+
+    async def _connect_forever(self) -> None:
         address, headers, connect_to = websocket_address(self.url)
         backoff = Backoff()
         while not self.stopping.is_set():
@@ -121,7 +130,7 @@ class Agent:
                     "backend": self.backend.name,
                     "version": __version__,
                     "inventory": self.backend.inventory(),
-                    "capacity": await self._capacity(),
+                    "capacity": self.capacity,
                     "running": self.holding(),
                 }
             )
@@ -152,7 +161,7 @@ class Agent:
                 "type": "heartbeat",
                 "running": self.backend.running(),
                 "queue": self.backend.queue(),
-                "capacity": await self._capacity(),
+                "capacity": self.capacity,
             }
             await socket_.send(json.dumps(heartbeat))
 
