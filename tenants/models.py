@@ -5,6 +5,8 @@ from __future__ import annotations
 from django.db import models
 from django_tenants.models import DomainMixin, TenantMixin
 
+from apps.metering.models import Totals
+
 
 class Tenant(TenantMixin):
     class Status(models.TextChoices):
@@ -58,19 +60,13 @@ class TokenRoute(models.Model):
         return self.prefix
 
 
-class TenantUsageDay(models.Model):
+class TenantUsageDay(Totals):
     """Each tenant's metered usage per day and kind, kept by the ledger's ingest in the public schema, so
     the provider's views never read a tenant's schema at request time."""
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="usage_days")
     day = models.DateField()
     kind = models.CharField(max_length=10)  # gpu, tokens, storage
-    events = models.BigIntegerField(default=0)
-    gpu_unit_ms = models.DecimalField(max_digits=38, decimal_places=0, default=0)
-    tokens_in = models.DecimalField(max_digits=38, decimal_places=0, default=0)
-    tokens_out = models.DecimalField(max_digits=38, decimal_places=0, default=0)
-    byte_ms = models.DecimalField(max_digits=38, decimal_places=0, default=0)
-    cost_nano_usd = models.DecimalField(max_digits=38, decimal_places=0, default=0)
 
     class Meta:
         ordering = ["day", "tenant_id", "kind"]

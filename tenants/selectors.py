@@ -50,7 +50,7 @@ def usage_by_tenant(
 
     from django.db.models import Sum
 
-    from apps.metering.ledger import gpu_hours, usd
+    from apps.metering.ledger import amount_sums, gpu_hours, usd
     from tenants.models import TenantUsageDay
 
     rows = TenantUsageDay.objects.all()
@@ -59,14 +59,7 @@ def usage_by_tenant(
     if until:
         rows = rows.filter(day__lt=until)
     keys = ["tenant__slug", "kind", *(["day"] if by_day else [])]
-    totals = rows.values(*keys).annotate(
-        events=Sum("events"),
-        gpu_unit_ms=Sum("gpu_unit_ms"),
-        tokens_in=Sum("tokens_in"),
-        tokens_out=Sum("tokens_out"),
-        byte_ms=Sum("byte_ms"),
-        cost=Sum("cost_nano_usd"),
-    )
+    totals = rows.values(*keys).annotate(events=Sum("events"), **amount_sums())
     return [
         {
             "tenant": row["tenant__slug"],

@@ -12,6 +12,7 @@ what the ledger says.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
@@ -19,7 +20,6 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Sum
 from django.utils import timezone
 from django_tenants.utils import get_public_schema_name, schema_context
 
@@ -49,18 +49,17 @@ def client() -> Any:
 
 
 def _month_totals(schema: str, period: date) -> dict[str, dict[str, Decimal]]:
-    from apps.metering.ledger import gb_hours, gpu_hours
+    from apps.metering.ledger import amount_sums, gb_hours, gpu_hours
     from apps.metering.models import LedgerEvent
 
     with schema_context(schema):
-        rows = LedgerEvent.objects.filter(period=period).values("kind").annotate(
-            unit_ms=Sum("gpu_unit_ms"), tokens_in=Sum("tokens_in"), tokens_out=Sum("tokens_out"),
-            byte_ms=Sum("byte_ms"), cost=Sum("cost_nano_usd"),
-        )  # fmt: skip
+        rows: Iterable[Any] = (  # rows of .values(), with the sums annotated
+            LedgerEvent.objects.filter(period=period).values("kind").annotate(**amount_sums())
+        )
         totals = {}
         for row in rows:
             quantity = {
-                "gpu": gpu_hours(row["unit_ms"]),
+                "gpu": gpu_hours(row["gpu_unit_ms"]),
                 "tokens": Decimal(row["tokens_in"] + row["tokens_out"]),
                 "storage": gb_hours(row["byte_ms"]),
             }[row["kind"]]

@@ -92,14 +92,7 @@ class UsageSummaryView(TenantAPIView):
         bounds = {key: str(query[key]) for key in ("kind", "since", "until") if query.get(key)}
         rollups = services.usage_filtered(rollups, bounds, time_field="bucket")
         column = SUMMARY_KEYS[by]
-        rows = rollups.values(column).annotate(
-            events=Sum("events"),
-            gpu_unit_ms=Sum("gpu_unit_ms"),
-            tokens_in=Sum("tokens_in"),
-            tokens_out=Sum("tokens_out"),
-            byte_ms=Sum("byte_ms"),
-            cost=Sum("cost_nano_usd"),
-        )
+        rows = rollups.values(column).annotate(events=Sum("events"), **ledger.amount_sums())
         names = services.names(column)
         result = [
             {

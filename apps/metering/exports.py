@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import csv
 import io
+from collections.abc import Iterable
 from datetime import date
 from decimal import Decimal
 from typing import Any
 
-from django.db.models import Count, Sum
+from django.db.models import Count
 
-from apps.metering.ledger import gb_hours, gpu_hours, usd
+from apps.metering.ledger import amount_sums, gb_hours, gpu_hours, usd
 from apps.metering.models import LedgerEvent
 
 COLUMNS = (
@@ -23,17 +24,10 @@ SIX = Decimal("0.000001")
 
 def chargeback(period: date) -> list[dict[str, Any]]:
     """The period's usage and cost per cost center and project (events that landed late in it included)."""
-    rows = (
+    rows: Iterable[Any] = (  # rows of .values(), with the sums annotated
         LedgerEvent.objects.filter(period=period)
         .values("cost_center", "project_name", "kind", "gpu_class", "model")
-        .annotate(
-            events=Count("event_id"),
-            unit_ms=Sum("gpu_unit_ms"),
-            tokens_in=Sum("tokens_in"),
-            tokens_out=Sum("tokens_out"),
-            byte_ms=Sum("byte_ms"),
-            cost=Sum("cost_nano_usd"),
-        )
+        .annotate(events=Count("event_id"), **amount_sums())
         .order_by("cost_center", "project_name", "kind", "gpu_class", "model")
     )
     return [
@@ -45,7 +39,7 @@ def chargeback(period: date) -> list[dict[str, Any]]:
             "gpu_class": row["gpu_class"],
             "model": row["model"],
             "events": row["events"],
-            "gpu_hours": gpu_hours(row["unit_ms"]).quantize(SIX),
+            "gpu_hours": gpu_hours(row["gpu_unit_ms"]).quantize(SIX),
             "tokens_in": int(row["tokens_in"]),
             "tokens_out": int(row["tokens_out"]),
             "gb_hours": gb_hours(row["byte_ms"]).quantize(SIX),

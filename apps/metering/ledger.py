@@ -26,6 +26,7 @@ from typing import Any
 
 import psycopg
 from django.db import IntegrityError, connection, transaction
+from django.db.models import Sum
 from django.utils import timezone
 
 from apps.accounts.models import Project, User
@@ -448,6 +449,18 @@ def _payload(event: Event | None) -> dict[str, Any]:
     except (ValueError, TypeError, ZeroDivisionError):  # too malformed to be read back: keep its text
         content = {"raw": repr(event)[:2000]}
     return content | {"event_id": event.event_id, "source": event.source}
+
+
+def amount_sums() -> dict[str, Sum]:
+    """Sum() of each metered amount, for .annotate() on the ledger, its rollups or the provider's daily
+    totals: gpu_unit_ms, tokens_in, tokens_out, byte_ms, and cost (nano-USD)."""
+    return {
+        "gpu_unit_ms": Sum("gpu_unit_ms"),
+        "tokens_in": Sum("tokens_in"),
+        "tokens_out": Sum("tokens_out"),
+        "byte_ms": Sum("byte_ms"),
+        "cost": Sum("cost_nano_usd"),
+    }
 
 
 def gpu_hours(unit_ms: int | Decimal) -> Decimal:

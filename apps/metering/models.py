@@ -87,7 +87,22 @@ class Rejection(models.Model):
         return f"{self.event_id}: {self.reason}"
 
 
-class Rollup(models.Model):
+class Totals(models.Model):
+    """Sums of ledger events: how many, and each amount (numeric, so no sum can overflow). Kept per
+    tenant in rollups and for the provider per tenant and day (tenants.models.TenantUsageDay)."""
+
+    events = models.BigIntegerField(default=0)
+    gpu_unit_ms = models.DecimalField(max_digits=38, decimal_places=0, default=0)
+    tokens_in = models.DecimalField(max_digits=38, decimal_places=0, default=0)
+    tokens_out = models.DecimalField(max_digits=38, decimal_places=0, default=0)
+    byte_ms = models.DecimalField(max_digits=38, decimal_places=0, default=0)
+    cost_nano_usd = models.DecimalField(max_digits=38, decimal_places=0, default=0)
+
+    class Meta:
+        abstract = True
+
+
+class Rollup(Totals):
     """Sums of the ledger per hour and per day, by project, user, pool and GPU class (kept at ingest)."""
 
     class Grain(models.TextChoices):
@@ -103,12 +118,6 @@ class Rollup(models.Model):
     pool = models.CharField(max_length=100, blank=True)
     gpu_class = models.CharField(max_length=50, blank=True)
     model = models.CharField(max_length=100, blank=True)
-    events = models.BigIntegerField(default=0)
-    gpu_unit_ms = models.DecimalField(max_digits=38, decimal_places=0, default=0)
-    tokens_in = models.DecimalField(max_digits=38, decimal_places=0, default=0)
-    tokens_out = models.DecimalField(max_digits=38, decimal_places=0, default=0)
-    byte_ms = models.DecimalField(max_digits=38, decimal_places=0, default=0)
-    cost_nano_usd = models.DecimalField(max_digits=38, decimal_places=0, default=0)
 
     class Meta:
         ordering = ["grain", "bucket"]
