@@ -53,6 +53,7 @@ def sign_in(request: HttpRequest) -> HttpResponse:
 
 
 def _tenants() -> list[dict[str, Any]]:
+    from apps.scheduling.engine import UNITS_PER_GPU
     from tenants.selectors import tenant_list, usage_by_tenant
 
     since = timezone.now().date() - timedelta(days=DAYS)
@@ -67,7 +68,7 @@ def _tenants() -> list[dict[str, Any]]:
             "status": tenant.status,
             "reason": tenant.suspended_reason,
             "share": tenant.gpu_share,
-            "in_use": round(tenant.gpu_units_in_use / 840, 3),
+            "in_use": round(tenant.gpu_units_in_use / UNITS_PER_GPU, 3),
             "gpu_hours": round(usage[tenant.slug]["gpu_hours"], 2),
             "cost": round(usage[tenant.slug]["cost"], 2),
         }

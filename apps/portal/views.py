@@ -274,6 +274,7 @@ def _dashboard(now: Any, span: str = "24h") -> dict[str, Any]:
 
     from apps.fleet.selectors import NONE_REPORTED, agents_by_pool
     from apps.resources.models import Pool
+    from apps.scheduling.engine import UNITS_PER_GPU
     from apps.scheduling.models import ACTIVE_STATES, Task
 
     agents = agents_by_pool()
@@ -292,7 +293,7 @@ def _dashboard(now: Any, span: str = "24h") -> dict[str, Any]:
                 "environment": pool.environment,
                 "gpu_class": pool.gpu_class or "-",
                 "capacity": pool.capacity_gpus,
-                "used": round((held.get(pool.pk) or 0) / 840, 3),
+                "used": round((held.get(pool.pk) or 0) / UNITS_PER_GPU, 3),
                 "workers": reported.workers,
                 "online": pool.is_online(now),
                 "cpus": reported.cpus,
@@ -319,7 +320,7 @@ def _dashboard(now: Any, span: str = "24h") -> dict[str, Any]:
         "utilization": _utilization_chart(pools, now, span),
         "idle": _idle(now),
         "idle_below": IDLE_BELOW,
-        "groups": sorted((group, units / 840) for group, units in by_group.items()),
+        "groups": sorted((group, units / UNITS_PER_GPU) for group, units in by_group.items()),
     }
 
 
