@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -130,9 +130,26 @@ def assignment(
     }
 
 
-async def until(condition: Any, timeout: float = 60.0, step: float = 0.2) -> None:
+async def until(
+    condition: Any, timeout: float = 60.0, step: float = 0.2, seen: Callable[[], str] | None = None
+) -> None:
+    """Wait for condition(); on a timeout say what was seen (seen()), so that a failure can be read."""
     deadline = asyncio.get_running_loop().time() + timeout
     while not condition():
         if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("timed out waiting")
+            raise AssertionError("timed out waiting" + (f"; seen: {seen()}" if seen else ""))
         await asyncio.sleep(step)
+
+
+def job_trace(plane: PlaneStandIn, jobs: Path, task_id: str) -> str:
+    """What a job left behind (its folder's files, its output file) and what the plane got from its node
+    reporters: the message of a wait that timed out."""
+    folder = jobs / task_id
+    files = sorted(path.name for path in folder.iterdir()) if folder.is_dir() else []
+    output = (
+        (folder / "output.log").read_text(errors="replace") if (folder / "output.log").is_file() else None
+    )
+    posted = [
+        {k: v for k, v in r.items() if k != "task_id"} for r in plane.reports if r["task_id"] == task_id
+    ]
+    return f"files {files}, output.log {output!r}, posted {posted}"

@@ -79,7 +79,9 @@ def test_output_metrics_outputs_and_the_exit_code_reach_the_plane_through_its_re
 
 
 def test_sigterm_reaches_the_command_which_may_stop_cleanly(plane: PlaneStandIn, tmp_path: Path) -> None:
-    script = "trap 'echo stopping; exit 0' TERM; echo ready; sleep 60 & wait"
+    # The signal reaches the whole group: a single `sleep 60 & wait` could end on the killed sleep and
+    # the script with it, before the shell's own trap ran; the loop waits on until the trap runs.
+    script = "trap 'echo stopping; exit 0' TERM; echo ready; while :; do sleep 0.2 & wait; done"
     process = reporter(plane, tmp_path, "bash", "-c", script, PATH="/usr/bin:/bin")
     deadline = time.monotonic() + 20
     while "ready" not in plane.lines(TASK) and time.monotonic() < deadline:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from agents.backend import Refused
-from tests.hpc.conftest import PlaneStandIn, Reports, assignment, make_backend, until
+from tests.hpc.conftest import PlaneStandIn, Reports, assignment, job_trace, make_backend, until
 
 pytestmark = pytest.mark.usefixtures("slurm", "accounts")
 
@@ -91,7 +91,10 @@ def test_a_waiting_job_shows_slurms_reason_and_cancel_and_preempt_stop_jobs(
 ) -> None:
     backend, reports = make_backend("slurm", jobs_dir, plane, tmp_path), Reports()
     big, small = new_task(), new_task()
-    trap = "trap 'echo got TERM; exit 143' TERM; echo started; sleep 120 & wait"
+    # Slurm signals every process of the step, the shell's children too: with `sleep 120 & wait` the
+    # shell's wait could end on the killed sleep before its own TERM, leaving the trap unrun. In a loop
+    # the shell runs on until its trap does.
+    trap = "trap 'echo got TERM; exit 143' TERM; echo started; while :; do sleep 0.2 & wait; done"
 
     busy: dict[str, int] = {}
 
@@ -106,7 +109,7 @@ def test_a_waiting_job_shows_slurms_reason_and_cancel_and_preempt_stop_jobs(
         await until(lambda: reports.of(small, "result") and reports.of(big, "result"))
         # The node reporter posts the job's last lines itself; they may reach the plane after the
         # agent reports the job's end (two senders), so wait for them rather than race them.
-        await until(lambda: "got TERM" in plane.lines(big))
+        await until(lambda: "got TERM" in plane.lines(big), seen=lambda: job_trace(plane, jobs_dir, big))
         assert backend.poller is not None
         backend.poller.cancel()
 
