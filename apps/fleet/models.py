@@ -6,7 +6,9 @@ its pool, so an agent cannot pull another pool's work.
 
 from __future__ import annotations
 
+import math
 import uuid
+from typing import Any
 
 from django.db import models
 from django.utils import timezone
@@ -97,12 +99,40 @@ class TaskReport(models.Model):
     kind = models.CharField(max_length=10, choices=Kind.choices)
     body = models.JSONField(default=dict)
     at = models.DateTimeField(default=timezone.now)
+    # A metric report's GPU utilization samples, counted and summed when it is saved: the dashboard
+    # averages an hour of them for every running task, which must not mean reading each report's JSON.
+    gpu_samples = models.PositiveIntegerField(default=0)
+    gpu_percent_sum = models.FloatField(default=0.0)
 
     class Meta:
         ordering = ["task", "id"]
         constraints = [
             models.UniqueConstraint(fields=["task", "source", "seq"], name="one_report_per_source_seq")
         ]
+        indexes = [
+            models.Index(fields=["at"], name="gpu_samples_by_time", condition=models.Q(gpu_samples__gt=0))
+        ]
 
     def __str__(self) -> str:
         return f"{self.task_id}#{self.seq} {self.kind}"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if self.kind == self.Kind.METRIC:
+            self.gpu_samples, self.gpu_percent_sum = gpu_utilization(self.body)
+        super().save(*args, **kwargs)
+
+
+def gpu_utilization(body: Any) -> tuple[int, float]:
+    """How many GPU utilization samples a metric report's body holds, and their sum: each number at
+    values.gpus[].utilization_percent (what node reporters and agents send); anything else is left out."""
+    values = body.get("values") if isinstance(body, dict) else None
+    gpus = values.get("gpus") if isinstance(values, dict) else None
+    percents = [
+        float(gpu["utilization_percent"])
+        for gpu in (gpus if isinstance(gpus, list) else [])
+        if isinstance(gpu, dict)
+        and isinstance(gpu.get("utilization_percent"), int | float)
+        and not isinstance(gpu["utilization_percent"], bool)
+        and math.isfinite(gpu["utilization_percent"])
+    ]
+    return len(percents), sum(percents)

@@ -3,7 +3,9 @@ however malformed some reports are."""
 
 from __future__ import annotations
 
+import importlib
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.utils import timezone
@@ -14,31 +16,35 @@ from tests.world import World
 pytestmark = pytest.mark.django_db
 
 
+def _task(world: World, name: str, state: str) -> Any:
+    """A task of bob's in acme's first pool, in the state given."""
+    from apps.resources.models import ComputeResource, Pool
+    from apps.scheduling.models import Task
+
+    resource, now = ComputeResource.objects.first(), timezone.now()
+    assert resource is not None
+    return Task.objects.create(
+        name=name,
+        compute_resource=resource,
+        compute_resource_name=resource.name,
+        submitter_id=world.users["bob"],
+        size_units=840,
+        state=state,
+        pool=Pool.objects.first(),
+        submitted_at=now,
+        queued_at=now,
+    )
+
+
 def test_idle_gpus_average_the_well_formed_samples_of_the_last_hour_only(world: World) -> None:
     from apps.fleet.models import TaskReport
     from apps.portal.views import _idle
-    from apps.resources.models import ComputeResource, Pool
-    from apps.scheduling.models import Task, TaskState
+    from apps.scheduling.models import TaskState
 
     with schema_context("acme"):
         now = timezone.now()
-        resource = ComputeResource.objects.first()
-        assert resource is not None
-
-        def running(name: str, state: str = TaskState.RUNNING) -> Task:
-            return Task.objects.create(
-                name=name,
-                compute_resource=resource,
-                compute_resource_name=resource.name,
-                submitter_id=world.users["bob"],
-                size_units=840,
-                state=state,
-                pool=Pool.objects.first(),
-                submitted_at=now,
-                queued_at=now,
-            )
-
-        busy, idle, ended = running("busy"), running("idle"), running("ended", TaskState.COMPLETED)
+        busy, idle = _task(world, "busy", TaskState.RUNNING), _task(world, "idle", TaskState.RUNNING)
+        ended = _task(world, "ended", TaskState.COMPLETED)
         bodies = [
             (idle, {"values": {"gpus": [{"utilization_percent": 10}, {"utilization_percent": 30.5}]}}, 1),
             (idle, {"values": {"gpus": [{"utilization_percent": "high"}, 7, None]}}, 1),  # no number: skipped
@@ -47,6 +53,7 @@ def test_idle_gpus_average_the_well_formed_samples_of_the_last_hour_only(world: 
             (idle, {"values": {"gpus": [{"utilization_percent": 0}]}}, 120),  # over an hour ago
             (busy, {"values": {"gpus": [{"utilization_percent": 95}]}}, 1),
             (ended, {"values": {"gpus": [{"utilization_percent": 0}]}}, 1),  # not running
+            (idle, {"values": {"gpus": [{"utilization_percent": True}]}}, 1),  # a boolean is no number
         ]
         for seq, (task, body, minutes) in enumerate(bodies):
             TaskReport.objects.create(
@@ -59,3 +66,54 @@ def test_idle_gpus_average_the_well_formed_samples_of_the_last_hour_only(world: 
             )
         found = _idle(now)
     assert [(row["task"].name, row["average"]) for row in found] == [("idle", 20.2)]
+
+
+def test_a_reports_gpu_samples_are_counted_when_it_is_kept_as_the_migration_counted_older_ones(
+    world: World,
+) -> None:
+    """The counts and sums the dashboard averages: from TaskReport.save() for new reports, and from the
+    migration's SQL for reports kept before it, the same for well-formed and malformed bodies."""
+    from django.db import connection
+
+    from apps.fleet.models import TaskReport
+    from apps.scheduling.models import TaskState
+
+    backfill = importlib.import_module("apps.fleet.migrations.0005_gpu_samples").BACKFILL
+    bodies = [
+        {"values": {"gpus": [{"utilization_percent": 10}, {"utilization_percent": 30.5}]}},
+        {"values": {"gpus": [{"utilization_percent": "high"}, 7, None, {"utilization_percent": 50}]}},
+        {"values": {"gpus": [{"utilization_percent": True}, {"memory_used_mib": 10}]}},
+        {"values": {"gpus": {"utilization_percent": 0}}},
+        {"values": "broken"},
+        {"loss": 0.5},
+        [],
+    ]
+    with schema_context("acme"):
+        task = _task(world, "sampled", TaskState.RUNNING)
+        kept = [
+            TaskReport.objects.create(task=task, source="agent", seq=seq, kind="metric", body=body)
+            for seq, body in enumerate(bodies)
+        ]
+        log = TaskReport.objects.create(task=task, source="agent", seq=99, kind="log", body=bodies[0])
+        on_save = {
+            report.pk: (report.gpu_samples, report.gpu_percent_sum)
+            for report in TaskReport.objects.filter(task=task)
+        }
+        TaskReport.objects.filter(task=task).update(gpu_samples=0, gpu_percent_sum=0.0)
+        with connection.cursor() as cursor:
+            cursor.execute(backfill)
+        by_migration = {
+            report.pk: (report.gpu_samples, report.gpu_percent_sum)
+            for report in TaskReport.objects.filter(task=task)
+        }
+    assert [on_save[report.pk] for report in kept] == [
+        (2, 40.5),
+        (1, 50.0),
+        (0, 0.0),
+        (0, 0.0),
+        (0, 0.0),
+        (0, 0.0),
+        (0, 0.0),
+    ]
+    assert on_save[log.pk] == (0, 0.0)  # only metric reports carry samples
+    assert by_migration == on_save
