@@ -20,7 +20,6 @@ Needs PostgreSQL and Redis on 127.0.0.1 (as `make test` does).
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
@@ -28,7 +27,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from scratch import ROOT, scratch_klique
+from scratch import scratch_django
 
 REPORT_EVERY = timedelta(seconds=10)
 GPUS = 8
@@ -53,13 +52,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=200)
     args = parser.parse_args()
-    with scratch_klique(redis_db=13) as (environment, demo):
-        names = ("DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE", "SECRET_KEY", "KLIQUE_MASTER_KEYS")
-        os.environ.update({key: environment[key] for key in names})
-        sys.path.insert(0, str(ROOT))
-        import django
-
-        django.setup()
+    with scratch_django(redis_db=13) as demo:
         return measure(args.tasks, demo["tenant"])
 
 

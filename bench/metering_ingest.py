@@ -20,26 +20,19 @@ Needs PostgreSQL and Redis on 127.0.0.1 (as `make test` does).
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
 from datetime import UTC, datetime, timedelta
 
-from scratch import ROOT, scratch_klique
+from scratch import scratch_django
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=200_000)
     args = parser.parse_args()
-    with scratch_klique(redis_db=13) as (environment, demo):
-        names = ("DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE", "SECRET_KEY", "KLIQUE_MASTER_KEYS")
-        os.environ.update({key: environment[key] for key in names})
-        sys.path.insert(0, str(ROOT))
-        import django
-
-        django.setup()
+    with scratch_django(redis_db=13) as demo:
         return measure(args.events, demo["tenant"])
 
 

@@ -51,3 +51,17 @@ def scratch_klique(*, redis_db: int, **settings: str) -> Iterator[tuple[dict[str
     finally:
         with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
             connection.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+
+
+@contextmanager
+def scratch_django(*, redis_db: int) -> Iterator[dict[str, Any]]:
+    """A scratch Klique with Django set up on it in this process (for benchmarks that call Klique's code
+    directly); yields what demo_setup printed."""
+    with scratch_klique(redis_db=redis_db) as (environment, demo):
+        names = ("DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE", "SECRET_KEY", "KLIQUE_MASTER_KEYS")
+        os.environ.update({key: environment[key] for key in names})
+        sys.path.insert(0, str(ROOT))
+        import django
+
+        django.setup()
+        yield demo
