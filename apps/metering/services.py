@@ -29,9 +29,10 @@ def run_segment(
     compute_resource: str,
     units: int,
 ) -> Report:
-    """Meter one run of a task: its GPUs from when it started running to when it stopped (completed,
-    failed, aborted or preempted). A preempted run is a segment of its own; the next run starts another.
-    Called in the transaction that ends the run, so the segment is written exactly when the run ends."""
+    """Meter one segment of a task's run: its GPUs from started_at to ended_at. A run is metered hour by
+    hour while it runs and the rest when it stops (completed, failed, aborted or preempted), in the
+    transaction that stops it; a preempted run's next run starts segments of its own. The segment's
+    start names it, so writing one twice counts once."""
     from fractions import Fraction
 
     event = Event(

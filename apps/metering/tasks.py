@@ -17,3 +17,11 @@ def gateway_calls(tenant: Tenant) -> int:
 def storage(tenant: Tenant) -> int:
     """The last hours of task outputs kept, into the ledger; how many hour-events were new."""
     return services.storage().accepted
+
+
+@tenant_task("metering.running_gpus")
+def running_gpus(tenant: Tenant) -> int:
+    """Running tasks' GPU time up to the last whole hour, into the ledger; how many segments were new."""
+    from apps.scheduling.services import meter_running
+
+    return meter_running()

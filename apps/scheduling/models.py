@@ -67,6 +67,9 @@ class Task(models.Model):
     wait_seconds = models.FloatField(null=True, blank=True)  # queued_at to placed_at, of the last placement
     started_at = models.DateTimeField(null=True, blank=True)
     ended_at = models.DateTimeField(null=True, blank=True)
+    # How far the running run's GPU time is in the ledger: it is metered hour by hour while it runs
+    # (scheduling.services.meter_running), and the rest when it stops.
+    metered_until = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-submitted_at"]

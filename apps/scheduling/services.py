@@ -8,7 +8,7 @@ named, never left queued forever.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from tenants.models import Tenant
 
 SCHEDULER = "scheduler"
+ONE_HOUR, ONE_MS = timedelta(hours=1), timedelta(milliseconds=1)  # running runs are metered by the hour
 
 # Which state may follow which. PREEMPTED passes straight on to QUEUED (at the front of the queue).
 TRANSITIONS: dict[str, frozenset[str]] = {
@@ -76,20 +77,64 @@ def transition(task: Task, *, to_state: str, actor: str, message: str = "", **fi
         setattr(task, name, value)
     if to_state in ENDED_STATES:
         task.ended_at = now
+    if to_state == TaskState.RUNNING:
+        task.metered_until = None  # a new run: nothing of it is metered yet
     task.save()
     publish_here(kind=f"task.{to_state}", data={"id": str(task.pk)})
     return task
 
 
 def meter_run(task: Task, *, ended_at: datetime) -> None:
-    """The run that ends now goes to the ledger as one GPU segment (data flow, step 5). Every way a run
-    ends calls this in the transaction that ends it: `transition`, and the cycle's preemptions."""
+    """What the run that ends now has not yet metered (all of it, or since the last whole hour that
+    meter_running wrote) goes to the ledger as a GPU segment (data flow, step 5). Every way a run ends
+    calls this in the transaction that ends it: `transition`, and the cycle's preemptions."""
+    with transaction.atomic():  # the row lock orders this after a meter_running pass on the same run
+        metered = (
+            Task.objects.select_for_update()
+            .filter(pk=task.pk)
+            .values_list("metered_until", flat=True)
+            .first()
+        )
+        start = task.started_at or ended_at
+        _meter(task, started_at=max(start, metered) if metered else start, ended_at=ended_at)
+        task.metered_until = ended_at  # so that the caller's save() keeps the row's value current
+
+
+def meter_running(*, now: datetime | None = None) -> int:
+    """Meter each running run hour by hour up to the last whole hour: a long run's GPU time reaches the
+    ledger, the hourly rollups and its wallet while it runs, not all at once when it stops. Each hour's
+    segment ends at that hour's last millisecond, so that it counts in the hour it covers (the rollups
+    count an event in the hour it ended); the next segment starts there. Returns how many segments were
+    written. Celery beat runs it every few minutes; a pass that finds nothing new writes nothing."""
+    last = (now or timezone.now()).replace(minute=0, second=0, microsecond=0) - ONE_MS
+    written = 0
+    for pk in Task.objects.filter(state=TaskState.RUNNING, started_at__lt=last).values_list("pk", flat=True):
+        with transaction.atomic():
+            task = (
+                Task.objects.select_for_update(of=("self",))
+                .select_related("submitter", "project", "pool", "compute_resource__policy__group")
+                .filter(pk=pk, state=TaskState.RUNNING)
+                .first()
+            )
+            if task is None or task.started_at is None:
+                continue  # it stopped meanwhile, and its stop metered it
+            start = max(task.started_at, task.metered_until) if task.metered_until else task.started_at
+            end = start.replace(minute=0, second=0, microsecond=0) + ONE_HOUR - ONE_MS
+            end = end if end > start else end + ONE_HOUR
+            while end <= last:
+                _meter(task, started_at=start, ended_at=end)
+                start, end, written = end, end + ONE_HOUR, written + 1
+            Task.objects.filter(pk=pk).update(metered_until=start)
+    return written
+
+
+def _meter(task: Task, *, started_at: datetime, ended_at: datetime) -> None:
     from apps.metering.services import run_segment
 
     resource = task.compute_resource
     run_segment(
         task_id=str(task.pk),
-        started_at=task.started_at or ended_at,
+        started_at=started_at,
         ended_at=ended_at,
         username=task.submitter.username,
         project=task.project.name if task.project else "",

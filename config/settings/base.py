@@ -180,6 +180,11 @@ CELERY_BEAT_SCHEDULE = {
         "args": ("metering.gateway_calls",),
     },
     "billing-push-pending": {"task": "billing.push_pending", "schedule": 300.0},
+    "metering-running-gpus": {  # each hour's GPU time of running tasks, a few minutes after the hour
+        "task": "tenants.for_each_tenant",
+        "schedule": 300.0,
+        "args": ("metering.running_gpus",),
+    },
     "metering-storage": {
         "task": "tenants.for_each_tenant",
         "schedule": 3600.0,

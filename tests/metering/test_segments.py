@@ -1,8 +1,10 @@
-"""Run segments: every run of a task goes to the ledger when it stops, preempted runs included."""
+"""Run segments: every run of a task goes to the ledger hour by hour while it runs and the rest when it
+stops, preempted runs included."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+import itertools
+from datetime import datetime, timedelta
 
 import pytest
 from django.utils import timezone
@@ -13,17 +15,88 @@ from apps.metering.ledger import gpu_hours
 from apps.metering.models import LedgerEvent
 from apps.resources.models import Pool
 from apps.scheduling.models import Task, TaskState
-from apps.scheduling.services import transition
+from apps.scheduling.services import meter_running, transition
 from tests.world import World
 
 pytestmark = pytest.mark.django_db
 
 
-def run(task: Task, pool: Pool, minutes_ago: int) -> Task:
+def run(task: Task, pool: Pool, minutes_ago: int = 0, started: datetime | None = None) -> Task:
     for state in (TaskState.PLACED, TaskState.DISPATCHING):
         task = transition(task, to_state=state, actor="scheduler", pool=pool)
-    started = timezone.now() - timedelta(minutes=minutes_ago)
+    started = started or timezone.now() - timedelta(minutes=minutes_ago)
     return transition(task, to_state=TaskState.RUNNING, actor="agent", started_at=started)
+
+
+def segments_of(task: Task) -> list[LedgerEvent]:
+    return list(LedgerEvent.objects.filter(event_id__startswith=f"gpu:{task.pk}:").order_by("started_at"))
+
+
+def test_a_long_run_is_metered_hour_by_hour_while_it_runs_and_the_rest_when_it_stops(world: World) -> None:
+    from apps.metering.models import Rollup
+    from apps.metering.tasks import running_gpus
+
+    hour, ms = timezone.now().replace(minute=0, second=0, microsecond=0), timedelta(milliseconds=1)
+    with schema_context("acme"):
+        started = hour - timedelta(hours=3, minutes=20)
+        task = run(Task.objects.get(pk=world.task_a), Pool.objects.get(name="h100"), started=started)
+        gpus = task.size_units / 840
+
+        assert meter_running(now=hour - timedelta(minutes=50)) == 3  # 20 minutes, then two whole hours
+        assert meter_running(now=hour - timedelta(minutes=50)) == 0  # a second pass finds nothing new
+        assert [(s.started_at, s.ended_at) for s in segments_of(task)] == [
+            (started, hour - timedelta(hours=3) - ms),
+            (hour - timedelta(hours=3) - ms, hour - timedelta(hours=2) - ms),
+            (hour - timedelta(hours=2) - ms, hour - timedelta(hours=1) - ms),
+        ]
+        # Each hour's GPU time is in that hour's rollup, where the dashboard's utilization chart reads it.
+        hourly = dict(
+            Rollup.objects.filter(grain="hour", kind="gpu", bucket__lt=hour).values_list(
+                "bucket", "gpu_unit_ms"
+            )
+        )
+        assert {bucket: float(gpu_hours(unit_ms)) for bucket, unit_ms in hourly.items()} == pytest.approx(
+            {
+                hour - timedelta(hours=4): gpus * 20 / 60,
+                hour - timedelta(hours=3): gpus,
+                hour - timedelta(hours=2): gpus,
+            }
+        )
+
+        written = running_gpus("acme")  # through Celery's task, as beat sends it: the last hour
+        assert written == 1 + (timezone.now() - hour) // timedelta(hours=1)
+
+        task = transition(Task.objects.get(pk=task.pk), to_state=TaskState.COMPLETED, actor="agent")
+        assert task.ended_at is not None
+        segments = segments_of(task)
+        assert len(segments) == 4 + written
+        assert segments[-1].ended_at == task.ended_at  # the rest, from where hourly metering was
+        assert all(a.ended_at == b.started_at for a, b in itertools.pairwise(segments))
+        run_ms = (task.ended_at - started) // ms
+        assert sum(s.gpu_unit_ms for s in segments) == task.size_units * run_ms  # to the millisecond
+        assert meter_running() == 0  # a stopped run is not metered again
+
+
+def test_a_run_after_a_preemption_is_metered_from_its_own_start(world: World) -> None:
+    hour, ms = timezone.now().replace(minute=0, second=0, microsecond=0), timedelta(milliseconds=1)
+    with schema_context("acme"):
+        h100 = Pool.objects.get(name="h100")
+        task = run(Task.objects.get(pk=world.task_a), h100, started=hour - timedelta(hours=3))
+        assert meter_running(now=hour) == 3
+        task = transition(task, to_state=TaskState.PREEMPTED, actor="scheduler")
+        first_run = segments_of(task)
+        assert len(first_run) == 4  # its three hours, and the rest when it was preempted
+        assert first_run[-1].started_at == hour - ms
+        task = transition(task, to_state=TaskState.QUEUED, actor="scheduler", started_at=None)
+        task = run(task, h100)
+        second = task.started_at
+        assert second is not None
+        assert meter_running(now=hour + timedelta(hours=2, minutes=5)) == 2
+        ours = [s for s in segments_of(task) if s.started_at >= second]
+        assert [(s.started_at, s.ended_at) for s in ours] == [
+            (second, hour + timedelta(hours=1) - ms),
+            (hour + timedelta(hours=1) - ms, hour + timedelta(hours=2) - ms),
+        ]
 
 
 def test_a_task_preempted_twice_leaves_three_segments_that_add_up_to_its_gpu_time(world: World) -> None:
