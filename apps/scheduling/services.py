@@ -108,7 +108,12 @@ def meter_running(*, now: datetime | None = None) -> int:
     written. Celery beat runs it every few minutes; a pass that finds nothing new writes nothing."""
     last = (now or timezone.now()).replace(minute=0, second=0, microsecond=0) - ONE_MS
     written = 0
-    for pk in Task.objects.filter(state=TaskState.RUNNING, started_at__lt=last).values_list("pk", flat=True):
+    from django.db.models.functions import Coalesce
+
+    due = Task.objects.alias(metered=Coalesce("metered_until", "started_at")).filter(
+        state=TaskState.RUNNING, metered__lt=last
+    )  # a run metered to the end of the last hour has nothing due until the next one ends
+    for pk in due.order_by().values_list("pk", flat=True):
         with transaction.atomic():
             task = (
                 Task.objects.select_for_update(of=("self",))
