@@ -7,6 +7,7 @@ named, never left queued forever.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -26,8 +27,11 @@ from apps.scheduling.selectors import compute_resources_for
 if TYPE_CHECKING:
     from tenants.models import Tenant
 
+logger = logging.getLogger(__name__)
+
 SCHEDULER = "scheduler"
 ONE_HOUR, ONE_MS = timedelta(hours=1), timedelta(milliseconds=1)  # running runs are metered by the hour
+METER_LOCK_TIMEOUT = "500ms"  # how long an hourly metering pass waits for a lock before moving on
 
 # Which state may follow which. PREEMPTED passes straight on to QUEUED (at the front of the queue).
 TRANSITIONS: dict[str, frozenset[str]] = {
@@ -105,31 +109,48 @@ def meter_running(*, now: datetime | None = None) -> int:
     ledger, the hourly rollups and its wallet while it runs, not all at once when it stops. Each hour's
     segment ends at that hour's last millisecond, so that it counts in the hour it covers (the rollups
     count an event in the hour it ended); the next segment starts there. Returns how many segments were
-    written. Celery beat runs it every few minutes; a pass that finds nothing new writes nothing."""
-    last = (now or timezone.now()).replace(minute=0, second=0, microsecond=0) - ONE_MS
-    written = 0
+    written. Celery beat runs it every few minutes; a pass that finds nothing new writes nothing.
+
+    It gives way to the paths that end runs: a run whose row or ledger rows another transaction holds for
+    over METER_LOCK_TIMEOUT is left to the next pass (or to its stop), rather than waiting behind a
+    scheduling cycle or deadlocking with one."""
+    from django.db import OperationalError, connection
     from django.db.models.functions import Coalesce
 
+    last = (now or timezone.now()).replace(minute=0, second=0, microsecond=0) - ONE_MS
     due = Task.objects.alias(metered=Coalesce("metered_until", "started_at")).filter(
         state=TaskState.RUNNING, metered__lt=last
     )  # a run metered to the end of the last hour has nothing due until the next one ends
+    written = 0
     for pk in due.order_by().values_list("pk", flat=True):
-        with transaction.atomic():
-            task = (
-                Task.objects.select_for_update(of=("self",))
-                .select_related("submitter", "project", "pool", "compute_resource__policy__group")
-                .filter(pk=pk, state=TaskState.RUNNING)
-                .first()
-            )
-            if task is None or task.started_at is None:
-                continue  # it stopped meanwhile, and its stop metered it
-            start = max(task.started_at, task.metered_until) if task.metered_until else task.started_at
-            end = start.replace(minute=0, second=0, microsecond=0) + ONE_HOUR - ONE_MS
-            end = end if end > start else end + ONE_HOUR
-            while end <= last:
-                _meter(task, started_at=start, ended_at=end)
-                start, end, written = end, end + ONE_HOUR, written + 1
-            Task.objects.filter(pk=pk).update(metered_until=start)
+        try:
+            with transaction.atomic():
+                with connection.cursor() as cursor:
+                    cursor.execute(f"SET LOCAL lock_timeout = '{METER_LOCK_TIMEOUT}'")
+                written += _meter_hours(pk, last)
+        except OperationalError as error:  # a lock not granted in time, or a deadlock PostgreSQL broke
+            logger.warning("run of task %s left to the next metering pass: %s", pk, error)
+    return written
+
+
+def _meter_hours(pk: Any, last: datetime) -> int:
+    """Write the whole hours of one running run up to `last`; how many segments."""
+    task = (
+        Task.objects.select_for_update(of=("self",))
+        .select_related("submitter", "project", "pool", "compute_resource__policy__group")
+        .filter(pk=pk, state=TaskState.RUNNING)
+        .first()
+    )
+    if task is None or task.started_at is None:
+        return 0  # it stopped meanwhile, and its stop metered it
+    start = max(task.started_at, task.metered_until) if task.metered_until else task.started_at
+    end = start.replace(minute=0, second=0, microsecond=0) + ONE_HOUR - ONE_MS
+    end = end if end > start else end + ONE_HOUR
+    written = 0
+    while end <= last:
+        _meter(task, started_at=start, ended_at=end)
+        start, end, written = end, end + ONE_HOUR, written + 1
+    Task.objects.filter(pk=pk).update(metered_until=start)
     return written
 
 

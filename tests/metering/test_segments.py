@@ -4,6 +4,7 @@ stops, preempted runs included."""
 from __future__ import annotations
 
 import itertools
+import time
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -101,6 +102,34 @@ def test_a_run_after_a_preemption_is_metered_from_its_own_start(world: World) ->
             (second, hour + timedelta(hours=1) - ms),
             (hour + timedelta(hours=1) - ms, hour + timedelta(hours=2) - ms),
         ]
+
+
+def test_a_metering_pass_gives_way_to_a_transaction_that_holds_what_it_needs(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another connection holds the rollups (as a scheduling cycle stopping a run would, mid-transaction):
+    the pass leaves the run to the next one instead of waiting, and the next one meters it."""
+    import psycopg
+    from django.db import connection
+
+    hour = timezone.now().replace(minute=0, second=0, microsecond=0)
+    database = connection.settings_dict
+    with schema_context("acme"):
+        task = run(
+            Task.objects.get(pk=world.task_a),
+            Pool.objects.get(name="h100"),
+            started=hour - timedelta(hours=2),
+        )
+        with psycopg.connect(
+            dbname=database["NAME"], host=database["HOST"], port=database["PORT"], user=database["USER"]
+        ) as other:
+            other.execute("LOCK TABLE acme.metering_rollup IN EXCLUSIVE MODE")
+            began = time.monotonic()
+            assert meter_running(now=hour) == 0
+            assert time.monotonic() - began < 5  # it waited its lock timeout, not for the other to end
+            assert segments_of(task) == []
+            assert f"run of task {task.pk} left to the next metering pass" in caplog.text
+        assert meter_running(now=hour) == 2  # the other let go: the next pass meters both hours
 
 
 def test_a_task_preempted_twice_leaves_three_segments_that_add_up_to_its_gpu_time(world: World) -> None:
