@@ -144,11 +144,28 @@ def _facts(request: HttpRequest, task_id: str) -> tuple[User, Any]:
     return user, get_object_or_404(tasks_visible_to(user).select_related("pool", "submitter"), pk=task_id)
 
 
+def _metered(task: Any) -> dict[str, Any] | None:
+    """The GPU time and cost the ledger holds for the task's runs (a running run's is metered hour by
+    hour), or None before any."""
+    from django.db.models import Sum
+
+    from apps.metering.ledger import gpu_hours, usd
+    from apps.metering.models import Kind, LedgerEvent
+
+    sums = LedgerEvent.objects.filter(kind=Kind.GPU, event_id__startswith=f"gpu:{task.pk}:").aggregate(
+        unit_ms=Sum("gpu_unit_ms"), cost=Sum("cost_nano_usd")
+    )
+    if sums["unit_ms"] is None:
+        return None
+    return {"gpu_hours": gpu_hours(sums["unit_ms"]), "usd": usd(sums["cost"] or 0)}
+
+
 @signed_in
 def task(request: HttpRequest, task_id: str) -> HttpResponse:
     user, found = _facts(request, task_id)
     context = {
         "task": found,
+        "metered": _metered(found),
         "outputs": found.outputs.order_by("name"),
         "may_cancel": _may_cancel(user, found),
         "page": "tasks",
@@ -158,9 +175,11 @@ def task(request: HttpRequest, task_id: str) -> HttpResponse:
 
 @signed_in
 def task_facts(request: HttpRequest, task_id: str) -> HttpResponse:
-    """A task's state, pool and reason (HTMX): its page reloads them on the tenant's task events."""
+    """A task's state, pool, reason and metered GPU time (HTMX): its page reloads them on the tenant's task
+    events."""
     user, found = _facts(request, task_id)
-    return render(request, "portal/_task_facts.html", {"task": found, "may_cancel": _may_cancel(user, found)})
+    context = {"task": found, "metered": _metered(found), "may_cancel": _may_cancel(user, found)}
+    return render(request, "portal/_task_facts.html", context)
 
 
 @signed_in
@@ -183,7 +202,7 @@ def task_cancel(request: HttpRequest, task_id: str) -> HttpResponse:
             context["message"] = "Cancelled."
         except KliqueError as error:
             context["error"] = error.message
-    context.update(task=found, may_cancel=_may_cancel(user, found))
+    context.update(task=found, metered=_metered(found), may_cancel=_may_cancel(user, found))
     return render(request, "portal/_task_facts.html", context, status=status)
 
 

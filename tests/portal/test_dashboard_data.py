@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.test import Client
 from django.utils import timezone
 from django_tenants.utils import schema_context
 
@@ -117,3 +118,32 @@ def test_a_reports_gpu_samples_are_counted_when_it_is_kept_as_the_migration_coun
     ]
     assert on_save[log.pk] == (0, 0.0)  # only metric reports carry samples
     assert by_migration == on_save
+
+
+def test_a_tasks_page_shows_the_gpu_time_metered_so_far_hour_by_hour(world: World, client: Client) -> None:
+    """A running task's facts name the GPU-hours and cost its runs have in the ledger, which grow by the
+    hour while it runs."""
+    from apps.accounts.models import User
+    from apps.metering.models import PriceBook
+    from apps.scheduling.models import TaskState
+    from apps.scheduling.services import meter_running
+    from tests.world import HOST_A
+
+    hour = timezone.now().replace(minute=0, second=0, microsecond=0)
+    with schema_context("acme"):
+        PriceBook.objects.update_or_create(pk=1, defaults={"gpu_hour": {"*": "2.50"}})
+        task = _task(world, "long", TaskState.RUNNING)
+        task.started_at = hour - timedelta(hours=3)
+        task.save()
+        client.force_login(User.objects.get(username="bob"))
+
+        def facts() -> str:
+            answer = client.get(f"/portal/tasks/{task.pk}/facts/", HTTP_HOST=HOST_A)
+            assert answer.status_code == 200
+            return answer.content.decode()
+
+        assert "GPU time metered" not in facts()  # nothing in the ledger yet
+        assert meter_running(now=hour - timedelta(hours=1)) == 2
+        assert "2.00 GPU-hours, 5.00 USD (so far: hour by hour while it runs)" in facts()
+        assert meter_running(now=hour) == 1
+        assert "3.00 GPU-hours, 7.50 USD" in facts()
