@@ -36,7 +36,7 @@ def run_segment(
     from fractions import Fraction
 
     event = Event(
-        event_id=f"gpu:{task_id}:{started_at.isoformat()}",
+        event_id=_segment_prefix(task_id) + started_at.isoformat(),
         kind=Kind.GPU,
         started_at=started_at,
         ended_at=max(ended_at, started_at),
@@ -56,6 +56,23 @@ def run_segment(
         charge(user_id=str(row.user_id), project_id=str(row.project_id) if row.project_id else None,
                cost_nano_usd=row.cost_nano_usd, at=row.ended_at)  # fmt: skip
     return report
+
+
+def _segment_prefix(task_id: object) -> str:
+    """A task's GPU segments are named gpu:<task id>:<the segment's start>."""
+    return f"gpu:{task_id}:"
+
+
+def task_gpu_usage(*, task_id: Any, user_id: Any, since: datetime) -> dict[str, Any] | None:
+    """The GPU time (units x milliseconds) and cost (nano-USD) the ledger holds for a task's runs, or None
+    before any. Read through the ledger's (user, started_at) index: the submitter's events since the task
+    was submitted, not the whole ledger."""
+    from apps.metering.ledger import amount_sums
+
+    sums = LedgerEvent.objects.filter(
+        user_id=user_id, started_at__gte=since, kind=Kind.GPU, event_id__startswith=_segment_prefix(task_id)
+    ).aggregate(**amount_sums())
+    return None if sums["gpu_unit_ms"] is None else sums
 
 
 def compute_cost(*, since: datetime, project_id: Any = None, user_id: Any = None) -> int:

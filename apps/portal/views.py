@@ -147,17 +147,13 @@ def _facts(request: HttpRequest, task_id: str) -> tuple[User, Any]:
 def _metered(task: Any) -> dict[str, Any] | None:
     """The GPU time and cost the ledger holds for the task's runs (a running run's is metered hour by
     hour), or None before any."""
-    from django.db.models import Sum
-
     from apps.metering.ledger import gpu_hours, usd
-    from apps.metering.models import Kind, LedgerEvent
+    from apps.metering.services import task_gpu_usage
 
-    sums = LedgerEvent.objects.filter(kind=Kind.GPU, event_id__startswith=f"gpu:{task.pk}:").aggregate(
-        unit_ms=Sum("gpu_unit_ms"), cost=Sum("cost_nano_usd")
+    sums = task_gpu_usage(task_id=task.pk, user_id=task.submitter_id, since=task.submitted_at)
+    return (
+        None if sums is None else {"gpu_hours": gpu_hours(sums["gpu_unit_ms"]), "usd": usd(sums["cost"] or 0)}
     )
-    if sums["unit_ms"] is None:
-        return None
-    return {"gpu_hours": gpu_hours(sums["unit_ms"]), "usd": usd(sums["cost"] or 0)}
 
 
 @signed_in

@@ -133,6 +133,7 @@ def test_a_tasks_page_shows_the_gpu_time_metered_so_far_hour_by_hour(world: Worl
     with schema_context("acme"):
         PriceBook.objects.update_or_create(pk=1, defaults={"gpu_hour": {"*": "2.50"}})
         task = _task(world, "long", TaskState.RUNNING)
+        task.submitted_at = task.queued_at = hour - timedelta(hours=3, minutes=5)
         task.started_at = hour - timedelta(hours=3)
         task.save()
         client.force_login(User.objects.get(username="bob"))
