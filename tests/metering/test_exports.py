@@ -5,10 +5,12 @@ from __future__ import annotations
 import csv
 import io
 from collections.abc import Callable
+from datetime import timedelta
 from decimal import Decimal
 from typing import Any
 
 import pyarrow.parquet as pq
+from django.utils import timezone
 from rest_framework.test import APIClient
 
 from tests.world import World
@@ -70,16 +72,18 @@ def test_a_period_exports_as_csv_and_parquet_per_cost_center(
 
 
 def test_a_closed_period_takes_late_events_into_the_next(api: Callable[..., APIClient]) -> None:
+    this_month = timezone.now().date().replace(day=1)
+    last_month = (this_month - timedelta(days=1)).replace(day=1)
     admin = api("alice")
-    closed = admin.post("/api/v1/usage/periods/2026-10/close/")
+    closed = admin.post(f"/api/v1/usage/periods/{last_month:%Y-%m}/close/")
     assert closed.status_code == 200, closed.content
-    assert admin.post("/api/v1/usage/periods/2026-10/close/").status_code == 400
-    late = {**EVENTS[1], "event_id": "late-call", "started_at": "2026-10-30T09:00:00+00:00"}
+    assert admin.post(f"/api/v1/usage/periods/{last_month:%Y-%m}/close/").status_code == 400
+    late = {**EVENTS[1], "event_id": "late-call", "started_at": f"{last_month:%Y-%m}-02T09:00:00+00:00"}
     admin.post("/api/v1/usage/events/", {"events": [late]}, format="json")
     (event,) = [
         e for e in admin.get("/api/v1/usage/?kind=tokens").json()["results"] if e["event_id"] == "late-call"
     ]
-    assert (event["period"], event["late"]) == ("2026-11-01", True)
-    current = admin.post("/api/v1/usage/periods/2026-11/close/")
+    assert (event["period"], event["late"]) == (this_month.isoformat(), True)
+    current = admin.post(f"/api/v1/usage/periods/{this_month:%Y-%m}/close/")
     assert current.status_code == 400
     assert "has not ended yet" in current.json()["detail"]
