@@ -199,12 +199,14 @@ def _apply(decision: engine.Decision, now: datetime) -> tuple[int, int]:
                 )
             )
     preempted = 0
+    runs_ended: list[Task] = []
     for preemption in decision.preemptions:
-        victim = Task.objects.filter(pk=preemption.victim, state__in=ACTIVE_STATES).first()
+        # Locked, so that its state is the one it leaves: a run that ended meanwhile is left alone.
+        victim = (
+            Task.objects.select_for_update().filter(pk=preemption.victim, state__in=ACTIVE_STATES).first()
+        )
         if victim is None:
             continue
-        if victim.state == TaskState.RUNNING and victim.started_at is not None:
-            meter_run(victim, ended_at=now)  # the preempted run is a segment of its own
         message = (
             f"Preempted to return borrowed capacity to guaranteed task {preemption.for_task}; "
             "back at the front of its queue."
@@ -227,8 +229,10 @@ def _apply(decision: engine.Decision, now: datetime) -> tuple[int, int]:
                 message="requeued at its original submit time",
             ),
         ]
+        if victim.state == TaskState.RUNNING and victim.started_at is not None:
+            runs_ended.append(victim)
         # Keeps submitted_at, so it returns to the front of its queue.
-        preempted += Task.objects.filter(pk=victim.pk, state__in=ACTIVE_STATES).update(
+        preempted += Task.objects.filter(pk=victim.pk).update(
             state=TaskState.QUEUED,
             pool=None,
             queued_at=now,
@@ -238,6 +242,11 @@ def _apply(decision: engine.Decision, now: datetime) -> tuple[int, int]:
             reason=message,
         )
     TaskEvent.objects.bulk_create(events)
+    # Each preempted run is a segment of its own. They are metered once every victim's row is locked:
+    # a run's end elsewhere (an agent's report) locks its row, then the ledger's rollups; taking the
+    # rollups before the last row could deadlock with it.
+    for run in runs_ended:
+        meter_run(run, ended_at=now)
 
     waiting = Task.objects.filter(pk__in=list(decision.reasons), state=TaskState.QUEUED).only(
         "reason_code", "reason"

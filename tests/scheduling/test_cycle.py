@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
-from django.db import connections
+from django.db import connection, connections, transaction
 from django.utils import timezone
 from django_tenants.utils import schema_context
 
@@ -19,7 +20,7 @@ from apps.resources.services import draft_provision, draft_save
 from apps.scheduling import engine
 from apps.scheduling.cycle import _apply, run_cycle, snapshot
 from apps.scheduling.models import Task, TaskEvent, TaskState
-from apps.scheduling.services import TaskRequest, tasks_submit
+from apps.scheduling.services import TaskRequest, tasks_submit, transition
 from tenants.models import Tenant
 from tenants.services import tenant_create, tenant_delete
 from tests.scheduling.config import acme_document
@@ -148,3 +149,78 @@ def test_two_cycles_at_once_never_place_a_task_twice(committed_tenant: Tenant) -
     assert len(placements) == len(set(placements)) == placed_tasks == 4  # the research limit: 16 GPUs
     assert used == 16 * engine.UNITS_PER_GPU
     assert sum(result.placed for result in results) == 4
+
+
+def until_a_connection_waits_for_a_lock(seconds: float = 10) -> bool:
+    with connection.cursor() as cursor:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            cursor.execute("SELECT pg_stat_clear_snapshot()")  # a transaction would see its first one
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            )
+            if cursor.fetchone()[0]:
+                return True
+            time.sleep(0.05)
+    return False
+
+
+def test_a_cycle_preempting_two_runs_and_an_agent_ending_one_of_them_both_go_through(
+    committed_tenant: Tenant, django_db_blocker: pytest.FixtureRequest
+) -> None:
+    """The cycle takes back two of Dev's runs while an agent, holding the second's row, reports that run's
+    end. Both meter into the same rollups; neither may deadlock the other, and the ended run stays ended."""
+    with django_db_blocker.unblock(), schema_context("concurrent"):  # type: ignore[attr-defined]
+        Task.objects.all().delete()
+        dev = ComputeResource.objects.get(name="Dev: 4 GPUs")
+        olga = User.objects.get(username="olga")
+        pools = {pool.name: pool for pool in Pool.objects.all()}
+        for pool, minutes in (("baremetal", 40), ("baremetal", 10), ("h100", 30), ("h100", 20)):
+            running_task(dev, pools[pool], olga, minutes)
+        requests = [TaskRequest(compute_resource="Research: 4 GPUs", name=f"r{i}") for i in range(2)]
+        tasks_submit(tenant=committed_tenant, user=olga, requests=requests)
+        decision = engine.schedule(snapshot(committed_tenant, timezone.now()))
+    first, second = (str(preemption.victim) for preemption in decision.preemptions)
+
+    locked, errors, results = threading.Event(), [], []
+
+    def agent_reports_the_second_run_ended() -> None:
+        try:
+            with schema_context("concurrent"), transaction.atomic():
+                task = Task.objects.select_for_update().get(pk=second)
+                locked.set()
+                assert until_a_connection_waits_for_a_lock(), "the cycle never waited for the run's row"
+                transition(task, to_state=TaskState.COMPLETED, actor="agent", exit_code=0)
+        except Exception as error:
+            errors.append(error)
+        finally:
+            connections.close_all()
+
+    def cycle() -> None:
+        try:
+            locked.wait(timeout=30)
+            with schema_context("concurrent"):
+                results.append(run_cycle(committed_tenant))
+        except Exception as error:
+            errors.append(error)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=agent_reports_the_second_run_ended), threading.Thread(target=cycle)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert errors == []
+    assert [(result.ran, result.preempted) for result in results] == [(True, 1)]
+    with django_db_blocker.unblock(), schema_context("concurrent"):  # type: ignore[attr-defined]
+        states = dict(Task.objects.filter(pk__in=[first, second]).values_list("pk", "state"))
+        assert {str(pk): state for pk, state in states.items()} == {
+            first: TaskState.QUEUED,
+            second: TaskState.COMPLETED,
+        }
+        moves = list(TaskEvent.objects.filter(task_id=second).values_list("to_state", flat=True))
+        assert moves == [TaskState.COMPLETED]  # not preempted after it ended
+        segments = LedgerEvent.objects.filter(event_id__startswith="gpu:").values_list("event_id", flat=True)
+        assert sorted(event_id.split(":")[1] for event_id in segments) == sorted([first, second])
