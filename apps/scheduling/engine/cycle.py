@@ -84,6 +84,15 @@ class _QueueState:
         return index
 
 
+@dataclass
+class _Memo:
+    """What the cycle found at one `version` of its usage and held pools."""
+
+    version: int
+    no_reclaim: set[tuple[str, str, Sharing, int]] = field(default_factory=set)  # profile, policy, task kind
+    no_room: dict[tuple[str, Sharing, int], Reason] = field(default_factory=dict)  # profile, task kind
+
+
 class _Cycle:
     def __init__(self, snapshot: Snapshot) -> None:
         self.snapshot = snapshot
@@ -119,10 +128,12 @@ class _Cycle:
         self.preempted: set[str] = set()
         self.reasons: dict[str, Reason] = {}
         self.held: dict[str, str] = {}  # pool -> id of the starving head it is held for
+        self.holding: set[str] = set()  # the tasks that pools are held for
         self.version = 0  # bumped whenever usage changes; keys the caches below
         self._room_cache: dict[tuple[str, Sharing], tuple[int, int]] = {}
         self._home_cache: dict[tuple[str, Sharing, int], str | None] = {}
         self._reclaim_cache: dict[str, tuple[int, int]] = {}
+        self._memo_entries = _Memo(-1)
         self._message_cache: dict[tuple[object, ...], Reason] = {}
 
         self.states: list[_QueueState] = []
@@ -184,18 +195,19 @@ class _Cycle:
                 del self.reasons[task.id]
 
     def _run_band(self, band: int) -> None:
-        heap: list[tuple[tuple[object, ...], int, int]] = []
+        heap: list[tuple[tuple[object, ...], int, int, int]] = []
         for number, state in enumerate(self.states):
             self._push_head(heap, number, state, 0, band)
         while heap:
-            key, number, index = heapq.heappop(heap)
+            key, number, index, used = heapq.heappop(heap)
             state = self.states[number]
             task = state.tasks[index]
-            fresh = self._key(state, task)
-            if fresh != key and heap and fresh > heap[0][0]:
-                # Fair share moved since this entry was pushed: re-queue it at its true position.
-                heapq.heappush(heap, (fresh, number, index))
-                continue
+            if self.policy_used[state.policy.id] != used:  # its key changes only with its policy's usage
+                fresh = self._key(state, task)
+                if fresh != key and heap and fresh > heap[0][0]:
+                    # Fair share moved since this entry was pushed: re-queue it at its true position.
+                    heapq.heappush(heap, (fresh, number, index, self.policy_used[state.policy.id]))
+                    continue
             if band == GUARANTEED and not self._guaranteed(state.policy, task):
                 # Its policy's own placements since it was pushed make it borrow now: it waits for the
                 # borrowing band (and, in strict FIFO, so does everything behind it).
@@ -207,7 +219,7 @@ class _Cycle:
 
     def _push_head(
         self,
-        heap: list[tuple[tuple[object, ...], int, int]],
+        heap: list[tuple[tuple[object, ...], int, int, int]],
         number: int,
         state: _QueueState,
         start: int,
@@ -224,7 +236,9 @@ class _Cycle:
         while index < len(state.tasks):
             task = state.tasks[index]
             if band == BORROWING or self._guaranteed(state.policy, task):
-                heapq.heappush(heap, (self._key(state, task), number, index))
+                heapq.heappush(
+                    heap, (self._key(state, task), number, index, self.policy_used[state.policy.id])
+                )
                 return
             if state.profile.strict_fifo:
                 return  # the head borrows: in strict FIFO nothing behind it goes in the guaranteed band
@@ -270,6 +284,8 @@ class _Cycle:
             home = self._home(state.profile, task)
             if home is not None and home not in self.held:
                 self.held[home] = task.id
+                self.holding.add(task.id)
+                self.version += 1  # a held pool changes what others may place and reclaim
         # Given up on for the whole cycle: free capacity only shrinks from here, so the borrowing band
         # would not find room the guaranteed band did not.
         self._give_up(state, index, self._no_room_reason(state.profile, task))
@@ -383,6 +399,7 @@ class _Cycle:
         self.version += 1
         if self.held.get(pool) == task.id:
             del self.held[pool]
+            self.holding.discard(task.id)
 
     # -- reclaim ---------------------------------------------------------------------------------------
 
@@ -404,6 +421,16 @@ class _Cycle:
         return total
 
     def _reclaim(self, profile: Profile, policy: Policy, task: Task) -> str | None:
+        """Preempt borrowed work (or take back this cycle's placements) to make room for a guaranteed task;
+        the pool it makes room in, or None. A refusal holds for every task of the same size and sharing
+        method of the same profile and policy until usage or the held pools change, so it is remembered
+        until then (a long queue would otherwise repeat it task by task); a task that holds a pool is
+        asked afresh, since the pool it holds is open to it alone."""
+        memo = self._memo()
+        holder = task.id in self.holding
+        asked = (profile.id, policy.id, task.sharing, task.size)
+        if asked in memo.no_reclaim and not holder:
+            return None
         for pool_id in profile.pools:
             pool = self.pools.get(pool_id)
             if pool is None or not self._fits_kind(pool, task) or self.held.get(pool_id, task.id) != task.id:
@@ -426,7 +453,15 @@ class _Cycle:
                 self.total_used -= victim.size
             self.version += 1
             return pool_id
+        if not holder:
+            memo.no_reclaim.add(asked)
         return None
+
+    def _memo(self) -> _Memo:
+        """Answers that hold until usage or the held pools change, that is while `version` stays."""
+        if self._memo_entries.version != self.version:
+            self._memo_entries = _Memo(self.version)
+        return self._memo_entries
 
     def _take_back(self, victim: Allocation, pool_id: str, for_policy: Policy, for_task: str) -> None:
         """Take back this cycle's placement `victim` in `pool_id` (policy and total usage are adjusted by
@@ -488,14 +523,21 @@ class _Cycle:
         state.done[index] = True
 
     def _choose_victims(self, pool_id: str, for_policy: str, need: int) -> list[Allocation] | None:
-        candidates = [
-            allocation
-            for allocation in self.in_pool[pool_id]
-            if allocation.task not in self.preempted
-            and self.queue_policy.get(allocation.queue, for_policy) != for_policy
-            and self._excess(self.queue_policy[allocation.queue]) > 0
-            and not self._stopped_own_work_for(allocation.task, for_policy)
-        ]
+        queue_policy, preempted, placed_now = self.queue_policy, self.preempted, self.placed_now
+        excess: dict[str, int] = {}  # what each policy holds above its reservation
+        candidates = []
+        for allocation in self.in_pool[pool_id]:
+            policy = queue_policy.get(allocation.queue, for_policy)
+            if policy == for_policy or allocation.task in preempted:
+                continue
+            above = excess.get(policy)
+            if above is None:
+                above = excess[policy] = self._excess(policy)
+            if above <= 0:
+                continue
+            if allocation.task in placed_now and self._stopped_own_work_for(allocation.task, for_policy):
+                continue
+            candidates.append(allocation)
         candidates.sort(
             key=lambda allocation: (
                 self.queue_priority.get(allocation.queue, 0),
@@ -503,7 +545,6 @@ class _Cycle:
                 allocation.task,
             )
         )
-        excess = {policy: self._excess(policy) for policy in {self.queue_policy[a.queue] for a in candidates}}
         chosen: list[Allocation] = []
         freed = 0
         for allocation in candidates:
@@ -518,9 +559,10 @@ class _Cycle:
         return None  # no useless preemption: if the task still could not start, preempt nothing
 
     def _stopped_own_work_for(self, task_id: str, policy_id: str) -> bool:
-        """Whether this cycle preempted work of `policy_id` to place `task_id`: taking that placement back
-        for `policy_id` would leave its own work stopped for its own task, so it is not a candidate."""
-        return task_id in self.placed_now and any(
+        """Whether this cycle preempted work of `policy_id` to place `task_id` (a placement of this cycle):
+        taking it back for `policy_id` would leave its own work stopped for its own task, so it is not a
+        candidate."""
+        return any(
             p.for_task == task_id and self.running_policy.get(p.victim) == policy_id for p in self.preemptions
         )
 
@@ -537,6 +579,18 @@ class _Cycle:
         return reason
 
     def _no_room_reason(self, profile: Profile, task: Task) -> Reason:
+        """Why a task found no room; the same for every task of its size and sharing method in the profile
+        until usage or the held pools change (other than for a task that holds a pool)."""
+        if task.id in self.holding:
+            return self._why_no_room(profile, task)
+        memo = self._memo()
+        key = (profile.id, task.sharing, task.size)
+        reason = memo.no_room.get(key)
+        if reason is None:
+            reason = memo.no_room[key] = self._why_no_room(profile, task)
+        return reason
+
+    def _why_no_room(self, profile: Profile, task: Task) -> Reason:
         home = self._home(profile, task)
         if home is None:
             return self._reason(
@@ -547,11 +601,15 @@ class _Cycle:
                     f"({task.sharing.value}); the pools are offline, too small, or lack that sharing method."
                 ),
             )
-        holders = [
-            self.held[pool_id]
-            for pool_id in profile.pools
-            if pool_id in self.held and self.held[pool_id] != task.id
-        ]
+        holders = (
+            [
+                self.held[pool_id]
+                for pool_id in profile.pools
+                if pool_id in self.held and self.held[pool_id] != task.id
+            ]
+            if self.held
+            else []
+        )
         if holders and task.size <= self._room(profile, task.sharing):
             return self._reason(
                 ("held", profile.id, holders[0]),
