@@ -183,6 +183,10 @@ def _banner(demo: dict[str, Any] | None, port: int) -> str:
             f"  Admin token:   {demo['admin_token']}",
             f"  Provider token: {demo['provider_token']}",
             "",
+            f"  Portal:        {tenant_url}/portal/   (sign in: {demo['admin']} / {demo['admin_password']})",
+            f"  Platform Management Center: {base}/portal/   "
+            f"(sign in: {demo['provider']} / {demo['provider_password']})",
+            "",
             "  Try:",
             f"    curl -H 'Authorization: Bearer {demo['admin_token']}' {tenant_url}/api/v1/tenant/",
             f"    export KLIQUE_URL={tenant_url} KLIQUE_TOKEN={demo['admin_token']}",

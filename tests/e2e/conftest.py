@@ -73,6 +73,13 @@ class Running:
         tail = "".join(self.lines[-40:])
         raise AssertionError(f"`klique up` never printed {pattern!r}; it printed:\n{tail}")
 
+    def printed(self, pattern: str) -> re.Match[str]:
+        """The first line read so far (by wait_for) that matches: a line printed before the one waited for."""
+        for line in self.lines:
+            if match := re.search(pattern, line):
+                return match
+        raise AssertionError(f"`klique up` did not print {pattern!r} before:\n{''.join(self.lines[-40:])}")
+
     def everything(self) -> str:
         """All it printed, once it has exited: what was read so far and the rest."""
         assert self.process.poll() is not None, "still running"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -62,6 +63,23 @@ def call(
     )
 
 
+def portal_page(running: Running, host: str, username: str, password: str, page: str) -> httpx.Response:
+    """Sign in on the portal's own form, as a browser would (CSRF cookie and field), then open `page`."""
+    with httpx.Client(
+        base_url=f"http://127.0.0.1:{running.port}", headers={"Host": f"{host}:{running.port}"}, timeout=30
+    ) as browser:
+        form = browser.get("/portal/sign-in/")
+        assert form.status_code == 200, form.text
+        csrf = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', form.text)
+        assert csrf is not None, form.text
+        signed_in = browser.post(
+            "/portal/sign-in/",
+            data={"csrfmiddlewaretoken": csrf[1], "username": username, "password": password},
+        )
+        assert (signed_in.status_code, signed_in.headers.get("location")) == (302, "/portal/"), signed_in.text
+        return browser.get(page)
+
+
 async def first_event(port: int, token: str, create_project: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """The welcome, and the first project event after create_project (the demo's tasks send their own
     events meanwhile: task.<state>, tasks.scheduled)."""
@@ -88,6 +106,20 @@ def test_up_with_configured_services(fresh_database: str, redis_url: str, tmp_pa
         assert url == f"http://demo.localhost:{running.port}/api/v1/tenant/"
         assert tenant["slug"] == "demo"
         assert tenant["domains"] == ["demo.localhost"]
+
+        # The banner's passwords open the demo's portal and the Platform Management Center.
+        portal = running.printed(r"Portal: +(http://\S+)/portal/ +\(sign in: (\S+) / (\S+)\)")
+        assert portal[1] == f"http://demo.localhost:{running.port}"
+        page = portal_page(running, "demo.localhost", portal[2], portal[3], "/portal/dashboard/")
+        assert page.status_code == 200
+        assert "lab-h100" in page.text, page.text[:500]  # the demo's pool on the dashboard
+        center = running.printed(
+            r"Platform Management Center: +(http://\S+)/portal/ +\(sign in: (\S+) / (\S+)\)"
+        )
+        assert center[1] == f"http://localhost:{running.port}"
+        page = portal_page(running, "localhost", center[2], center[3], "/portal/")
+        assert page.status_code == 200
+        assert '<tr data-tenant="demo">' in page.text, page.text[:500]  # the demo tenant in the list
 
         # Websockets through the real ASGI server: an event arrives when a project is made.
         welcome, event = asyncio.run(

@@ -1,12 +1,14 @@
 """`klique up --demo` calls this: a demo tenant with people, a group and a project, and fresh tokens.
 
 Safe to run again: what exists is kept and only new tokens are issued (the old ones stay valid until
-they expire), so a second `make demo` reuses the data of the first.
+they expire), so a second `make demo` reuses the data of the first. Each run also gives alice and the
+provider a new password for the portal and the Platform Management Center, shown once in the banner.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 from argparse import ArgumentParser
 from typing import Any
 
@@ -85,6 +87,14 @@ DEMO_CONFIGURATION = {
 }
 
 
+def _new_password(user: User) -> str:
+    """A fresh random password for the portal's sign-in (the demo's people have no single sign-on)."""
+    password = secrets.token_urlsafe(12)
+    user.set_password(password)
+    user.save(update_fields=["password"])
+    return password
+
+
 class Command(BaseCommand):
     help = "Create or refresh the demo tenant and print its address and tokens as one JSON line."
 
@@ -106,10 +116,8 @@ class Command(BaseCommand):
             return
         public = services.public_tenant_ensure()
         with schema_context(get_public_schema_name()):
-            provider, created = User.objects.get_or_create(username="provider", defaults={"role": Role.ADMIN})
-            if created:
-                provider.set_unusable_password()
-                provider.save()
+            provider, _ = User.objects.get_or_create(username="provider", defaults={"role": Role.ADMIN})
+            provider_password = _new_password(provider)
             provider_token = token_create(tenant=public, user=provider, name="demo provider token").secret
 
         tenant = selectors.tenant_get(slug=DEMO_SLUG)
@@ -129,6 +137,7 @@ class Command(BaseCommand):
                 ).secret
         with schema_context(tenant.schema_name):
             alice = User.objects.get(username="alice")
+            admin_password = _new_password(alice)
             bob = User.objects.filter(username="bob").first() or user_create(
                 tenant=tenant, username="bob", email="bob@example.com", role=Role.MEMBER
             )
@@ -155,7 +164,10 @@ class Command(BaseCommand):
                     "tenant_address": selectors.tenant_address(tenant),
                     "admin": "alice",
                     "admin_token": admin_token,
+                    "admin_password": admin_password,
+                    "provider": "provider",
                     "provider_token": provider_token,
+                    "provider_password": provider_password,
                 }
             )
         )
