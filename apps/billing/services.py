@@ -30,10 +30,32 @@ from tenants.models import Tenant
 log = logging.getLogger("klique.billing")
 
 METERS = {"gpu": "klique_gpu_hours", "tokens": "klique_tokens", "storage": "klique_storage_gb_hours"}
+# Stripe takes a meter event only while its timestamp is within the past 35 calendar days.
+METER_EVENT_MAX_AGE = timedelta(days=35)
 
 
 class StripeUnavailable(Exception):
     pass
+
+
+class TooLateForMeterEvents(Exception):
+    """A month whose last second is past Stripe's meter event window: Stripe would refuse it."""
+
+
+def _meter_event_time(period: date) -> datetime:
+    """A month's meter events are stamped with its last second, so they count in that month."""
+    month_end = (period + timedelta(days=32)).replace(day=1)
+    return datetime.combine(month_end, datetime.min.time(), tzinfo=UTC) - timedelta(seconds=1)
+
+
+def _check_meter_event_window(period: date) -> None:
+    stamped = _meter_event_time(period)
+    if timezone.now() - stamped > METER_EVENT_MAX_AGE:
+        raise TooLateForMeterEvents(
+            f"Stripe takes meter events from the past {METER_EVENT_MAX_AGE.days} days only, and "
+            f"{period:%Y-%m} ended on {stamped:%Y-%m-%d}: bill it as invoice items "
+            "(KLIQUE_STRIPE_MODE=invoice_items) or in Stripe by hand."
+        )
 
 
 def client() -> Any:
@@ -78,6 +100,11 @@ def export_period(period: date) -> list[StripePush]:
         if settings.KLIQUE_STRIPE_MODE == "meter_events"
         else StripePush.Mode.INVOICE_ITEM
     )
+    if mode == StripePush.Mode.METER_EVENT:
+        try:
+            _check_meter_event_window(period)
+        except TooLateForMeterEvents as late:
+            raise InvalidInput(str(late), field="period") from None
     pushes = []
     with schema_context(get_public_schema_name()):
         tenants = list(Tenant.objects.exclude(schema_name=get_public_schema_name()))
@@ -111,15 +138,13 @@ def _customer(stripe: Any, tenant: Tenant) -> str:
 
 
 def _send(stripe: Any, push: StripePush, customer: str) -> str:
-    month_end = (push.period + timedelta(days=32)).replace(day=1)
     if push.mode == StripePush.Mode.METER_EVENT:
         event = stripe.v1.billing.meter_events.create(
             params={
                 "event_name": METERS[push.kind],
                 "payload": {"stripe_customer_id": customer, "value": str(push.quantity)},
                 "identifier": push.idempotency_key,
-                "timestamp": int(datetime.combine(month_end, datetime.min.time(), tzinfo=UTC).timestamp())
-                - 1,
+                "timestamp": int(_meter_event_time(push.period).timestamp()),
             },
             options={"idempotency_key": push.idempotency_key},
         )
@@ -146,8 +171,14 @@ def push_pending() -> dict[str, int]:
     for push in StripePush.objects.select_related("tenant").filter(status=StripePush.Status.PENDING):
         push.attempts += 1
         try:
+            if push.mode == StripePush.Mode.METER_EVENT:
+                _check_meter_event_window(
+                    push.period
+                )  # a push left pending past the window, say by an outage
             push.stripe_id = _send(stripe, push, _customer(stripe, push.tenant))
             push.status, push.sent_at, push.last_error = StripePush.Status.SENT, timezone.now(), ""
+        except TooLateForMeterEvents as late:
+            push.status, push.last_error = StripePush.Status.FAILED, str(late)
         except (library.APIConnectionError, library.RateLimitError) as error:
             push.last_error = f"Stripe could not be reached ({error.user_message or error}); retrying"
         except library.StripeError as error:

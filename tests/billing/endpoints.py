@@ -3,7 +3,11 @@ configured, so export and reconciliation say so (tests/billing/test_stripe.py ru
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 from tests.battery import Endpoint, fixed
+
+LAST_MONTH = f"{(datetime.now(UTC).date().replace(day=1) - timedelta(days=1)):%Y-%m}"
 
 ENDPOINTS = [
     Endpoint(
@@ -11,7 +15,7 @@ ENDPOINTS = [
         "api/v1/provider/billing/export/",
         "provider",
         fixed("/api/v1/provider/billing/export/"),
-        body=lambda w: {"period": "2026-10"},
+        body=lambda w: {"period": LAST_MONTH},
         bad_body={"period": "last month"},
         expect=400,
     ),
@@ -20,7 +24,7 @@ ENDPOINTS = [
         "GET",
         "api/v1/provider/billing/reconciliation/",
         "provider",
-        fixed("/api/v1/provider/billing/reconciliation/?period=2026-10"),
+        fixed(f"/api/v1/provider/billing/reconciliation/?period={LAST_MONTH}"),
         expect=400,
     ),
 ]

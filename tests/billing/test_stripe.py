@@ -11,7 +11,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
-from datetime import UTC, date, datetime
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
@@ -29,7 +29,9 @@ from tests.world import World
 
 pytestmark = pytest.mark.django_db
 
-OCTOBER = date(2026, 10, 1)
+THIS_MONTH = datetime.now(UTC).date().replace(day=1)
+LAST_MONTH = (THIS_MONTH - timedelta(days=1)).replace(day=1)  # Stripe takes meter events for 35 days
+LONG_AGO = (THIS_MONTH - timedelta(days=70)).replace(day=1)  # ended 39 days or more before this month
 
 
 @pytest.fixture(scope="module")
@@ -55,16 +57,18 @@ def localstripe() -> Iterator[str]:
 
 
 @pytest.fixture
-def october_usage(world: World) -> World:
+def last_month_usage(world: World) -> World:
     with schema_context("acme"):
         PriceBook.objects.update_or_create(
             pk=1, defaults={"gpu_hour": {"H100": "2.50"}, "tokens_million": {"chat": {"in": "1", "out": "2"}}}
         )
-        started = datetime(2026, 10, 12, 8, tzinfo=UTC)
+        started = datetime.combine(LAST_MONTH + timedelta(days=11), datetime.min.time(), tzinfo=UTC).replace(
+            hour=8
+        )
         ingest(
             [
                 Event(
-                    event_id="oct-run",
+                    event_id="last-month-run",
                     kind="gpu",
                     started_at=started,
                     ended_at=started.replace(hour=12),
@@ -73,7 +77,7 @@ def october_usage(world: World) -> World:
                     gpus="1/7",
                 ),
                 Event(
-                    event_id="oct-call",
+                    event_id="last-month-call",
                     kind="tokens",
                     started_at=started,
                     user="bob",
@@ -92,20 +96,20 @@ def stripe_settings(base: str, mode: str = "invoice_items") -> Any:
     )
 
 
-def test_a_month_goes_to_stripe_once_and_reconciles(october_usage: World, localstripe: str) -> None:
+def test_a_month_goes_to_stripe_once_and_reconciles(last_month_usage: World, localstripe: str) -> None:
     with stripe_settings(localstripe):
-        pushes = services.export_period(OCTOBER)
+        pushes = services.export_period(LAST_MONTH)
         assert {(p.tenant.slug, p.kind, p.amount_cents) for p in pushes} == {
             ("acme", "gpu", 143),  # 4/7 GPU-hours at 2.50: 1.428571... USD
             ("acme", "tokens", 500),  # 3M in at 1 and 1M out at 2 per million
         }
         assert services.push_pending() == {"sent": 2, "pending": 0, "failed": 0}
-        customer = StripeCustomer.objects.get(tenant=october_usage.tenant_a)
+        customer = StripeCustomer.objects.get(tenant=last_month_usage.tenant_a)
         assert customer.customer_id.startswith("cus_")
         # Exporting and pushing again sends nothing twice.
-        services.export_period(OCTOBER)
+        services.export_period(LAST_MONTH)
         assert services.push_pending() == {"sent": 0, "pending": 0, "failed": 0}
-        rows = services.reconcile(OCTOBER)
+        rows = services.reconcile(LAST_MONTH)
         assert {(r.tenant, r.kind, r.ledger_cents, r.stripe_cents, r.state) for r in rows} == {
             ("acme", "gpu", 143, 143, "match"),
             ("acme", "tokens", 500, 500, "match"),
@@ -113,23 +117,25 @@ def test_a_month_goes_to_stripe_once_and_reconciles(october_usage: World, locals
 
 
 def test_a_stripe_outage_keeps_the_pushes_and_a_retry_sends_them(
-    october_usage: World, localstripe: str
+    last_month_usage: World, localstripe: str
 ) -> None:
     with stripe_settings(f"http://127.0.0.1:{free_port()}"):  # nothing listens there
-        services.export_period(OCTOBER)
+        services.export_period(LAST_MONTH)
         assert services.push_pending() == {"sent": 0, "pending": 2, "failed": 0}
         stuck = StripePush.objects.get(kind="gpu")
         assert (stuck.status, stuck.attempts) == ("pending", 1)
         assert "Stripe could not be reached" in stuck.last_error
     with stripe_settings(localstripe):
         assert services.push_pending() == {"sent": 2, "pending": 0, "failed": 0}
-        assert [r.state for r in services.reconcile(OCTOBER)] == ["match", "match"]
+        assert [r.state for r in services.reconcile(LAST_MONTH)] == ["match", "match"]
         assert StripePush.objects.get(kind="gpu").attempts == 2
 
 
-def test_what_stripe_refuses_is_marked_failed_with_its_reason(october_usage: World, localstripe: str) -> None:
+def test_what_stripe_refuses_is_marked_failed_with_its_reason(
+    last_month_usage: World, localstripe: str
+) -> None:
     with stripe_settings(localstripe, mode="meter_events"):  # localstripe has no billing meters
-        services.export_period(OCTOBER)
+        services.export_period(LAST_MONTH)
         assert services.push_pending()["failed"] == 2
         assert StripePush.objects.get(kind="tokens").last_error.startswith("Stripe refused it")
 
@@ -169,14 +175,14 @@ class Recorder(BaseHTTPRequestHandler):
         pass
 
 
-def test_the_meter_event_request_the_library_sends(october_usage: World) -> None:
+def test_the_meter_event_request_the_library_sends(last_month_usage: World) -> None:
     """The request stripe-python sends for a meter event, as Stripe's API reference describes it."""
     server = HTTPServer(("127.0.0.1", 0), Recorder)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     Recorder.requests = []
     try:
         with stripe_settings(f"http://127.0.0.1:{server.server_port}", mode="meter_events"):
-            services.export_period(OCTOBER)
+            services.export_period(LAST_MONTH)
             assert services.push_pending() == {"sent": 2, "pending": 0, "failed": 0}
     finally:
         server.shutdown()
@@ -186,25 +192,58 @@ def test_the_meter_event_request_the_library_sends(october_usage: World) -> None
     gpu = next(e for e in events if e["form"]["event_name"] == ["klique_gpu_hours"])
     assert gpu["path"] == "/v1/billing/meter_events"
     assert gpu["headers"]["Authorization"] == "Bearer sk_test_klique"
-    assert gpu["headers"]["Idempotency-Key"] == "klique-acme-2026-10-gpu"
+    assert gpu["headers"]["Idempotency-Key"] == f"klique-acme-{LAST_MONTH:%Y-%m}-gpu"
     assert gpu["form"]["payload[stripe_customer_id]"] == ["cus_contract"]
     assert gpu["form"]["payload[value]"] == ["0.571429"]  # GPU-hours, as a decimal string
-    assert gpu["form"]["identifier"] == ["klique-acme-2026-10-gpu"]
-    assert gpu["form"]["timestamp"] == [str(int(datetime(2026, 10, 31, 23, 59, 59, tzinfo=UTC).timestamp()))]
-    assert StripePush.objects.get(kind="gpu").stripe_id == "klique-acme-2026-10-gpu"
+    assert gpu["form"]["identifier"] == [f"klique-acme-{LAST_MONTH:%Y-%m}-gpu"]
+    last_second = datetime.combine(THIS_MONTH, datetime.min.time(), tzinfo=UTC) - timedelta(seconds=1)
+    assert gpu["form"]["timestamp"] == [str(int(last_second.timestamp()))]  # the month's last second
+    assert StripePush.objects.get(kind="gpu").stripe_id == f"klique-acme-{LAST_MONTH:%Y-%m}-gpu"
 
 
-def test_meter_events_are_reconciled_by_what_stripe_acknowledged(october_usage: World) -> None:
+def test_meter_events_are_reconciled_by_what_stripe_acknowledged(last_month_usage: World) -> None:
     server = HTTPServer(("127.0.0.1", 0), Recorder)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         with stripe_settings(f"http://127.0.0.1:{server.server_port}", mode="meter_events"):
-            services.export_period(OCTOBER)
+            services.export_period(LAST_MONTH)
             services.push_pending()
-            rows = services.reconcile(OCTOBER)
+            rows = services.reconcile(LAST_MONTH)
     finally:
         server.shutdown()
     assert {(r.kind, r.state, r.source) for r in rows} == {
         ("gpu", "match", "meter events acknowledged"),
         ("tokens", "match", "meter events acknowledged"),
     }
+
+
+def test_a_month_past_stripes_meter_event_window_is_refused_with_what_to_do(world: World) -> None:
+    from apps.core.errors import InvalidInput
+
+    with override_settings(KLIQUE_STRIPE_MODE="meter_events"), pytest.raises(InvalidInput) as refused:
+        services.export_period(LONG_AGO)
+    assert "from the past 35 days only" in refused.value.message
+    assert "KLIQUE_STRIPE_MODE=invoice_items" in refused.value.message
+    assert not StripePush.objects.filter(period=LONG_AGO).exists()
+
+
+def test_a_meter_event_push_left_pending_past_the_window_fails_without_a_request(
+    last_month_usage: World,
+) -> None:
+    """Say Stripe was out until the window closed: the push fails with the reason; nothing is sent."""
+    server = HTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    Recorder.requests = []
+    try:
+        with stripe_settings(f"http://127.0.0.1:{server.server_port}", mode="meter_events"):
+            services.export_period(LAST_MONTH)
+            StripePush.objects.filter(kind="gpu").update(period=LONG_AGO)
+            assert services.push_pending() == {"sent": 1, "pending": 0, "failed": 1}
+    finally:
+        server.shutdown()
+    failed = StripePush.objects.get(kind="gpu")
+    assert (failed.status, failed.stripe_id) == (StripePush.Status.FAILED, "")
+    assert failed.last_error.startswith("Stripe takes meter events from the past 35 days only")
+    assert [r["form"]["event_name"] for r in Recorder.requests if r["path"] != "/v1/customers"] == [
+        ["klique_tokens"]
+    ]
