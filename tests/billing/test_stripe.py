@@ -175,17 +175,23 @@ class Recorder(BaseHTTPRequestHandler):
         pass
 
 
-def test_the_meter_event_request_the_library_sends(last_month_usage: World) -> None:
-    """The request stripe-python sends for a meter event, as Stripe's API reference describes it."""
+@pytest.fixture
+def recording_stripe() -> Iterator[str]:
+    """A local server that records each request and answers as Stripe would (customers, meter events)."""
     server = HTTPServer(("127.0.0.1", 0), Recorder)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     Recorder.requests = []
     try:
-        with stripe_settings(f"http://127.0.0.1:{server.server_port}", mode="meter_events"):
-            services.export_period(LAST_MONTH)
-            assert services.push_pending() == {"sent": 2, "pending": 0, "failed": 0}
+        yield f"http://127.0.0.1:{server.server_port}"
     finally:
         server.shutdown()
+
+
+def test_the_meter_event_request_the_library_sends(last_month_usage: World, recording_stripe: str) -> None:
+    """The request stripe-python sends for a meter event, as Stripe's API reference describes it."""
+    with stripe_settings(recording_stripe, mode="meter_events"):
+        services.export_period(LAST_MONTH)
+        assert services.push_pending() == {"sent": 2, "pending": 0, "failed": 0}
     customer, *events = Recorder.requests
     assert customer["path"] == "/v1/customers"
     assert customer["headers"]["Idempotency-Key"] == "klique-customer-acme"
@@ -201,16 +207,13 @@ def test_the_meter_event_request_the_library_sends(last_month_usage: World) -> N
     assert StripePush.objects.get(kind="gpu").stripe_id == f"klique-acme-{LAST_MONTH:%Y-%m}-gpu"
 
 
-def test_meter_events_are_reconciled_by_what_stripe_acknowledged(last_month_usage: World) -> None:
-    server = HTTPServer(("127.0.0.1", 0), Recorder)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        with stripe_settings(f"http://127.0.0.1:{server.server_port}", mode="meter_events"):
-            services.export_period(LAST_MONTH)
-            services.push_pending()
-            rows = services.reconcile(LAST_MONTH)
-    finally:
-        server.shutdown()
+def test_meter_events_are_reconciled_by_what_stripe_acknowledged(
+    last_month_usage: World, recording_stripe: str
+) -> None:
+    with stripe_settings(recording_stripe, mode="meter_events"):
+        services.export_period(LAST_MONTH)
+        services.push_pending()
+        rows = services.reconcile(LAST_MONTH)
     assert {(r.kind, r.state, r.source) for r in rows} == {
         ("gpu", "match", "meter events acknowledged"),
         ("tokens", "match", "meter events acknowledged"),
@@ -228,19 +231,13 @@ def test_a_month_past_stripes_meter_event_window_is_refused_with_what_to_do(worl
 
 
 def test_a_meter_event_push_left_pending_past_the_window_fails_without_a_request(
-    last_month_usage: World,
+    last_month_usage: World, recording_stripe: str
 ) -> None:
     """Say Stripe was out until the window closed: the push fails with the reason; nothing is sent."""
-    server = HTTPServer(("127.0.0.1", 0), Recorder)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    Recorder.requests = []
-    try:
-        with stripe_settings(f"http://127.0.0.1:{server.server_port}", mode="meter_events"):
-            services.export_period(LAST_MONTH)
-            StripePush.objects.filter(kind="gpu").update(period=LONG_AGO)
-            assert services.push_pending() == {"sent": 1, "pending": 0, "failed": 1}
-    finally:
-        server.shutdown()
+    with stripe_settings(recording_stripe, mode="meter_events"):
+        services.export_period(LAST_MONTH)
+        StripePush.objects.filter(kind="gpu").update(period=LONG_AGO)
+        assert services.push_pending() == {"sent": 1, "pending": 0, "failed": 1}
     failed = StripePush.objects.get(kind="gpu")
     assert (failed.status, failed.stripe_id) == (StripePush.Status.FAILED, "")
     assert failed.last_error.startswith("Stripe takes meter events from the past 35 days only")
