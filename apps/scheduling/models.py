@@ -91,6 +91,8 @@ class TaskEvent(models.Model):
 
     class Meta:
         ordering = ["at", "id"]
+        # The dashboard's event log reads the latest events of the whole tenant on every load.
+        indexes = [models.Index(fields=["at"], name="taskevent_at")]
 
     def __str__(self) -> str:
         return f"{self.task_id}: {self.from_state} -> {self.to_state}"
