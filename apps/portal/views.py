@@ -331,7 +331,7 @@ def _dashboard(now: Any, span: str = "24h") -> dict[str, Any]:
         "utilization": _utilization_chart(pools, now, span),
         "idle": _idle(now),
         "idle_below": IDLE_BELOW,
-        "groups": sorted((group, units / UNITS_PER_GPU) for group, units in by_group.items()),
+        "groups": sorted((group, round(units / UNITS_PER_GPU, 3)) for group, units in by_group.items()),
     }
 
 

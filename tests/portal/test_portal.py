@@ -191,7 +191,7 @@ def test_the_dashboard_draws_its_charts_with_data(page: Any, portal: Portal) -> 
         from apps.scheduling.models import ACTIVE_STATES, Task
 
         held = Task.objects.filter(state__in=ACTIVE_STATES, compute_resource__policy__group__name="research")
-        return f"{sum(held.values_list('size_units', flat=True)) / 840:.3f}"  # 4 of them idle-run's
+        return str(round(sum(held.values_list("size_units", flat=True)) / 840, 3))  # 4 of them idle-run's
 
     assert page.locator("tr[data-group='research'] td").nth(1).inner_text() == portal.run(research_gpus)
     screenshot(page, "dashboard")
