@@ -89,6 +89,8 @@ class _Memo:
     """What the cycle found at one `version` of its usage and held pools."""
 
     version: int
+    room: dict[tuple[str, Sharing], int] = field(default_factory=dict)  # profile, sharing: most free
+    reclaimable: dict[str, int] = field(default_factory=dict)  # pool: an upper bound of what reclaim frees
     no_reclaim: set[tuple[str, str, Sharing, int]] = field(default_factory=set)  # profile, policy, task kind
     no_room: dict[tuple[str, Sharing, int], Reason] = field(default_factory=dict)  # profile, task kind
 
@@ -129,10 +131,8 @@ class _Cycle:
         self.reasons: dict[str, Reason] = {}
         self.held: dict[str, str] = {}  # pool -> id of the starving head it is held for
         self.holding: set[str] = set()  # the tasks that pools are held for
-        self.version = 0  # bumped whenever usage changes; keys the caches below
-        self._room_cache: dict[tuple[str, Sharing], tuple[int, int]] = {}
+        self.version = 0  # bumped whenever usage or the held pools change; see _memo
         self._home_cache: dict[tuple[str, Sharing, int], str | None] = {}
-        self._reclaim_cache: dict[str, tuple[int, int]] = {}
         self._memo_entries = _Memo(-1)
         self._message_cache: dict[tuple[object, ...], Reason] = {}
 
@@ -362,17 +362,18 @@ class _Cycle:
         return self._home_cache[key]
 
     def _room(self, profile: Profile, sharing: Sharing) -> int:
-        """The most free capacity in any pool the profile may use for this sharing method (cached)."""
-        cached = self._room_cache.get((profile.id, sharing))
-        if cached is not None and cached[0] == self.version:
-            return cached[1]
+        """The most free capacity in any pool the profile may use for this sharing method."""
+        memo = self._memo()
+        cached = memo.room.get((profile.id, sharing))
+        if cached is not None:
+            return cached
         need = _SHARING_NEEDS[sharing]
         room = 0
         for pool_id in profile.pools:
             pool = self.pools.get(pool_id)
             if pool is not None and pool.online and (need is None or need in pool.sharing):
                 room = max(room, pool.capacity - self.pool_used[pool_id])
-        self._room_cache[(profile.id, sharing)] = (self.version, room)
+        memo.room[(profile.id, sharing)] = room
         return room
 
     def _place(self, profile: Profile, task: Task) -> str | None:
@@ -409,15 +410,16 @@ class _Cycle:
 
     def _reclaimable(self, pool_id: str) -> int:
         """An upper bound on what reclaim could free in a pool: borrowed work above its policies' floors."""
-        cached = self._reclaim_cache.get(pool_id)
-        if cached is not None and cached[0] == self.version:
-            return cached[1]
+        memo = self._memo()
+        cached = memo.reclaimable.get(pool_id)
+        if cached is not None:
+            return cached
         by_policy: dict[str, int] = defaultdict(int)
         for allocation in self.in_pool[pool_id]:
             if allocation.task not in self.preempted:
                 by_policy[self.queue_policy.get(allocation.queue, "")] += allocation.size
         total = sum(min(size, max(self._excess(policy), 0)) for policy, size in by_policy.items())
-        self._reclaim_cache[pool_id] = (self.version, total)
+        memo.reclaimable[pool_id] = total
         return total
 
     def _reclaim(self, profile: Profile, policy: Policy, task: Task) -> str | None:
@@ -601,15 +603,11 @@ class _Cycle:
                     f"({task.sharing.value}); the pools are offline, too small, or lack that sharing method."
                 ),
             )
-        holders = (
-            [
-                self.held[pool_id]
-                for pool_id in profile.pools
-                if pool_id in self.held and self.held[pool_id] != task.id
-            ]
-            if self.held
-            else []
-        )
+        holders = [
+            self.held[pool_id]
+            for pool_id in profile.pools
+            if pool_id in self.held and self.held[pool_id] != task.id
+        ]
         if holders and task.size <= self._room(profile, task.sharing):
             return self._reason(
                 ("held", profile.id, holders[0]),
@@ -618,18 +616,15 @@ class _Cycle:
                     f"Capacity is held for task {holders[0]}, which has waited past its starvation bound."
                 ),
             )
-        return self._reason(
-            ("room", profile.id, task.sharing, task.size, self.version),
+        return Reason(  # kept in the memo by _no_room_reason while usage stays as it is
             "no_capacity",
-            lambda: (
-                f"No pool in its profile's order has {describe(task.size)} free ("
-                + ", ".join(
-                    f"{pool.label}: {describe(pool.capacity - self.pool_used[pool.id])}"
-                    for pool in (self.pools[pool_id] for pool_id in profile.pools if pool_id in self.pools)
-                    if self._fits_kind(pool, task)
-                )
-                + " free)."
-            ),
+            f"No pool in its profile's order has {describe(task.size)} free ("
+            + ", ".join(
+                f"{pool.label}: {describe(pool.capacity - self.pool_used[pool.id])}"
+                for pool in (self.pools[pool_id] for pool_id in profile.pools if pool_id in self.pools)
+                if self._fits_kind(pool, task)
+            )
+            + " free).",
         )
 
     def _give_reasons_to_the_rest(self) -> None:
