@@ -99,8 +99,7 @@ def meter_run(task: Task, *, ended_at: datetime) -> None:
             .values_list("metered_until", flat=True)
             .first()
         )
-        start = task.started_at or ended_at
-        _meter(task, started_at=max(start, metered) if metered else start, ended_at=ended_at)
+        _meter(task, started_at=_unmetered_from(task.started_at or ended_at, metered), ended_at=ended_at)
         task.metered_until = ended_at  # so that the caller's save() keeps the row's value current
 
 
@@ -143,7 +142,7 @@ def _meter_hours(pk: Any, last: datetime) -> int:
     )
     if task is None or task.started_at is None:
         return 0  # it stopped meanwhile, and its stop metered it
-    start = max(task.started_at, task.metered_until) if task.metered_until else task.started_at
+    start = _unmetered_from(task.started_at, task.metered_until)
     end = start.replace(minute=0, second=0, microsecond=0) + ONE_HOUR - ONE_MS
     end = end if end > start else end + ONE_HOUR
     written = 0
@@ -152,6 +151,11 @@ def _meter_hours(pk: Any, last: datetime) -> int:
         start, end, written = end, end + ONE_HOUR, written + 1
     Task.objects.filter(pk=pk).update(metered_until=start)
     return written
+
+
+def _unmetered_from(started_at: datetime, metered_until: datetime | None) -> datetime:
+    """Where the part of a run not yet in the ledger starts: its start, or where the hourly passes left it."""
+    return max(started_at, metered_until) if metered_until else started_at
 
 
 def _meter(task: Task, *, started_at: datetime, ended_at: datetime) -> None:
