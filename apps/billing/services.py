@@ -139,6 +139,7 @@ def _customer(stripe: Any, tenant: Tenant) -> str:
 
 def _send(stripe: Any, push: StripePush, customer: str) -> str:
     if push.mode == StripePush.Mode.METER_EVENT:
+        _check_meter_event_window(push.period)  # a push left pending that long (an outage) goes no further
         event = stripe.v1.billing.meter_events.create(
             params={
                 "event_name": METERS[push.kind],
@@ -171,10 +172,6 @@ def push_pending() -> dict[str, int]:
     for push in StripePush.objects.select_related("tenant").filter(status=StripePush.Status.PENDING):
         push.attempts += 1
         try:
-            if push.mode == StripePush.Mode.METER_EVENT:
-                _check_meter_event_window(
-                    push.period
-                )  # a push left pending past the window, say by an outage
             push.stripe_id = _send(stripe, push, _customer(stripe, push.tenant))
             push.status, push.sent_at, push.last_error = StripePush.Status.SENT, timezone.now(), ""
         except TooLateForMeterEvents as late:
