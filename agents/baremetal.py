@@ -24,6 +24,7 @@ from typing import Any
 
 from agents.backend import Refused, Report, Upload
 from agents.state import RunRecord, State
+from protocol import environment as task_environment
 
 UNITS_PER_GPU = 840  # the control plane's unit: 1/840 of a GPU
 MAX_LINE = 64 * 1024  # longer lines go out in pieces of this many characters, never dropped
@@ -179,13 +180,23 @@ class BareMetal:
             devices = self._pick(units)
         directory = self.work_dir / task_id
         directory.mkdir(parents=True, exist_ok=True)
+        spec = assignment.get("spec") or {}
+        try:  # the one rule, checked again here: the agent trusts no one to have checked it
+            task_variables = {
+                **task_environment.checked(spec.get("environment")),
+                **task_environment.checked(assignment.get("secrets") or {}, "The task's secrets"),
+            }
+        except task_environment.NameRefused as error:
+            raise Refused(f"The task's environment cannot be set: {error}", permanent=True) from None
+        # The runner is the agent's own program: its environment is the agent's and Klique's, never one a
+        # user influenced. The task's variables (secrets among them) reach only the task's command,
+        # through the runner's stdin: in memory, never on disk or on a command line.
         environment = {
             **os.environ,
             "CUDA_VISIBLE_DEVICES": ",".join(mig or [str(device) for device in devices]),
             "KLIQUE_TASK_ID": task_id,
             "PYTHONUNBUFFERED": "1",
         }
-        environment.update(assignment.get("secrets") or {})  # from the vault: in memory and the task only
         if units % UNITS_PER_GPU and not mig:
             environment["KLIQUE_GPU_MEMORY_FRACTION"] = f"{units / UNITS_PER_GPU:.4f}"
         log_path, exit_path, spec_path = (
@@ -208,14 +219,21 @@ class BareMetal:
             str(spec_path),
             "--cache",
             str(self.work_dir / "environments"),
+            "--environment-on-stdin",
             "--",
             *command,
             cwd=directory,
             env=environment,
             start_new_session=True,
+            stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL,
         )
+        assert runner.stdin is not None
+        runner.stdin.write(json.dumps(task_variables).encode())
+        with contextlib.suppress(ConnectionError):  # a runner that died at once reports its exit code
+            await runner.stdin.drain()
+        runner.stdin.close()
         self.children[task_id] = runner
         self._hold(devices, units, +1)
         outputs = [str(pattern) for pattern in (assignment.get("spec") or {}).get("outputs", [])]

@@ -32,12 +32,13 @@ import jinja2
 import jinja2.meta
 from jinja2.sandbox import SandboxedEnvironment
 
+from protocol import environment as task_environment
+
 SCHEDULERS = ("slurm", "pbs", "lsf")
 UNITS_PER_GPU = 840
 
 SAFE = re.compile(r"[A-Za-z0-9_/][A-Za-z0-9_.,:=+@%/-]{0,199}")  # never a leading "-": no options
 OPTION = re.compile(r"-{1,2}[A-Za-z][A-Za-z0-9-]{0,40}")
-VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 # Options a template can never let a task set: they would change who runs the job, where its output
 # goes or what runs, which Klique decides.
 NEVER_ALLOWED = frozenset(
@@ -47,7 +48,6 @@ NEVER_ALLOWED = frozenset(
         "-A", "--partition", "-p", "-q", "-P", "-u", "-U", "-v", "-V", "-W", "-cwd", "-wd", "-gpu", "-n",
     }
 )  # fmt: skip
-RESERVED_VARIABLES = re.compile(r"(KLIQUE_|SLURM_|PBS_|LSB_|LSF_).*|CUDA_VISIBLE_DEVICES|LD_PRELOAD|LD_AUDIT")
 REQUIRED_NAMES = ("nodes", "run")  # a template must place the task's size and run it
 
 DEFAULT_TEMPLATES = {
@@ -257,16 +257,15 @@ def batch_request(
 
 
 def exports(environment: Mapping[str, Any]) -> Quoted:
-    """`export NAME='value'` lines; names are checked, values quoted, reserved names refused."""
-    if not isinstance(environment, Mapping):
-        raise Unsafe('The task\'s "environment" must be an object of names to values.')
-    lines = []
-    for name, value in sorted(environment.items()):
-        if not VARIABLE.fullmatch(name):
-            raise Unsafe(f"{name[:60]!r} is not an environment variable name.")
-        if RESERVED_VARIABLES.fullmatch(name):
-            raise Unsafe(f"{name} is set by Klique or the batch system; a task cannot set it.")
-        lines.append(f"export {name}={shlex.quote(one_line(value, f'The value of {name}'))}")
+    """`export NAME='value'` lines; names checked by the one rule (protocol.environment), values quoted."""
+    try:
+        variables = task_environment.checked(environment)
+    except task_environment.NameRefused as error:
+        raise Unsafe(str(error)) from None
+    lines = [
+        f"export {name}={shlex.quote(one_line(value, f'The value of {name}'))}"
+        for name, value in sorted(variables.items())
+    ]
     return Quoted("\n".join(lines))
 
 

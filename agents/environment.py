@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -56,7 +57,12 @@ def container_engine() -> str | None:
     return None
 
 
-def build(spec: dict[str, Any], folder: Path, cache: Path, log: IO[bytes]) -> Environment:
+def build(
+    spec: dict[str, Any], folder: Path, cache: Path, log: IO[bytes], passed: Collection[str] = ()
+) -> Environment:
+    """How the task's command runs: its folder, the variables of its virtual environment and a container
+    engine's prefix. `passed` names the task's own variables, which a container is given by name (the
+    engine reads their values from its environment, never from its command line)."""
     environment = Environment(cwd=folder)
     code = spec.get("code") or {}
     if "git" in code:
@@ -139,6 +145,7 @@ def build(spec: dict[str, Any], folder: Path, cache: Path, log: IO[bytes]) -> En
             "CUDA_VISIBLE_DEVICES",
             "-e",
             "KLIQUE_TASK_ID",
+            *(word for name in sorted(passed) for word in ("-e", name)),  # the task's own, by name only
             str(spec["image"]),
         ]
     return environment

@@ -22,10 +22,10 @@ import re
 import shlex
 import shutil
 import stat
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import agents.node
 from agents.backend import Refused, Report, Upload
@@ -44,12 +44,16 @@ from agents.batch import (
     safe,
 )
 from agents.state import JobRecord, State
+from protocol import environment as task_environment
 
 logger = logging.getLogger("klique.agent.hpc")
 
 COMMAND_SECONDS = 60.0
-# What a submission as a user's account keeps of the agent's environment.
-PASSED_ON = re.compile(r"PATH|LANG|LC_[A-Z]+|TZ|SLURM_CONF|LSF_[A-Z_]+|PBS_[A-Z_]+|MODULEPATH")
+# Where the cluster's commands are looked up unless the configuration names other folders (`path`). The
+# agent runs them by absolute path, in an environment it builds itself: never one a user influenced.
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# What the agent's own environment passes on to the cluster's commands (the operator's, not a user's).
+PASSED_ON = re.compile(r"LANG|LC_[A-Z]+|TZ|SLURM_CONF|LSF_[A-Z_]+|PBS_[A-Z_]+|MODULEPATH")
 # Submission errors that pass: the task waits and is placed again. Anything else is the cluster's "no".
 TRANSIENT = re.compile(
     r"unable to contact|connection refused|socket timed out|timed out|temporarily|try again|"
@@ -95,21 +99,70 @@ def _count(value: object) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-# (argument list, stdin, environment or None for the agent's own) -> what the command did
-Execute = Callable[[Sequence[str], bytes | None, Mapping[str, str] | None], Awaitable[Completed]]
+class Execute(Protocol):
+    """Runs a cluster command: an argument list, its stdin, the environment the agent built for it (None:
+    the agent's minimal one) and the Linux account it runs as (None: the agent's own)."""
+
+    def __call__(
+        self,
+        argv: Sequence[str],
+        stdin: bytes | None,
+        environment: Mapping[str, str] | None,
+        account: str | None = None,
+        /,
+    ) -> Awaitable[Completed]: ...
+
+
+def agent_environment(search_path: str = SYSTEM_PATH) -> dict[str, str]:
+    """The environment of every cluster command: a fixed PATH and what the operator set for the cluster."""
+    passed = {name: value for name, value in os.environ.items() if PASSED_ON.fullmatch(name)}
+    return {**passed, "PATH": search_path}
+
+
+def program(name: str, search_path: str) -> str | None:
+    """The absolute path of a cluster command, found in the agent's own folders only."""
+    if os.path.isabs(name):
+        return name if os.access(name, os.X_OK) else None
+    return shutil.which(name, path=search_path)
+
+
+def _switch_to(account: str | None) -> dict[str, Any]:
+    """Popen's arguments that run the child as `account`: its user, group and groups are set in the forked
+    child before exec, so no privileged program (runuser, su, sudo) ever sees the task's environment."""
+    if account is None or os.geteuid() != 0:
+        return {}
+    user = pwd.getpwnam(account)
+    if user.pw_uid == 0:
+        return {}
+    return {
+        "user": user.pw_uid,
+        "group": user.pw_gid,
+        "extra_groups": os.getgrouplist(account, user.pw_gid),
+    }
 
 
 async def execute(
-    argv: Sequence[str], stdin: bytes | None = None, environment: Mapping[str, str] | None = None
+    argv: Sequence[str],
+    stdin: bytes | None = None,
+    environment: Mapping[str, str] | None = None,
+    account: str | None = None,
+    /,
 ) -> Completed:
-    """Run a cluster command (an argument list, never a shell), with a time limit."""
+    """Run a cluster command (an argument list, never a shell) by its absolute path, with a time limit."""
+    environment = dict(environment) if environment is not None else agent_environment()
+    found = program(argv[0], environment.get("PATH", SYSTEM_PATH))
+    if found is None:
+        return Completed(127, "", f"{argv[0]}: command not found on this host")
     try:
         process = await asyncio.create_subprocess_exec(
-            *argv,
+            found,
+            *argv[1:],
             stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env=environment,
+            cwd="/",  # never the agent's folder, which the account cannot read
+            **_switch_to(account),
         )
     except FileNotFoundError:
         return Completed(127, "", f"{argv[0]}: command not found on this host")
@@ -441,6 +494,7 @@ class Settings:
     allowed_roots: list[Path] = field(default_factory=list)
     container_runtime: str = "apptainer"  # apptainer, singularity or pyxis (Slurm)
     poll_seconds: float = 5.0
+    path: str = SYSTEM_PATH  # the folders the cluster's commands are in (sbatch, qsub, bsub, ...)
 
     @classmethod
     def read(cls, config: Mapping[str, Any], scheduler: str, work_dir: Path) -> Settings:
@@ -584,7 +638,7 @@ class Batch:
     async def capacity(self) -> dict[str, int]:
         """The cluster's CPUs (those in use) and nodes, as its own commands say; {} while it cannot."""
         try:
-            found = await self.dialect.capacity(self.run)
+            found = await self.dialect.capacity(self._run)
         except ClusterUnavailable as error:
             logger.warning("the %s nodes cannot be read: %s", self.name, error)
             return {}
@@ -621,7 +675,7 @@ class Batch:
         if os.geteuid() != 0 and account != pwd.getpwuid(os.geteuid()).pw_name:
             raise Refused(
                 f"The agent runs as {pwd.getpwuid(os.geteuid()).pw_name} and cannot submit as {account}; "
-                "run it as root (it uses runuser) or map users to its own account.",
+                "run it as root (it submits as each account) or map users to its own account.",
                 permanent=True,
             )
         return account
@@ -647,19 +701,36 @@ class Batch:
             os.chown(folder, user.pw_uid, user.pw_gid)
         return script_path
 
-    def as_account(
-        self, account: str, argv: list[str], secrets: Mapping[str, str]
-    ) -> tuple[list[str], dict[str, str]]:
-        """The command as the account, and the environment it runs in: only what the cluster's commands
-        need of the agent's (PATH, locale, the scheduler's settings), the account's own name and home,
-        and the task's secrets, which the batch system passes on to the job (sbatch, qsub and bsub
-        export the submitting environment). Secrets go in the environment, never on a command line."""
+    def submission_environment(self, account: str, secrets: Mapping[str, str]) -> dict[str, str]:
+        """The environment the submission command runs in as the account: the agent's minimal one, the
+        account's own name and home, and the task's secrets, which the batch system passes on to the job
+        (sbatch, qsub and bsub export the submitting environment). Secrets go nowhere else: not on a
+        command line, not in the script, not to a privileged process. Names follow the one rule."""
         user = pwd.getpwnam(account)
-        environment = {name: value for name, value in os.environ.items() if PASSED_ON.fullmatch(name)}
-        environment.update(HOME=user.pw_dir, USER=account, LOGNAME=account, SHELL=user.pw_shell, **secrets)
-        if os.geteuid() != 0 or account == "root":
-            return argv, environment
-        return ["runuser", "-u", account, "--", *argv], environment
+        try:
+            checked = task_environment.checked(secrets, "The task's secrets")
+        except task_environment.NameRefused as error:
+            raise Refused(f"The task's secrets cannot be passed on: {error}", permanent=True) from None
+        return {
+            **checked,
+            **agent_environment(self.settings.path),
+            "HOME": user.pw_dir,
+            "USER": account,
+            "LOGNAME": account,
+            "SHELL": user.pw_shell,
+        }
+
+    async def _run(
+        self,
+        argv: Sequence[str],
+        stdin: bytes | None = None,
+        environment: Mapping[str, str] | None = None,
+        account: str | None = None,
+        /,
+    ) -> Completed:
+        """A cluster command (the dialects' queries, signals, cancels): the agent's minimal environment
+        unless one is given, as the agent itself unless an account is."""
+        return await self.run(argv, stdin, environment or agent_environment(self.settings.path), account)
 
     async def start(self, assignment: dict[str, Any], report: Report) -> None:
         """Submit the task's job as the user's account, or raise Refused with the reason."""
@@ -681,8 +752,8 @@ class Batch:
         script_path = self._prepare(folder, account, str(assignment["task_token"]), script)
         submit = self.dialect.submit(script_path, context)
         stdin = script.encode() if self.dialect.script_on_stdin else None
-        argv, environment = self.as_account(account, submit, assignment.get("secrets") or {})
-        submitted = await self.run(argv, stdin, environment)
+        environment = self.submission_environment(account, assignment.get("secrets") or {})
+        submitted = await self.run(submit, stdin, environment, account)
         if submitted.returncode:
             message = submitted.message
             raise Refused(f"{submit[0]}: {message}", permanent=not TRANSIENT.search(message))
@@ -721,7 +792,7 @@ class Batch:
             self.polled = {}
             return
         try:
-            statuses = await self.dialect.statuses([job.job_id for job in jobs], self.run)
+            statuses = await self.dialect.statuses([job.job_id for job in jobs], self._run)
         except ClusterUnavailable as error:
             if str(error) != self.problem:
                 logger.warning("the %s queue cannot be read: %s", self.name, error)
@@ -790,7 +861,7 @@ class Batch:
         self.state.job_stopping(task_id)
         waiting = job.last.startswith("pending") or not job.last
         if grace_seconds > 0 and not waiting:
-            signalled = await self.run(self.dialect.signal(job.job_id), None, None)
+            signalled = await self._run(self.dialect.signal(job.job_id))
             if signalled.returncode:
                 logger.warning("signalling job %s: %s", job.job_id, signalled.message)
             deadline = asyncio.get_running_loop().time() + grace_seconds
@@ -799,13 +870,13 @@ class Batch:
                 if statuses is not None and statuses.state == "ended":
                     return
                 await asyncio.sleep(1.0)
-        cancelled = await self.run(self.dialect.cancel(job.job_id), None, None)
+        cancelled = await self._run(self.dialect.cancel(job.job_id))
         if cancelled.returncode:
             logger.warning("cancelling job %s: %s", job.job_id, cancelled.message)
 
     async def _quietly(self, job_id: str) -> JobStatus | None:
         try:
-            return (await self.dialect.statuses([job_id], self.run)).get(job_id)
+            return (await self.dialect.statuses([job_id], self._run)).get(job_id)
         except ClusterUnavailable:
             return None
 

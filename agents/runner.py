@@ -1,13 +1,18 @@
 """Runs one task so that it outlives its agent: environment build and output to a file, exit code to
 a file.
 
-    python -m agents.runner --log out.log --exit exit-code [--spec spec.json --cache DIR] -- program ...
+    python -m agents.runner --log out.log --exit exit-code [--spec spec.json --cache DIR]
+                            [--environment-on-stdin] -- program ...
 
 The agent starts this in a session of its own and follows the files, so an agent that crashes and comes
 back finds the task still running (or finished) and picks up where it stopped reading. The runner builds
 the task's environment first (agents.environment), then runs the command. It ignores SIGTERM and SIGINT
 once the command runs: those are for the command (the agent signals the whole process group); the runner
 waits for it and writes its exit code (a negative number for a signal) last.
+
+The task's own environment (its spec's variables and its secrets) comes as one JSON object on stdin,
+never in the runner's environment or on disk: only the task's command gets it, not the runner, not the
+steps that build the task's environment (git, pip, the container engine's pull).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from agents.environment import BUILD_FAILED, BuildFailed, build
+from protocol import environment as task_environment
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,11 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exit", required=True)
     parser.add_argument("--spec", help="the task's spec (JSON): how to build its environment")
     parser.add_argument("--cache", help="where environments are cached")
+    parser.add_argument(
+        "--environment-on-stdin", action="store_true", help="read the task's variables from stdin (JSON)"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    task_variables = _task_variables(sys.stdin.buffer) if args.environment_on_stdin else {}
     with open(args.log, "ab", buffering=0) as log:
-        code = _run(args, command, log)
+        code = _run(args, command, log, task_variables)
     temporary = f"{args.exit}.tmp"
     with open(temporary, "w") as handle:
         handle.write(str(code))
@@ -42,11 +52,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run(args: argparse.Namespace, command: list[str], log: BinaryIO) -> int:
+def _task_variables(stream: BinaryIO) -> dict[str, str]:
+    """The task's variables, checked again by the one rule (the agent checked them before sending)."""
+    received = json.loads(stream.read() or b"{}")
+    stream.close()
+    return task_environment.checked(received)
+
+
+def _run(args: argparse.Namespace, command: list[str], log: BinaryIO, task_variables: dict[str, str]) -> int:
     folder = Path(args.log).parent
     spec = json.loads(Path(args.spec).read_text()) if args.spec else {}
     try:
-        environment = build(spec, folder, Path(args.cache or folder / ".cache"), log)
+        environment = build(spec, folder, Path(args.cache or folder / ".cache"), log, task_variables)
     except BuildFailed as failure:
         log.write(f"klique: the task's environment could not be built ({failure}); see above\n".encode())
         return BUILD_FAILED
@@ -57,7 +74,7 @@ def _run(args: argparse.Namespace, command: list[str], log: BinaryIO) -> int:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             cwd=environment.cwd,
-            env={**os.environ, **environment.env},
+            env={**os.environ, **task_variables, **environment.env},
         )
     except OSError as error:
         log.write(

@@ -36,7 +36,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from apps.accounts.tokens import hash_token
-from apps.core.errors import NotFound
+from apps.core.errors import InvalidInput, NotFound
 from apps.core.events import publish_log, send_to_group
 from apps.core.ids import as_uuid
 from apps.fleet.models import Agent, AgentToken, TaskOutput, TaskReport
@@ -285,14 +285,14 @@ def dispatch(*, pool: Pool, schema_name: str) -> list[dict[str, Any]]:
     for task in placed.filter(pool=pool, state=TaskState.PLACED):
         try:
             secrets = secret_values_for(task)  # to the agent only, in this message; read recorded
-        except NotFound as missing:
+        except (NotFound, InvalidInput) as missing:  # deleted since, or a name no task may be given
             transition(  # it cannot run as asked: placing it again would fail again
                 task,
                 to_state=TaskState.FAILED,
                 actor="scheduler",
                 message=missing.message,
                 ended_at=now,
-                reason_code="secret_missing",
+                reason_code="secret_missing" if isinstance(missing, NotFound) else "secret_refused",
                 reason=f"{missing.message} Keep it again and resubmit the task.",
             )
             continue

@@ -23,6 +23,7 @@ from apps.resources.models import ComputeResource, TaskSharing
 from apps.scheduling.engine import UNITS_PER_GPU, SizeError, describe, units
 from apps.scheduling.models import ENDED_STATES, Task, TaskEvent, TaskState
 from apps.scheduling.selectors import compute_resources_for
+from protocol import environment as task_environment
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -268,6 +269,14 @@ def _project(user: User, reference: str | None) -> Project | None:
     return project
 
 
+def _check_environment(spec: dict[str, Any]) -> None:
+    """The task's environment follows the rule every agent checks again (protocol.environment)."""
+    try:
+        task_environment.checked(spec.get("environment"))
+    except task_environment.NameRefused as error:
+        raise InvalidInput(str(error), field="spec.environment") from None
+
+
 def _build(tenant: Tenant, user: User, request: TaskRequest, now: datetime) -> Task:
     from apps.vault.services import secrets_check
 
@@ -275,6 +284,7 @@ def _build(tenant: Tenant, user: User, request: TaskRequest, now: datetime) -> T
     if not 1 <= request.max_attempts <= 20:
         raise InvalidInput("max_attempts is between 1 and 20.", field="max_attempts")
     project = _project(user, request.project)
+    _check_environment(request.spec or {})
     secrets_check(user=user, project=project, spec=request.spec or {})
     return Task(
         name=request.name,

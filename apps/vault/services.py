@@ -14,13 +14,13 @@ from django.db.models import Q, QuerySet
 from django.utils import timezone
 from rest_framework.exceptions import PermissionDenied
 
-from agents.batch import RESERVED_VARIABLES, VARIABLE
 from apps.accounts.models import Project, Role, User
 from apps.accounts.permissions import is_project_admin
 from apps.audit.services import record
 from apps.core.errors import InvalidInput, NotFound
 from apps.vault import crypto
 from apps.vault.models import DataKey, Secret
+from protocol import environment as task_environment
 
 if TYPE_CHECKING:
     from apps.scheduling.models import Task
@@ -54,10 +54,9 @@ def _may_write(user: User, scope: str, project: Project | None) -> None:
 
 
 def _check(name: str, value: str) -> None:
-    if not VARIABLE.fullmatch(name):
-        raise InvalidInput(f"{name[:60]!r} cannot name a secret: tasks get it as an environment variable.")
-    if RESERVED_VARIABLES.fullmatch(name):
-        raise InvalidInput(f"{name} is set by Klique or the batch system; choose another name.")
+    why = task_environment.refusal(name)
+    if why:  # tasks get a secret as an environment variable of this name: the task environment's rule
+        raise InvalidInput(f"A secret cannot be named so. {why}", field="name")
     if "\x00" in value or len(value.encode()) > MAX_VALUE_BYTES:
         raise InvalidInput(f"A secret's value is text of at most {MAX_VALUE_BYTES} bytes, without NUL.")
 
@@ -120,6 +119,10 @@ def secret_names(spec: object) -> list[str]:
     names = spec.get("secrets", []) if isinstance(spec, dict) else []
     if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
         raise InvalidInput('A task\'s "secrets" is a list of secret names, e.g. ["HF_TOKEN"].')
+    for name in names:  # a secret kept before today's rule may bear a name no task can be given
+        why = task_environment.refusal(name)
+        if why:
+            raise InvalidInput(f"The task cannot be given secret {name[:60]}. {why}", field="spec.secrets")
     return names
 
 

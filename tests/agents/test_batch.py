@@ -135,7 +135,7 @@ def test_arguments_and_environment_values_are_data(value: str, tmp_path: Path) -
         ({"command": ["echo"], "batch": {"directives": {"--uid": "0"}}}, "not allowed"),
         ({"command": ["echo"], "batch": {"time_limit_minutes": "60; id"}}, "whole number"),
         ({"command": ["echo"], "batch": {"nodes": 3}}, "Unknown batch settings"),
-        ({"command": ["echo"], "environment": {"LD_PRELOAD": "evil.so"}}, "set by Klique"),
+        ({"command": ["echo"], "environment": {"LD_PRELOAD": "evil.so"}}, "cannot be set by a task"),
         ({"command": ["echo"], "environment": {"BAD NAME": "1"}}, "not an environment variable"),
         ({"command": ["echo"], "code": {"path": "/etc"}}, "outside the folders"),
         ({"command": ["echo"], "image": "/etc/shadow.sif"}, "outside the folders"),

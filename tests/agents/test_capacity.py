@@ -73,7 +73,11 @@ def cluster(scheduler: str, answer: Completed, tmp_path: Path) -> tuple[Batch, l
     asked: list[list[str]] = []
 
     async def run(
-        argv: Sequence[str], stdin: bytes | None, environment: Mapping[str, str] | None
+        argv: Sequence[str],
+        stdin: bytes | None,
+        environment: Mapping[str, str] | None,
+        account: str | None = None,
+        /,
     ) -> Completed:
         asked.append(list(argv))
         return answer

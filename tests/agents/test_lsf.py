@@ -30,7 +30,12 @@ class Cluster:
         self.environments: list[Mapping[str, str] | None] = []
 
     async def __call__(
-        self, argv: Sequence[str], stdin: bytes | None, environment: Mapping[str, str] | None
+        self,
+        argv: Sequence[str],
+        stdin: bytes | None,
+        environment: Mapping[str, str] | None,
+        account: str | None = None,
+        /,
     ) -> Completed:
         self.calls.append((list(argv), stdin))
         self.environments.append(environment)

@@ -209,3 +209,25 @@ def test_a_job_that_fails_before_its_command_ends_with_sacct_exit_code_and_slurm
     assert (result["exit_code"], result["cluster"]["state"]) == (2, "FAILED")  # from sacct
     said = [line for log in reports.of(task, "log") for line in log["lines"]]
     assert any("/nonexistent/python3" in line and "No such file" in line for line in said), said
+
+
+def test_a_secret_reaches_the_job_through_sbatchs_environment_and_only_the_job(
+    jobs_dir: Path, plane: PlaneStandIn, tmp_path: Path
+) -> None:
+    """Submitted as kqalice with no privileged helper between the agent and sbatch: the job runs as the
+    account and has its secret, which is neither in the script nor on a command line."""
+    backend, reports, task = make_backend("slurm", jobs_dir, plane, tmp_path), Reports(), new_task()
+    command = ["bash", "-c", 'id -un; echo "token=$HF_TOKEN"; echo "path=$PATH"']
+
+    async def scenario() -> None:
+        await backend.start(assignment(task, command, secrets={"HF_TOKEN": "hf_slurm_value"}), reports)
+        await until(lambda: reports.of(task, "result"))
+        assert backend.poller is not None
+        backend.poller.cancel()
+
+    asyncio.run(scenario())
+    lines = plane.lines(task)
+    assert "kqalice" in lines
+    assert "token=hf_slurm_value" in lines
+    assert "hf_slurm_value" not in (jobs_dir / task / "job.sh").read_text()
+    assert reports.of(task, "result")[0]["exit_code"] == 0
