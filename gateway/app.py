@@ -27,6 +27,7 @@ from gateway.budgets import Budgets, epoch_key
 from gateway.cache import UsageWriter, async_redis
 from gateway.calls import MODES, Call, Receive, Refused, Scope, Send, TenantState
 from gateway.config import Deployment
+from gateway.fields import unknown_fields
 from gateway.guardrails import Checker
 from gateway.routing import Router
 from gateway.services import Caller, CallerRefused
@@ -286,6 +287,15 @@ class GatewayApp:
     def check_request(
         self, state: TenantState, caller: Caller, endpoint: str, body: dict[str, Any]
     ) -> tuple[str, tuple[Deployment, ...]]:
+        unknown = unknown_fields(endpoint, body)
+        if unknown:  # never passed on: a field such as base_url would redirect the upstream's key
+            shown = ", ".join(name[:40] for name in unknown[:5])
+            raise Refused(
+                400,
+                f"Unrecognized request argument supplied: {shown}. /v1/{endpoint} takes OpenAI's fields "
+                "only; where a model is served is the gateway's configuration (a tenant admin sets it).",
+                code="unknown_parameter",
+            )
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise Refused(400, "Name the model to call ('model'); GET /v1/models lists them.")

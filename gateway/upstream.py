@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from gateway.config import Deployment
+from gateway.fields import upstream_payload
 
 OPENAI_BASE = "https://api.openai.com/v1"
 # Worth trying another deployment after these: the next one may be up, or hold a key that works.
@@ -70,7 +71,10 @@ async def call(
         return await _litellm_call(deployment, key, endpoint, payload)
     try:
         response = await client.post(
-            _url(deployment, endpoint), json=payload, headers=_headers(key), timeout=deployment.timeout
+            _url(deployment, endpoint),
+            json=upstream_payload(endpoint, payload),
+            headers=_headers(key),
+            timeout=deployment.timeout,
         )
     except httpx.HTTPError as error:
         raise UpstreamError(f"{deployment.id} did not answer: {error!r}") from None
@@ -88,7 +92,11 @@ async def stream(
             yield chunk
         return
     request = client.build_request(
-        "POST", _url(deployment, endpoint), json=payload, headers=_headers(key), timeout=deployment.timeout
+        "POST",
+        _url(deployment, endpoint),
+        json=upstream_payload(endpoint, payload),
+        headers=_headers(key),
+        timeout=deployment.timeout,
     )
     try:
         response = await client.send(request, stream=True)
@@ -128,8 +136,12 @@ def litellm_providers() -> set[str]:
     return {str(getattr(provider, "value", provider)) for provider in _litellm().provider_list}
 
 
-def _litellm_arguments(deployment: Deployment, key: str, payload: dict[str, Any]) -> dict[str, Any]:
-    arguments = {k: v for k, v in payload.items() if k != "model"}
+def _litellm_arguments(
+    deployment: Deployment, key: str, endpoint: str, payload: dict[str, Any]
+) -> dict[str, Any]:
+    """LiteLLM's keyword arguments: the request's OpenAI fields, then where and with which key it goes,
+    from the configuration only (LiteLLM would take api_base or api_key from any keyword)."""
+    arguments = {k: v for k, v in upstream_payload(endpoint, payload).items() if k != "model"}
     arguments["model"] = f"{deployment.provider}/{deployment.model}"
     arguments["timeout"] = deployment.timeout
     if deployment.api_base:
@@ -154,7 +166,7 @@ async def _litellm_call(
         "embeddings": litellm.aembedding,
     }[endpoint]
     try:
-        response = await function(**_litellm_arguments(deployment, key, payload))
+        response = await function(**_litellm_arguments(deployment, key, endpoint, payload))
     except Exception as error:  # LiteLLM maps every provider's errors onto its own classes
         raise _litellm_error(deployment, error) from None
     body: dict[str, Any] = response.model_dump(exclude_none=True)
@@ -166,7 +178,7 @@ async def _litellm_stream(
 ) -> AsyncIterator[dict[str, Any]]:
     litellm = _litellm()
     try:
-        response = await litellm.acompletion(**_litellm_arguments(deployment, key, payload))
+        response = await litellm.acompletion(**_litellm_arguments(deployment, key, endpoint, payload))
     except Exception as error:
         raise _litellm_error(deployment, error) from None
     try:
