@@ -68,6 +68,20 @@ def _check_provider(provider: str, model_name: str) -> None:
         )
 
 
+def upstream_key_names() -> set[str]:
+    """The vault secrets the tenant's gateway configuration names as upstream keys: the platform's own,
+    never given to a task (apps.vault.services.register_platform_names)."""
+    document = settings_get().document
+    models = document.get("model_list", []) if isinstance(document, dict) else []
+    return {
+        str(model["litellm_params"]["api_key_secret"])
+        for model in models
+        if isinstance(model, dict)
+        and isinstance(model.get("litellm_params"), dict)
+        and model["litellm_params"].get("api_key_secret")
+    }
+
+
 def deployment_keys(config: gateway_config.GatewayConfig) -> dict[str, str]:
     """The vault secrets the deployments name, decrypted for the gateway process (each read audited)."""
     from apps.vault.services import tenant_secret

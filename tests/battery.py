@@ -35,7 +35,8 @@ class Endpoint:
     expect: int = 200
     names_object: bool = False  # the path names one of tenant A's objects: B must get 404
     a_ids: Callable[[World], list[str]] = field(default=lambda world: [])  # A's ids B must never see listed
-    owner: str | None = None  # the persona whose own object the path names: other non-admins get 404
+    owner: str | None = None  # the persona whose own object the path names: other non-admins get `others`
+    others: int = 404  # 404: someone else's is not there for them; 403: it is, but only its owner reads this
 
     @property
     def site(self) -> str:

@@ -111,14 +111,19 @@ class TaskLogsConsumer(AsyncJsonWebsocketConsumer):
             await self.close()
 
     def _backlog(self, task_id: str) -> tuple[list[dict[str, Any]], str]:
+        from apps.accounts.models import User
         from apps.fleet.services import task_logs
         from apps.scheduling.models import Task
+        from apps.scheduling.selectors import may_read_output, output_readers
 
         assert self.identity is not None
         with schema_context(self.identity.schema_name):
-            task = Task.objects.filter(pk=task_id).first()
+            task = Task.objects.select_related("submitter", "project").filter(pk=task_id).first()
             if task is None:
                 raise WebsocketRejected("No such task in this tenant.", 4404)
+            reader = User.objects.filter(pk=self.identity.user_id).first()
+            if reader is None or not may_read_output(reader, task):
+                raise WebsocketRejected(output_readers(task), 4403)
             return [{**chunk, "at": chunk["at"].isoformat()} for chunk in task_logs(task)], task.state
 
     async def disconnect(self, code: int) -> None:

@@ -1,4 +1,5 @@
-"""Agent tokens (tenant admins) and task logs (anyone in the tenant)."""
+"""Agent tokens (tenant admins) and what tasks wrote: logs, metrics and outputs (their submitter, their
+project's members and tenant admins: apps.scheduling.selectors.may_read_output)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,17 @@ from django.shortcuts import get_object_or_404
 from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
+from rest_framework.exceptions import PermissionDenied
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from apps.accounts.apis import TenantAPIView
-from apps.accounts.models import Role
+from apps.accounts.models import Role, User
 from apps.fleet import services
 from apps.fleet.models import AgentToken, TaskOutput
 from apps.resources.models import Pool
 from apps.scheduling.models import Task
-from apps.scheduling.selectors import tasks_visible_to
+from apps.scheduling.selectors import may_read_output, output_readers, tasks_visible_to
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -82,17 +84,24 @@ def _after(request: Request) -> int:
         ) from None
 
 
+def _readable_task(user: User, task_id: str) -> Task:
+    task = get_object_or_404(tasks_visible_to(user), pk=task_id)
+    if not may_read_output(user, task):
+        raise PermissionDenied(output_readers(task))
+    return task
+
+
 class TaskLogsView(TenantAPIView):
     @extend_schema(summary="The task's output, in order; ?after=CURSOR for what came since")
     def get(self, request: Request, task_id: str) -> Response:
-        task = get_object_or_404(tasks_visible_to(self.user), pk=task_id)
+        task = _readable_task(self.user, task_id)
         return Response(services.task_logs(task, after=_after(request)))
 
 
 class TaskMetricsView(TenantAPIView):
     @extend_schema(summary="The task's metrics as its nodes reported them; ?after=CURSOR for what came since")
     def get(self, request: Request, task_id: str) -> Response:
-        task = get_object_or_404(tasks_visible_to(self.user), pk=task_id)
+        task = _readable_task(self.user, task_id)
         return Response(services.task_metrics(task, after=_after(request)))
 
 
@@ -105,14 +114,14 @@ class TaskOutputOut(serializers.ModelSerializer[TaskOutput]):
 class TaskOutputListView(TenantAPIView):
     @extend_schema(responses=TaskOutputOut(many=True), summary="The files the task left as outputs")
     def get(self, request: Request, task_id: str) -> Response:
-        task = get_object_or_404(tasks_visible_to(self.user), pk=task_id)
+        task = _readable_task(self.user, task_id)
         return Response(TaskOutputOut(task.outputs.all(), many=True).data)
 
 
 class TaskOutputDownloadView(TenantAPIView):
     @extend_schema(responses={(200, "application/octet-stream"): bytes}, summary="Download one output")
     def get(self, request: Request, task_id: str, name: str) -> FileResponse:
-        task = get_object_or_404(tasks_visible_to(self.user), pk=task_id)
+        task = _readable_task(self.user, task_id)
         output = get_object_or_404(task.outputs, name=name)
         return FileResponse(
             default_storage.open(output.stored, "rb"), as_attachment=True, filename=output.name

@@ -23,7 +23,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import PurePosixPath
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from django.conf import settings
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from apps.accounts.tokens import hash_token
@@ -45,7 +47,7 @@ from apps.resources.services import pool_heartbeat
 from apps.scheduling.engine import UNITS_PER_GPU
 from apps.scheduling.models import ACTIVE_STATES, ENDED_STATES, Task, TaskState
 from apps.scheduling.services import task_finish, transition
-from apps.vault.services import secret_values_for
+from apps.vault.services import mask, secret_names_quietly, secret_values_for, secret_values_to_mask
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -398,12 +400,38 @@ def report(*, tenant: Tenant, pool: Pool, task_id: str, seq: int, kind: str, bod
     return task_report(tenant=tenant, task=task, source="agent", seq=seq, kind=kind, body=body)
 
 
+MASK_SECONDS = 60.0  # how long a process keeps a task's values to mask before reading them again
+_masks: OrderedDict[tuple[str, str], tuple[float, list[str]]] = OrderedDict()
+
+
+def _masked_values(task: Task) -> list[str]:
+    """The values of the task's secrets, kept a minute in this process (log chunks come in bursts); a task
+    that names no secret costs nothing."""
+    if not secret_names_quietly(task.spec):
+        return []
+    key = (str(getattr(connection, "schema_name", "")), str(task.pk))
+    now = time.monotonic()
+    kept = _masks.get(key)
+    if kept is not None and now - kept[0] < MASK_SECONDS:
+        return kept[1]
+    values = secret_values_to_mask(task)
+    _masks[key] = (now, values)
+    _masks.move_to_end(key)
+    while len(_masks) > 512:
+        _masks.popitem(last=False)
+    return values
+
+
 def task_report(
     *, tenant: Tenant, task: Task, source: str, seq: int, kind: str, body: dict[str, Any]
 ) -> bool:
     """Apply one report about a task, locked by the caller, once per (source, seq)."""
     if kind not in TaskReport.Kind.values:
         raise AgentRejected(f"Unknown report type {kind!r}: status, log, metric or result.")
+    if kind == TaskReport.Kind.LOG and isinstance(body.get("lines"), list):
+        values = _masked_values(task)
+        if values:  # a task that printed its secret: stored, shown and followed as ***
+            body = {**body, "lines": mask(body["lines"], values)}
     try:
         with transaction.atomic():
             report = TaskReport.objects.create(task=task, source=source, seq=seq, kind=kind, body=body)

@@ -158,11 +158,16 @@ def _metered(task: Any) -> dict[str, Any] | None:
 
 @signed_in
 def task(request: HttpRequest, task_id: str) -> HttpResponse:
+    from apps.scheduling.selectors import may_read_output, output_readers
+
     user, found = _facts(request, task_id)
+    readable = may_read_output(user, found)
     context = {
         "task": found,
         "metered": _metered(found),
-        "outputs": found.outputs.order_by("name"),
+        "may_read_output": readable,
+        "output_readers": output_readers(found),
+        "outputs": found.outputs.order_by("name") if readable else [],
         "may_cancel": _may_cancel(user, found),
         "page": "tasks",
     }

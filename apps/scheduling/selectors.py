@@ -9,7 +9,7 @@ from django.db import connection
 from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
-from apps.accounts.models import User
+from apps.accounts.models import ProjectMembership, Role, User
 from apps.resources.models import ComputeResource
 from apps.scheduling.models import ACTIVE_STATES, Task, TaskState
 
@@ -25,8 +25,30 @@ def compute_resources_for(user: User) -> QuerySet[ComputeResource]:
 
 
 def tasks_visible_to(user: User) -> QuerySet[Task]:
-    """Everyone in a tenant may read its tasks (viewers included); writes are checked per action."""
+    """Everyone in a tenant may read its tasks (viewers included): their state, size, queue and reason.
+    What a task wrote (output, metrics, files) is narrower: see may_read_output. Writes are checked per
+    action."""
     return Task.objects.select_related("compute_resource", "submitter", "pool", "project")
+
+
+def may_read_output(user: User, task: Task) -> bool:
+    """A task's output, metrics and files are its submitter's, its project's members' and the tenant
+    admins': what a task prints may be data, or a secret it was given, that other people of the tenant
+    must not read."""
+    if not user.is_active:
+        return False
+    if user.has_role(Role.ADMIN) or task.submitter_id == user.pk:
+        return True
+    return (
+        task.project_id is not None
+        and ProjectMembership.objects.filter(project_id=task.project_id, user=user).exists()
+    )
+
+
+def output_readers(task: Task) -> str:
+    """Who may read the task's output, as a sentence."""
+    project = f", members of project {task.project.name}" if task.project is not None else ""
+    return f"Only {task.submitter.username}{project} and tenant admins read what this task wrote."
 
 
 def active_tasks_per_pool() -> dict[str, int]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
@@ -9,20 +11,49 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from apps.accounts.apis import TenantAPIView
-from apps.accounts.models import Project, Role
+from apps.accounts.models import Group, Project, Role
 from apps.core.ids import as_uuid
 from apps.vault import services
 from apps.vault.models import Secret
+
+
+class AudienceOut(serializers.Serializer[Secret]):
+    groups = serializers.SerializerMethodField()
+    projects = serializers.SerializerMethodField()
+
+    def get_groups(self, secret: Secret) -> list[str]:
+        return sorted(group.name for group in secret.audience_groups.all())
+
+    def get_projects(self, secret: Secret) -> list[str]:
+        return sorted(project.name for project in secret.audience_projects.all())
 
 
 class SecretOut(serializers.ModelSerializer[Secret]):
     project = serializers.CharField(source="project.name", allow_null=True, default=None)
     owner = serializers.CharField(source="owner.username", allow_null=True, default=None)
     created_by = serializers.CharField(source="created_by.username", allow_null=True, default=None)
+    audience = AudienceOut(source="*", read_only=True)
 
     class Meta:
         model = Secret
-        fields = ["id", "scope", "project", "owner", "name", "created_by", "created_at", "updated_at"]
+        fields = [
+            "id", "scope", "project", "owner", "name", "audience", "created_by", "created_at", "updated_at",
+        ]  # fmt: skip
+
+
+class AudienceIn(serializers.Serializer[Secret]):
+    groups = serializers.ListField(
+        child=serializers.CharField(max_length=100), required=False, default=list, max_length=200
+    )
+    projects = serializers.ListField(
+        child=serializers.CharField(max_length=100), required=False, default=list, max_length=200
+    )
+
+
+AUDIENCE_HELP = (
+    "tenant secrets only: the groups whose members' tasks and the projects whose tasks may be given it "
+    "(names or ids); without one, no task may"
+)
 
 
 class SecretIn(serializers.Serializer[Secret]):
@@ -30,10 +61,37 @@ class SecretIn(serializers.Serializer[Secret]):
     project = serializers.CharField(required=False, help_text="the project's name or id, for scope project")
     name = serializers.CharField(max_length=128)
     value = serializers.CharField(max_length=70_000, trim_whitespace=False, write_only=True)
+    audience = AudienceIn(required=False, help_text=AUDIENCE_HELP)
 
 
 class SecretValueIn(serializers.Serializer[Secret]):
-    value = serializers.CharField(max_length=70_000, trim_whitespace=False, write_only=True)
+    value = serializers.CharField(max_length=70_000, trim_whitespace=False, write_only=True, required=False)
+    audience = AudienceIn(required=False, help_text=AUDIENCE_HELP)
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if "value" not in attrs and "audience" not in attrs:
+            raise serializers.ValidationError("Send a new value, a new audience, or both.")
+        return attrs
+
+
+def _audience(data: dict[str, Any] | None) -> services.Audience | None:
+    """Groups and projects by name or id; an unknown one is a 400 naming it."""
+    if data is None:
+        return None
+    return services.Audience(
+        groups=tuple(_named(Group, reference, "audience.groups") for reference in data["groups"]),
+        projects=tuple(_named(Project, reference, "audience.projects") for reference in data["projects"]),
+    )
+
+
+def _named(model: type[Group] | type[Project], reference: str, field: str) -> Any:
+    identifier = as_uuid(reference)
+    found = (
+        model.objects.filter(pk=identifier) if identifier else model.objects.filter(name=reference)
+    ).first()
+    if found is None:
+        raise serializers.ValidationError({field: [f"No {model.__name__.lower()} {reference!r} here."]})
+    return found
 
 
 def _project(reference: str | None) -> Project | None:
@@ -69,6 +127,7 @@ class SecretListView(TenantAPIView):
             name=data.validated_data["name"],
             value=data.validated_data["value"],
             project=project,
+            audience=_audience(data.validated_data.get("audience")),
         )
         return Response(SecretOut(secret).data, status=status.HTTP_201_CREATED)
 
@@ -82,7 +141,9 @@ class SecretDetailView(TenantAPIView):
             SecretOut(get_object_or_404(services.secrets_visible_to(self.user), pk=secret_id)).data
         )
 
-    @extend_schema(request=SecretValueIn, responses=SecretOut, summary="Replace a secret's value")
+    @extend_schema(
+        request=SecretValueIn, responses=SecretOut, summary="Replace a secret's value, its audience, or both"
+    )
     def put(self, request: Request, secret_id: str) -> Response:
         secret = get_object_or_404(services.secrets_visible_to(self.user), pk=secret_id)
         data = SecretValueIn(data=request.data)
@@ -91,8 +152,9 @@ class SecretDetailView(TenantAPIView):
             user=self.user,
             scope=secret.scope,
             name=secret.name,
-            value=data.validated_data["value"],
+            value=data.validated_data.get("value"),
             project=secret.project,
+            audience=_audience(data.validated_data.get("audience")),
         )
         return Response(SecretOut(updated).data)
 

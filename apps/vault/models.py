@@ -6,7 +6,7 @@ import uuid
 
 from django.db import models
 
-from apps.accounts.models import Project, User
+from apps.accounts.models import Group, Project, User
 
 
 class DataKey(models.Model):
@@ -36,6 +36,11 @@ class Secret(models.Model):
     created_by = models.ForeignKey(User, null=True, on_delete=models.SET_NULL, related_name="+")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
+    # A tenant secret's audience: the groups whose members' tasks, and the projects whose tasks, may be
+    # given it. Empty (the default): no task may. Project and user secrets go to their project's and
+    # their owner's tasks.
+    audience_groups = models.ManyToManyField(Group, blank=True, related_name="+")
+    audience_projects = models.ManyToManyField(Project, blank=True, related_name="+")
 
     class Meta:
         ordering = ["scope", "name"]

@@ -2,11 +2,19 @@
 
 Values never leave the vault except in the `assign` message to the agent that runs the task (over its
 websocket, never through Redis), are never logged, and every such read is in the audit log.
+
+Each secret has an audience, the tasks that may be given it: a user's secret goes to that user's tasks,
+a project's to the project's tasks, and a tenant secret to no task until a tenant admin grants it to
+groups or projects (`audience`). Secrets the platform itself reads (single sign-on's client secret, the
+gateway's upstream keys) go to no task at all: the apps that read them say which names they are
+(`register_platform_names`), so a name in use by the gateway's configuration is protected the moment the
+configuration names it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from django.db import connection, transaction
@@ -14,7 +22,7 @@ from django.db.models import Q, QuerySet
 from django.utils import timezone
 from rest_framework.exceptions import PermissionDenied
 
-from apps.accounts.models import Project, Role, User
+from apps.accounts.models import Group, Project, Role, User
 from apps.accounts.permissions import is_project_admin
 from apps.audit.services import record
 from apps.core.errors import InvalidInput, NotFound
@@ -26,6 +34,28 @@ if TYPE_CHECKING:
     from apps.scheduling.models import Task
 
 MAX_VALUE_BYTES = 64 * 1024
+MASKED = "***"
+MIN_MASKED_LENGTH = 4  # shorter values would mask ordinary output ("1", "yes"), as CI systems find too
+
+_platform_names: list[Callable[[], Iterable[str]]] = []
+
+
+def register_platform_names(names: Callable[[], Iterable[str]]) -> None:
+    """An app that reads tenant secrets for the platform's own use names them (called in its schema)."""
+    _platform_names.append(names)
+
+
+def platform_secret_names() -> set[str]:
+    """The tenant secrets the platform itself reads in this schema: never given to a task."""
+    return {name for names in _platform_names for name in names()}
+
+
+@dataclass(frozen=True)
+class Audience:
+    """Who may be given a tenant secret: members' tasks of these groups, tasks of these projects."""
+
+    groups: tuple[Group, ...] = ()
+    projects: tuple[Project, ...] = ()
 
 
 def _data_key() -> bytes:
@@ -62,20 +92,57 @@ def _check(name: str, value: str) -> None:
 
 
 @transaction.atomic
-def secret_set(*, user: User, scope: str, name: str, value: str, project: Project | None = None) -> Secret:
-    """Keep (or replace) a secret; its value can never be read back through the API."""
+def secret_set(
+    *,
+    user: User,
+    scope: str,
+    name: str,
+    value: str | None,
+    project: Project | None = None,
+    audience: Audience | None = None,
+) -> Secret:
+    """Keep (or replace) a secret; its value can never be read back through the API. `audience` (tenant
+    secrets only) replaces who may be given it; None keeps it as it is. A value of None keeps the value
+    (an existing secret's audience changes alone)."""
     _may_write(user, scope, project)
-    _check(name, value)
-    secret, _ = Secret.objects.select_for_update().get_or_create(
+    if value is not None:
+        _check(name, value)
+    if audience is not None and scope != Secret.Scope.TENANT:
+        raise InvalidInput(
+            "Only tenant secrets have an audience: a project's secret goes to its tasks, a user's to "
+            "their own.",
+            field="audience",
+        )
+    if audience is not None and (audience.groups or audience.projects) and name in platform_secret_names():
+        raise InvalidInput(
+            f"{name} is used by the platform itself (single sign-on or the gateway) and is never given to "
+            "a task; keep what tasks need under another name.",
+            field="audience",
+        )
+    secret, created = Secret.objects.select_for_update().get_or_create(
         scope=scope,
         project=project if scope == Secret.Scope.PROJECT else None,
         owner=user if scope == Secret.Scope.USER else None,
         name=name,
         defaults={"created_by": user, "ciphertext": b""},
     )
-    secret.ciphertext = crypto.seal(_data_key(), value, _bound_to(secret))
-    secret.save(update_fields=["ciphertext", "updated_at"])
-    record(actor=user.username, action="secret.written", target=f"secret {secret}")
+    if value is None and created:
+        raise InvalidInput("A new secret needs its value.", field="value")
+    if value is not None:
+        secret.ciphertext = crypto.seal(_data_key(), value, _bound_to(secret))
+        secret.save(update_fields=["ciphertext", "updated_at"])
+        record(actor=user.username, action="secret.written", target=f"secret {secret}")
+    if audience is not None:
+        secret.audience_groups.set(audience.groups)
+        secret.audience_projects.set(audience.projects)
+        granted = ", ".join(
+            [*(f"group {g}" for g in audience.groups), *(f"project {p}" for p in audience.projects)]
+        )
+        record(
+            actor=user.username,
+            action="secret.audience",
+            target=f"secret {secret}: {granted or 'no task'}",
+        )
     return secret
 
 
@@ -91,7 +158,9 @@ def secret_delete(*, user: User, secret: Secret) -> None:
 def secrets_visible_to(user: User) -> QuerySet[Secret]:
     """Names a user may see (never values): the tenant's, their projects', their own; admins see all
     but other users' own."""
-    secrets = Secret.objects.select_related("project", "owner")
+    secrets = Secret.objects.select_related("project", "owner", "created_by").prefetch_related(
+        "audience_groups", "audience_projects"
+    )
     mine = Q(scope=Secret.Scope.USER, owner=user)
     if user.has_role(Role.ADMIN):
         return secrets.filter(~Q(scope=Secret.Scope.USER) | mine)
@@ -100,12 +169,26 @@ def secrets_visible_to(user: User) -> QuerySet[Secret]:
     ).distinct()
 
 
+def _tenant_secret_for(user: User, project: Project | None) -> Q:
+    """Tenant secrets granted to one of the user's groups or to the task's project."""
+    granted = Q(audience_groups__members=user)
+    if project is not None:
+        granted |= Q(audience_projects=project)
+    return Q(scope=Secret.Scope.TENANT) & granted
+
+
 def _resolve(user: User, project: Project | None, names: Sequence[str]) -> dict[str, Secret]:
-    """For each name, the user's own secret, else the project's, else the tenant's."""
-    candidates = Secret.objects.filter(name__in=names).filter(
-        Q(scope=Secret.Scope.USER, owner=user)
-        | Q(scope=Secret.Scope.PROJECT, project=project)
-        | Q(scope=Secret.Scope.TENANT)
+    """For each name, the user's own secret, else the project's, else a tenant secret granted to the
+    task; never one the platform itself reads."""
+    candidates = (
+        Secret.objects.filter(name__in=names)
+        .filter(
+            Q(scope=Secret.Scope.USER, owner=user)
+            | Q(scope=Secret.Scope.PROJECT, project=project)
+            | _tenant_secret_for(user, project)
+        )
+        .exclude(scope=Secret.Scope.TENANT, name__in=platform_secret_names())
+        .distinct()
     )
     rank = {Secret.Scope.USER: 0, Secret.Scope.PROJECT: 1, Secret.Scope.TENANT: 2}
     chosen: dict[str, Secret] = {}
@@ -130,11 +213,30 @@ def secrets_check(*, user: User, project: Project | None, spec: object) -> None:
     """At submission: every secret the task names exists for its user, project or tenant."""
     names = secret_names(spec)
     missing = sorted(set(names) - set(_resolve(user, project, names)))
-    if missing:
+    if not missing:
+        return
+    platform = sorted(set(missing) & platform_secret_names())
+    if platform:
         raise InvalidInput(
-            f"No secret named {', '.join(missing)} for you, your project or the tenant; "
-            "keep it with POST /api/v1/secrets/ first."
+            f"{', '.join(platform)} is used by the platform itself (single sign-on or the gateway) and is "
+            "never given to a task.",
+            field="spec.secrets",
         )
+    ungranted = sorted(
+        Secret.objects.filter(scope=Secret.Scope.TENANT, name__in=missing).values_list("name", flat=True)
+    )
+    if ungranted:
+        where = f"project {project.name}" if project is not None else "your groups"
+        raise InvalidInput(
+            f"Tenant secret {', '.join(ungranted)} is not granted to {where}: a tenant admin grants a "
+            "tenant secret to groups or projects (its audience) before tasks may be given it.",
+            field="spec.secrets",
+        )
+    raise InvalidInput(
+        f"No secret named {', '.join(missing)} for you, your project or the tenant; "
+        "keep it with POST /api/v1/secrets/ first.",
+        field="spec.secrets",
+    )
 
 
 def secret_values_for(task: Task) -> dict[str, str]:
@@ -159,6 +261,50 @@ def secret_values_for(task: Task) -> dict[str, str]:
             task=str(task.pk),
         )
     return values
+
+
+def secret_values_to_mask(task: Task) -> list[str]:
+    """The values of the secrets the task was given, longest first, to mask in what it writes. Not a read
+    for anyone (the values never leave the process), so not audited."""
+    names = [name for name in secret_names_quietly(task.spec) if task_environment.refusal(name) is None]
+    if not names:
+        return []
+    key = _data_key()
+    values = {
+        crypto.open_sealed(key, bytes(secret.ciphertext), _bound_to(secret))
+        for secret in _resolve(task.submitter, task.project, names).values()
+    }
+    return sorted((value for value in values if len(value) >= MIN_MASKED_LENGTH), key=len, reverse=True)
+
+
+def secret_names_quietly(spec: object) -> list[str]:
+    names = spec.get("secrets", []) if isinstance(spec, dict) else []
+    return [name for name in names if isinstance(name, str)] if isinstance(names, list) else []
+
+
+def mask(lines: Sequence[object], values: Sequence[str]) -> list[object]:
+    """Lines with every known secret value (and every line of a multi-line one) replaced by ***."""
+    pieces = sorted(
+        {
+            piece
+            for value in values
+            for piece in (value, *value.splitlines())
+            if len(piece) >= MIN_MASKED_LENGTH
+        },
+        key=len,
+        reverse=True,
+    )
+    if not pieces:
+        return list(lines)
+    masked: list[object] = []
+    for line in lines:
+        text = line
+        if isinstance(text, str):
+            for piece in pieces:
+                if piece in text:
+                    text = text.replace(piece, MASKED)
+        masked.append(text)
+    return masked
 
 
 def vault_rotate() -> bool:

@@ -1,4 +1,5 @@
-"""Every websocket, for every kind of caller: the tenant's roles read the events and task logs; no
+"""Every websocket, for every kind of caller: the tenant's roles read the events, a task's submitter and
+the admins its logs; no
 token, another tenant's token, an agent token on a user stream and a user token on the agents' stream
 are refused with a close code and a sentence."""
 
@@ -51,8 +52,13 @@ STREAMS = ["/ws/v1/events/", "task-logs"]
 @pytest.mark.parametrize("stream", STREAMS)
 @pytest.mark.parametrize("persona", ["dave", "bob", "carol", "alice"])
 def test_every_role_of_the_tenant_reads_its_streams(world: World, stream: str, persona: str) -> None:
+    """The events are the tenant's; a task's output is its submitter's (bob) and the admins' (alice)."""
     path = f"/ws/v1/tasks/{world.task_a}/logs/" if stream == "task-logs" else stream
     message, closed = first_message(path, world.tokens[persona])
+    if stream == "task-logs" and persona in ("dave", "carol"):
+        assert message == {"type": "error", "detail": "Only bob and tenant admins read what this task wrote."}
+        assert closed == {"type": "websocket.close", "code": 4403}
+        return
     assert message["type"] in {"welcome", "open"}, message
     assert closed is None
 

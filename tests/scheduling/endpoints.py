@@ -124,6 +124,8 @@ ENDPOINTS += [
         "viewer",
         lambda w: f"/api/v1/tasks/{w.task_a}/logs/",
         names_object=True,
+        owner="bob",  # what a task wrote: its submitter's, its project's members', the admins'
+        others=403,
     ),
     Endpoint(
         "GET",
@@ -131,6 +133,8 @@ ENDPOINTS += [
         "viewer",
         lambda w: f"/api/v1/tasks/{w.task_a}/metrics/",
         names_object=True,
+        owner="bob",  # what a task wrote: its submitter's, its project's members', the admins'
+        others=403,
     ),
     Endpoint(
         "GET",
@@ -166,6 +170,8 @@ ENDPOINTS += [
         "viewer",
         lambda w: f"/api/v1/tasks/{w.task_a}/outputs/",
         names_object=True,
+        owner="bob",  # what a task wrote: its submitter's, its project's members', the admins'
+        others=403,
     ),
     Endpoint(
         "GET",
@@ -173,5 +179,7 @@ ENDPOINTS += [
         "viewer",
         lambda w: f"/api/v1/tasks/{w.task_a}/outputs/result.txt",
         names_object=True,
+        owner="bob",  # what a task wrote: its submitter's, its project's members', the admins'
+        others=403,
     ),
 ]

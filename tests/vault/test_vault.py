@@ -13,7 +13,7 @@ from django.test import override_settings
 from django_tenants.utils import schema_context
 from rest_framework.test import APIClient
 
-from apps.accounts.models import Project, User
+from apps.accounts.models import Group, Project, User
 from apps.audit.models import AuditEvent
 from apps.fleet.services import dispatch
 from apps.resources.models import Pool
@@ -66,6 +66,8 @@ def test_a_task_gets_its_users_secret_before_its_projects_before_the_tenants(
         secret_set(user=alice, scope="project", project=apollo, name="HF_TOKEN", value="apollo-hf")
         secret_set(user=alice, scope="tenant", name="DATASET_KEY", value="tenant-dataset")
         secret_set(user=bob, scope="user", name="DATASET_KEY", value="bobs-dataset")
+        research = Group.objects.get(name="research")  # a tenant secret goes to the tasks it is granted to
+        Secret.objects.get(scope="tenant", name="SHARED_TOKEN").audience_groups.add(research)
     submitted = api("bob").post(
         "/api/v1/tasks/",
         {
@@ -108,6 +110,8 @@ def test_the_assign_message_carries_the_values_and_a_deleted_secret_fails_the_ta
         bob = User.objects.get(username="bob")
         pool = Pool.objects.get(name="h100")
         secret_set(user=bob, scope="user", name="ONE_OFF", value="one-off-value")
+        research = Group.objects.get(name="research")
+        Secret.objects.get(scope="tenant", name="SHARED_TOKEN").audience_groups.add(research)
         task = Task.objects.create(
             name="with-secret",
             compute_resource_id=world.compute_resource_a,
