@@ -22,8 +22,14 @@ undefined names an error.
 
 from __future__ import annotations
 
+import functools
+import json
+import math
+import os
 import re
 import shlex
+import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -146,8 +152,106 @@ def _finalize(value: Any) -> Any:
     raise Unsafe(f"A template printed a {type(value).__name__}; print single values only.")
 
 
+# Limits of a template's rendering. A template may come from a member (a batch preview) and renders in
+# the web process's checks and the agent; these keep any template from taking the process's time or
+# memory: every operator and call that can make a large value is bounded before it runs, and the plane
+# renders templates it was handed in a process of its own under a time and memory limit (render_isolated).
+MAX_TEXT = 256 * 1024  # characters of any value a template makes, and of the script
+MAX_NUMBER_BITS = 256  # a number a template computes
+MAX_ARGUMENT = 10_000  # a number given to a filter or method (widths, counts)
+MAX_RANGE = 10_000  # items of range()
+TIME_LIMIT_SECONDS = 0.5  # rendering in the isolated process
+MEMORY_LIMIT_BYTES = 512 * 1024 * 1024  # the isolated process's address space
+PERCENT_SPEC = re.compile(r"%[#0 +\-]*(\d*)(?:\.(\d*))?")
+
+
+def _limit(what: str) -> TemplateInvalid:
+    return TemplateInvalid(f"{what}; templates are rendered within limits (docs/hpc.md).")
+
+
+def _sized(value: Any) -> Any:
+    """A value a template made, if it is within the limits."""
+    if isinstance(value, str | list | tuple | dict) and len(value) > MAX_TEXT:
+        raise _limit(f"the template made a value of {len(value)} items or characters, above {MAX_TEXT}")
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > MAX_NUMBER_BITS:
+        raise _limit(f"the template made a number above {MAX_NUMBER_BITS} bits")
+    return value
+
+
+def _arguments(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, int | float) and not isinstance(value, bool) and abs(value) > MAX_ARGUMENT:
+            raise _limit(f"the template passed {value} to a filter or method, above {MAX_ARGUMENT}")
+
+
+def _bounded_filter(function: Any) -> Any:
+    @functools.wraps(function)  # keeps jinja's pass_context and pass_environment marks
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        _arguments(args[1:], kwargs)  # the first is the value filtered
+        return _sized(function(*args, **kwargs))
+
+    return bounded
+
+
+def _bounded_range(*args: int) -> range:
+    found = range(*args)
+    if len(found) > MAX_RANGE:
+        raise _limit(f"range() of {len(found)} items, above {MAX_RANGE}")
+    return found
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_binop(operator: str, left: Any, right: Any) -> None:
+    """Refuse an operation whose result would pass the limits, before it is computed."""
+    sequences = (str, list, tuple)
+    if operator == "**" and _is_number(left) and _is_number(right):
+        if abs(right) * math.log2(abs(left) + 1) > MAX_NUMBER_BITS:
+            raise _limit(f"{left} ** {right} is above {MAX_NUMBER_BITS} bits")
+    elif operator == "*":
+        for sequence, count in ((left, right), (right, left)):
+            if (
+                isinstance(sequence, sequences)
+                and isinstance(count, int)
+                and len(sequence) * count > MAX_TEXT
+            ):
+                raise _limit(f"repeating a value {count} times makes more than {MAX_TEXT} items")
+    elif operator == "+" and isinstance(left, sequences) and isinstance(right, sequences):
+        if len(left) + len(right) > MAX_TEXT:
+            raise _limit(f"joining two values makes more than {MAX_TEXT} items")
+    elif operator == "%" and isinstance(left, str):
+        for width, precision in PERCENT_SPEC.findall(left):
+            if max(int(width or 0), int(precision or 0)) > MAX_ARGUMENT:
+                raise _limit(f"a % format asks for a width above {MAX_ARGUMENT}")
+
+
+class BoundedSandbox(SandboxedEnvironment):
+    """Jinja2's sandbox, with every operator, filter and call that can make a large value bounded."""
+
+    intercepted_binops = frozenset({"**", "*", "+", "%", "//"})
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.filters = {name: _bounded_filter(function) for name, function in self.filters.items()}
+        self.globals["range"] = _bounded_range
+
+    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any) -> Any:
+        _check_binop(operator, left, right)
+        return _sized(super().call_binop(context, operator, left, right))
+
+    def call(self, __context: jinja2.runtime.Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        _arguments(args, kwargs)
+        if getattr(__obj, "__name__", "") == "format" and isinstance(getattr(__obj, "__self__", None), str):
+            for spec in re.findall(r"\{[^{}]*:([^{}]*)\}", __obj.__self__):
+                if any(int(number) > MAX_ARGUMENT for number in re.findall(r"\d+", spec)):
+                    raise _limit(f"a format asks for a width above {MAX_ARGUMENT}")
+        return _sized(super().call(__context, __obj, *args, **kwargs))
+
+
 def _environment() -> SandboxedEnvironment:
-    return SandboxedEnvironment(
+    return BoundedSandbox(
         undefined=jinja2.StrictUndefined,
         autoescape=False,
         keep_trailing_newline=True,
@@ -189,25 +293,89 @@ def check_template(text: str, scheduler: str, allowed_directives: Sequence[str] 
             f"The template must use {', '.join(missing)}: a job without the task's size or its run line "
             "would not be the task Klique placed."
         )
-    script = render(text, sample_context(scheduler))
+    script = render_isolated(text, sample_context(scheduler))
     if not script.startswith("#!"):
         raise TemplateInvalid("A batch script must start with #! (for example #!/bin/bash).")
 
 
 def render(text: str, context: Mapping[str, Any]) -> str:
-    """The script, or TemplateInvalid / Unsafe saying what is wrong."""
+    """The script, or TemplateInvalid / Unsafe saying what is wrong (in this process: for templates
+    already checked by the plane; the plane itself renders what it is handed with render_isolated)."""
     try:
-        return ENVIRONMENT.from_string(text).render(**context)
+        script = ENVIRONMENT.from_string(text).render(**context)
     except jinja2.TemplateSyntaxError as error:
         raise TemplateInvalid(f"line {error.lineno}: {error.message}") from None
     except jinja2.UndefinedError as error:
         raise TemplateInvalid(f"{error.message}; the names a template may use are in docs/hpc.md.") from None
     except jinja2.exceptions.SecurityError as error:
         raise TemplateInvalid(f"the sandbox refused: {error}") from None
-    except (TypeError, ValueError, ArithmeticError) as error:
-        if isinstance(error, Unsafe):
+    except RecursionError:
+        raise _limit("the template calls itself too deeply") from None
+    except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as error:
+        if isinstance(error, Unsafe | TemplateInvalid):
             raise
-        raise TemplateInvalid(str(error)) from None
+        raise TemplateInvalid(f"the template failed: {type(error).__name__}: {str(error)[:300]}") from None
+    if len(script) > MAX_TEXT:
+        raise _limit(f"the script is {len(script)} characters, above {MAX_TEXT}")
+    return script
+
+
+def _encoded(value: Any) -> Any:
+    if isinstance(value, Quoted):
+        return {"quoted": str(value)}
+    if isinstance(value, list | tuple):
+        return [_encoded(item) for item in value]
+    return value
+
+
+def _decoded(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"quoted"}:
+        return Quoted(value["quoted"])
+    if isinstance(value, list):
+        return [_decoded(item) for item in value]
+    return value
+
+
+def render_isolated(text: str, context: Mapping[str, Any]) -> str:
+    """render() in a process of its own, killed past its limits: what the plane does with a template it was
+    handed (a member's preview, an admin's draft), so that no template can hold the web process's time
+    or memory. The answer comes within about a second whatever the template does."""
+    request = json.dumps({"text": text, "context": {key: _encoded(value) for key, value in context.items()}})
+    try:
+        finished = subprocess.run(
+            [sys.executable, "-I", "-m", "agents.template_worker"],
+            input=request.encode(),
+            capture_output=True,
+            timeout=TIME_LIMIT_SECONDS + 3,  # the worker stops itself at the limit; this is the backstop
+            env={"PATH": os.defpath, "LANG": "C.UTF-8"},
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise _limit(f"the template took longer than {TIME_LIMIT_SECONDS} s to render") from None
+    try:
+        answer = json.loads(finished.stdout)
+    except ValueError:
+        if finished.returncode < 0 or b"MemoryError" in finished.stderr:
+            raise _limit(f"the template used more than {MEMORY_LIMIT_BYTES // 2**20} MB") from None
+        raise TemplateInvalid("the template could not be rendered; see the plane's log") from None
+    if "script" in answer:
+        return str(answer["script"])
+    if "unsafe" in answer:
+        raise Unsafe(str(answer["unsafe"]))
+    raise TemplateInvalid(str(answer.get("invalid", "the template could not be rendered")))
+
+
+def render_in_worker(request: Mapping[str, Any]) -> dict[str, str]:
+    """The isolated process's side of render_isolated: one rendering, its answer as JSON-able data."""
+    context = {key: _decoded(value) for key, value in request["context"].items()}
+    try:
+        return {"script": render(str(request["text"]), context)}
+    except Unsafe as error:
+        return {"unsafe": str(error)}
+    except TemplateInvalid as error:
+        return {"invalid": str(error)}
+    except MemoryError:
+        return {"invalid": str(_limit(f"the template used more than {MEMORY_LIMIT_BYTES // 2**20} MB"))}
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from agents.batch import (
     one_line,
     quote_command,
     render,
+    render_isolated,
     safe,
 )
 from agents.state import JobRecord, State
@@ -536,6 +537,7 @@ class Scripts:
     scheduler: str
     settings: Settings
     url: str
+    isolated: bool = False  # the plane renders what it is handed in a process of its own (render_isolated)
 
     def _inside_roots(self, path: str, what: str) -> str:
         resolved = Path(one_line(path, what)).resolve()
@@ -610,7 +612,7 @@ class Scripts:
             "run": self._run_line(spec, folder, nodes, task_id),
         }
         text = batch.get("template") or DEFAULT_TEMPLATES[self.scheduler]
-        return render(text, context), context
+        return (render_isolated if self.isolated else render)(text, context), context
 
 
 @dataclass

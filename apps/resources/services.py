@@ -360,6 +360,7 @@ def batch_preview(
         scheduler,
         Settings(jobs_dir=folder.parent, node_python="python3", allowed_roots=[Path("/")]),
         url,
+        isolated=True,  # a member's template: rendered under time and memory limits, outside this process
     )
     account = user.username if user.username.isidentifier() else "someone"
     try:
