@@ -1,7 +1,14 @@
 """`klique-agent`: connects out to the control plane, pulls the work of its pool and runs it.
 
-    klique-agent --url http://demo.localhost:8000 --token kqa_... --backend baremetal --gpus 4
-    klique-agent --url https://acme.klique.example --token kqa_... --backend slurm --config agent.toml
+    klique-agent --url http://demo.localhost:8000 --token-file /etc/klique/agent.token --gpus 4
+    KLIQUE_AGENT_TOKEN=kqa_... klique-agent --url https://acme.klique.example --backend slurm \
+        --config agent.toml
+
+The agent token comes from a file only its owner may read (--token-file) or from the environment
+(KLIQUE_AGENT_TOKEN); --token still works but puts the token where anyone on the host can read it (ps,
+/proc), and the agent says so. Its holder receives the secrets of every task of the pool. The first hello
+binds the token to this agent: its id and a random instance key the agent keeps in its work folder, so a
+copy of the token used from elsewhere is refused and shown to the pool's admins.
 
 The agent only ever opens an outbound websocket. It reconnects with exponential backoff and jitter;
 every report (status, log, result) carries a per-task sequence number and stays in the outbox until the
@@ -17,11 +24,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import random
+import secrets
 import signal
 import socket
 import sys
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -71,8 +81,9 @@ class Backoff:
 
 
 class Agent:
-    def __init__(self, *, url: str, token: str, backend: Backend, agent_id: str) -> None:
+    def __init__(self, *, url: str, token: str, backend: Backend, agent_id: str, instance: str = "") -> None:
         self.url, self.token, self.backend, self.agent_id = url, token, backend, agent_id
+        self.instance = instance  # this agent's instance key, which its token is bound to
         self.state = backend.state  # the outbox and sequence numbers live beside the runs, in SQLite
         self.socket: Any = None
         self.stopping = asyncio.Event()
@@ -127,6 +138,7 @@ class Agent:
                 {
                     "type": "hello",
                     "agent_id": self.agent_id,
+                    "instance": self.instance,
                     "backend": self.backend.name,
                     "version": __version__,
                     "inventory": self.backend.inventory(),
@@ -237,10 +249,63 @@ def _backend(args: argparse.Namespace) -> Backend | str:
     return BareMetal(gpus, work_dir, state, "nvml" if detected is not None else "configured", mig=mig)
 
 
+TOKEN_VARIABLE = "KLIQUE_AGENT_TOKEN"  # noqa: S105 -- the variable's name, not a token
+
+
+def agent_token(file: Path | None, given: str | None, environment: Mapping[str, str]) -> str:
+    """The agent token from a file only its owner reads, the environment, or (warned) the command line;
+    or a sentence starting with "klique-agent:" that says what is wrong."""
+    if file is not None:
+        try:
+            status = file.stat()
+        except OSError as error:
+            return f"klique-agent: the token file {file} cannot be read: {error.strerror}."
+        if status.st_mode & 0o077:
+            return (
+                f"klique-agent: the token file {file} may be read by others "
+                f"(mode {status.st_mode & 0o777:o}); run chmod 600 {file}."
+            )
+        if status.st_uid != os.geteuid():
+            return f"klique-agent: the token file {file} belongs to another account; the agent's must own it."
+        token = file.read_text().strip()
+    elif environment.get(TOKEN_VARIABLE):
+        token = environment[TOKEN_VARIABLE].strip()
+    elif given:
+        logger.warning(
+            "the agent token was given with --token: every user of this host can read it (ps, /proc); "
+            "give it with --token-file (mode 600) or %s instead",
+            TOKEN_VARIABLE,
+        )
+        token = given.strip()
+    else:
+        how = f"--token-file FILE (mode 600) or {TOKEN_VARIABLE}"
+        return f"klique-agent: give the pool's agent token with {how}."
+    if not token:
+        return "klique-agent: the agent token is empty."
+    return token
+
+
+def instance_key(work_dir: Path) -> str:
+    """This agent's instance key, made once and kept in its work folder (mode 600): the plane binds the
+    agent token to it at the first hello, so the token alone, copied elsewhere, is refused."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    path = work_dir / "instance.key"
+    if not path.exists():
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(secrets.token_hex(32))
+    return path.read_text().strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="klique-agent", description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True, help="the tenant's address, e.g. https://acme.klique.example")
-    parser.add_argument("--token", required=True, help="an agent token issued for this pool")
+    parser.add_argument(
+        "--token-file", type=Path, help="a file holding the pool's agent token, readable by its owner only"
+    )
+    parser.add_argument(
+        "--token", help="the agent token itself: visible to every user of this host (prefer --token-file)"
+    )
     parser.add_argument("--backend", choices=["baremetal", *DIALECTS], default="baremetal")
     parser.add_argument("--config", type=Path, help="a TOML file: [agent.slurm] (or pbs, lsf) settings")
     parser.add_argument("--gpus", type=int, help="GPUs to offer when NVML finds none (tests, demos)")
@@ -248,12 +313,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=Path(".klique-agent"))
     parser.add_argument("--grace-seconds", type=float, default=30.0, help="for running tasks at shutdown")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)-7s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+    token = agent_token(args.token_file, args.token, os.environ)
+    if token.startswith("klique-agent:"):
+        print(token, file=sys.stderr)
+        return 2
     backend = _backend(args)
     if isinstance(backend, str):
         print(backend, file=sys.stderr)
         return 2
-    agent = Agent(url=args.url, token=args.token, backend=backend, agent_id=args.agent_id)
+    agent = Agent(
+        url=args.url,
+        token=token,
+        backend=backend,
+        agent_id=args.agent_id,
+        instance=instance_key(args.work_dir),
+    )
     backend.upload = agent.upload
 
     async def serve() -> None:

@@ -81,15 +81,17 @@ def klique_drain(count: int, concurrency: int, work: Path) -> tuple[float, float
                         break
                 except httpx.HTTPError:
                     time.sleep(0.1)
-            token = drain_pool_token(client, concurrency)
+            token_file = work / "agent.token"
+            token_file.write_text(drain_pool_token(client, concurrency))
+            token_file.chmod(0o600)
             agent = [
                 sys.executable,
                 "-m",
                 "agents.main",
                 "--url",
                 f"http://demo.localhost:{port}",
-                "--token",
-                token,
+                "--token-file",
+                str(token_file),
                 "--gpus",
                 str(concurrency),
                 "--agent-id",

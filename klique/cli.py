@@ -103,15 +103,21 @@ def _beat_argv(data_dir: Path) -> list[str]:
 
 
 def _agent_argv(demo: dict[str, Any], port: int, data_dir: Path) -> list[str]:
-    """The demo's bare-metal agent for lab-h100, with a configured inventory (no GPU needed)."""
+    """The demo's bare-metal agent for lab-h100, with a configured inventory (no GPU needed); its token in
+    a file only this account reads, never on the command line."""
+    token_file = data_dir / "agent.token"
+    token_file.unlink(missing_ok=True)
+    descriptor = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(demo["agent_token"])
     return [
         sys.executable,
         "-m",
         "agents.main",
         "--url",
         f"http://{demo['tenant_address']}:{port}",
-        "--token",
-        demo["agent_token"],
+        "--token-file",
+        str(token_file),
         "--gpus",
         "8",
         "--agent-id",

@@ -35,7 +35,10 @@ class AgentTokenOut(serializers.ModelSerializer[AgentToken]):
 
     class Meta:
         model = AgentToken
-        fields = ["id", "name", "pool", "prefix", "created_at", "revoked_at", "last_used_at"]
+        fields = [
+            "id", "name", "pool", "prefix", "created_at", "revoked_at", "last_used_at", "bound_agent_id",
+            "bound_at", "conflict_at", "conflict",
+        ]  # fmt: skip
 
     def get_prefix(self, token: AgentToken) -> str:
         return f"kqa_{token.prefix}"

@@ -22,7 +22,8 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
     """Speaks the agent protocol (apps.fleet.services) for one pool-scoped agent token.
 
     Every database step runs in the tenant's schema, named explicitly. Errors in a message are answered
-    with {"type": "error", "detail": ...}; a bad token closes the connection with 4401.
+    with {"type": "error", "detail": ...}; a bad token closes the connection with 4401, and a token bound
+    to another agent (agent_bind) with 4403.
     """
 
     schema_name: str | None = None
@@ -86,7 +87,22 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         token = self.token
         assert token is not None
         if kind == "hello":
-            self.agent_id = str(content["agent_id"])
+            agent_id = str(content["agent_id"])[:100]
+            client = self.scope.get("client") or ("", 0)
+            try:
+                await database_sync_to_async(self._in_schema)(
+                    services.agent_bind,
+                    tenant=self.tenant,
+                    token=token,
+                    agent_id=agent_id,
+                    instance=str(content.get("instance") or ""),
+                    address=str(client[0] or ""),
+                )
+            except services.AgentRejected as refused:  # a copy of another agent's token: nothing more
+                await self.send_json({"type": "error", "detail": str(refused), "about": "hello"})
+                await self.close(code=4403)
+                return
+            self.agent_id = agent_id
             welcome = await database_sync_to_async(self._in_schema)(
                 services.agent_hello,
                 tenant=self.tenant,

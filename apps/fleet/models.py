@@ -26,6 +26,13 @@ class AgentToken(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
+    # The agent the token is bound to since its first hello: the id it gave and a hash of its instance key.
+    bound_agent_id = models.CharField(max_length=100, blank=True)
+    bound_instance = models.CharField(max_length=64, blank=True)
+    bound_at = models.DateTimeField(null=True, blank=True)
+    # The last hello with this token from another agent (refused), for the pool's admins to see.
+    conflict_at = models.DateTimeField(null=True, blank=True)
+    conflict = models.CharField(max_length=300, blank=True)
 
     class Meta:
         ordering = ["-created_at"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -38,8 +39,9 @@ from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from apps.accounts.tokens import hash_token
+from apps.audit.services import record
 from apps.core.errors import InvalidInput, NotFound
-from apps.core.events import publish_log, send_to_group
+from apps.core.events import publish_event, publish_log, send_to_group
 from apps.core.ids import as_uuid
 from apps.fleet.models import Agent, AgentToken, TaskOutput, TaskReport
 from apps.resources.models import Pool
@@ -51,6 +53,8 @@ from apps.vault.services import mask, secret_names_quietly, secret_values_for, s
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
+
+logger = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 10
 LEASE_SECONDS = 30
@@ -122,6 +126,53 @@ def agent_authenticate(*, presented: str) -> AgentToken:
         )
     AgentToken.objects.filter(pk=token.pk).update(last_used_at=timezone.now())
     return token
+
+
+def agent_bind(*, tenant: Tenant, token: AgentToken, agent_id: str, instance: str, address: str = "") -> None:
+    """Bind the token to the agent at its first hello; refuse another agent presenting it later.
+
+    The binding is the agent's id and a hash of the random instance key it keeps in its work folder, so a
+    token copied from a login node (a process list, a backup) is refused wherever it is used without that
+    agent's key. The refusal is kept on the token, audited and published, for the pool's admins."""
+    fingerprint = hashlib.sha256(instance.encode()).hexdigest() if instance else ""
+    with transaction.atomic():
+        current = AgentToken.objects.select_for_update().get(pk=token.pk)
+        if not current.bound_agent_id:
+            current.bound_agent_id, current.bound_instance = agent_id, fingerprint
+            current.bound_at = timezone.now()
+            current.save(update_fields=["bound_agent_id", "bound_instance", "bound_at"])
+            return
+        if (current.bound_agent_id, current.bound_instance) == (agent_id, fingerprint):
+            return
+        seen = f"agent {agent_id[:60]}" + (f" from {address}" if address else "")
+        current.conflict_at = timezone.now()
+        current.conflict = f"{seen} presented this token, bound to agent {current.bound_agent_id}"[:300]
+        current.save(update_fields=["conflict_at", "conflict"])
+        record(
+            actor=f"agent {agent_id[:60]}",
+            action="agent_token.conflict",
+            target=f"agent token kqa_{current.prefix} of pool {current.pool.name}",
+            address=address,
+            bound_to=current.bound_agent_id,
+        )
+        publish_event(
+            tenant=tenant,
+            kind="agent_token.conflict",
+            data={"token_id": str(current.pk), "pool": current.pool.name, "agent_id": agent_id[:60]},
+        )
+    logger.warning(
+        "agent token kqa_%s of pool %s, bound to agent %s, was presented by %s: refused",
+        current.prefix,
+        current.pool.name,
+        current.bound_agent_id,
+        seen,
+    )
+    raise AgentRejected(
+        f"Agent token kqa_{current.prefix} is bound to agent {current.bound_agent_id}, which first used it; "
+        "another agent (or a copy of the token) is refused. Give each agent a token of its own "
+        f"(POST /api/v1/pools/{current.pool_id}/agent-tokens/); an agent that was reinstalled needs a new "
+        "token, and the old one revoked."
+    )
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ once, exit codes, stopping, and the outbox."""
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -312,8 +313,6 @@ def test_sigterm_stops_the_agent_and_its_tasks_cleanly(tmp_path: Path) -> None:
             "agents.main",
             "--url",
             "http://127.0.0.1:9",
-            "--token",
-            "kqa_x_y",
             "--gpus",
             "1",
             "--work-dir",
@@ -322,6 +321,7 @@ def test_sigterm_stops_the_agent_and_its_tasks_cleanly(tmp_path: Path) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "KLIQUE_AGENT_TOKEN": "kqa_x_y"},
     )
     time.sleep(2)  # it has failed to connect at least once by now, and is waiting to retry
     agent.send_signal(signal.SIGTERM)

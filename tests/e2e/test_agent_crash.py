@@ -93,14 +93,17 @@ class Demo:
 
 
 def agent_argv(url: str, token: str, agent_id: str, work_dir: Path) -> list[str]:
+    token_file = work_dir.parent / f"{agent_id}.token"
+    token_file.write_text(token)
+    token_file.chmod(0o600)
     return [
         sys.executable,
         "-m",
         "agents.main",
         "--url",
         url,
-        "--token",
-        token,
+        "--token-file",
+        str(token_file),
         "--gpus",
         "2",
         "--agent-id",

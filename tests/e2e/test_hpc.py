@@ -91,9 +91,12 @@ def test_tasks_run_in_slurm_as_their_users_and_survive_an_agent_restart(
     try:
         admin_token = running.wait_for(BANNER_CURL)[1]
         demo = Demo(running.port, admin_token)
+        token_file = tmp_path / "agent.token"
+        token_file.write_text(provision_slurm_pool(demo))
+        token_file.chmod(0o600)
         argv = [
             sys.executable, "-m", "agents.main", "--url", f"http://demo.localhost:{running.port}",
-            "--token", provision_slurm_pool(demo), "--backend", "slurm", "--config", str(config),
+            "--token-file", str(token_file), "--backend", "slurm", "--config", str(config),
             "--agent-id", "login-1", "--work-dir", str(tmp_path / "agent"),
         ]  # fmt: skip
         log = (tmp_path / "agent.log").open("w")
