@@ -22,6 +22,7 @@ import httpx
 from channels.db import database_sync_to_async
 
 from apps.accounts.tokens import parse_prefix
+from apps.core import outbound
 from gateway import services
 from gateway.budgets import Budgets, epoch_key
 from gateway.cache import UsageWriter, async_redis
@@ -79,7 +80,10 @@ class GatewayApp:
         self.redis = async_redis()
         self.budgets = Budgets(self.redis)
         self.writer = UsageWriter(self.redis)
-        self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=512, max_keepalive_connections=128))
+        # Upstreams are the tenant's to name: every connection is checked (apps.core.outbound).
+        self.http = outbound.async_client(
+            limits=httpx.Limits(max_connections=512, max_keepalive_connections=128)
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._bind()

@@ -13,6 +13,7 @@ from django.db.models import F, Q, QuerySet, Sum
 from django_tenants.utils import schema_context
 
 from apps.accounts.models import ApiToken, Project, ProjectMembership, Role, User
+from apps.core import outbound
 from apps.core.errors import InvalidInput
 from apps.core.ids import as_uuid
 from apps.vault.models import Secret
@@ -49,6 +50,13 @@ def settings_save(*, user: User, document: Any) -> GatewaySettings:
     for deployment in parsed.deployments:
         if not deployment.openai_compatible:
             _check_provider(deployment.provider, deployment.model_name)
+    refused = [
+        f"{deployment.id}: {why}"
+        for deployment in parsed.deployments
+        if (why := _address_refused(deployment))
+    ]
+    if refused:
+        raise InvalidInput("; ".join(refused), field="document")
     row, _ = GatewaySettings.objects.update_or_create(
         pk=1, defaults={"document": document, "updated_by": user}
     )
@@ -80,6 +88,18 @@ def upstream_key_names() -> set[str]:
         and isinstance(model.get("litellm_params"), dict)
         and model["litellm_params"].get("api_key_secret")
     }
+
+
+def _address_refused(deployment: gateway_config.Deployment) -> str | None:
+    """Why a deployment's api_base may not be called, as far as its name resolves now (one that does not
+    resolve yet is checked again at every call: apps.core.outbound)."""
+    if not deployment.api_base:
+        return None
+    try:
+        outbound.check_url(deployment.api_base)
+    except outbound.OutboundRefused as refused:
+        return None if refused.unresolved else str(refused)
+    return None
 
 
 def deployment_keys(config: gateway_config.GatewayConfig) -> dict[str, str]:

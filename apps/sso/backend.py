@@ -6,12 +6,14 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Any
 
+import httpx
 import jwt
 from django.conf import settings
 from django.core.exceptions import SuspiciousOperation
 from mozilla_django_oidc.auth import OIDCAuthenticationBackend
 
 from apps.accounts.models import User
+from apps.core import outbound
 from apps.sso import services
 from apps.sso.models import Provider
 
@@ -56,6 +58,39 @@ class TenantOIDCBackend(OIDCAuthenticationBackend):
                 f"The ID token was issued by {payload.get('iss')!r}, not {provider.issuer!r}."
             )
         return payload
+
+    # The provider's endpoints are the tenant's to choose: every call to them goes through the guarded
+    # client (apps.core.outbound), never mozilla-django-oidc's own requests calls, and a failure says what
+    # failed without echoing what the endpoint answered.
+
+    def _call(self, method: str, url: str, **options: Any) -> httpx.Response:
+        try:
+            with outbound.client(timeout=float(self.get_settings("OIDC_TIMEOUT", 10) or 10)) as http:
+                response = http.request(method, url, **options)
+        except httpx.HTTPError as error:
+            raise SuspiciousOperation(f"The identity provider could not be reached: {error}") from None
+        if response.status_code != 200:
+            raise SuspiciousOperation(f"The identity provider answered {response.status_code} at {url}.")
+        return response
+
+    def retrieve_matching_jwk(self, token: str) -> Any:
+        keys = self._call("GET", self.OIDC_OP_JWKS_ENDPOINT).json()
+        header = jwt.get_unverified_header(token)
+        for key in keys.get("keys", []) if isinstance(keys, dict) else []:
+            if key.get("kid") == header.get("kid") and key.get("alg", header.get("alg")) == header.get("alg"):
+                return jwt.PyJWK(key)
+        raise SuspiciousOperation("The identity provider's keys hold none that signed this token.")
+
+    def get_token(self, payload: dict[str, Any]) -> Any:
+        return self._call("POST", self.OIDC_OP_TOKEN_ENDPOINT, data=payload).json()
+
+    def get_userinfo(self, access_token: str, id_token: str, payload: dict[str, Any]) -> Any:
+        answer = self._call(
+            "GET", self.OIDC_OP_USER_ENDPOINT, headers={"Authorization": f"Bearer {access_token}"}
+        )
+        if answer.headers.get("content-type", "").lower().startswith("application/jwt"):
+            return self.verify_token(answer.text)
+        return answer.json()
 
     def filter_users_by_claims(self, claims: dict[str, Any]) -> Any:
         provider = self.provider

@@ -10,6 +10,7 @@ from django.db import transaction
 
 from apps.accounts.models import Group, Role, User
 from apps.audit.services import record
+from apps.core import outbound
 from apps.core.errors import InvalidInput
 from apps.sso.models import Provider
 from apps.vault.models import Secret
@@ -25,13 +26,25 @@ def discover(issuer: str) -> dict[str, Any]:
     """The provider's metadata, checked: it must name the same issuer and the endpoints Klique uses."""
     address = issuer.rstrip("/") + "/.well-known/openid-configuration"
     try:
-        response = httpx.get(address, timeout=10)
-        response.raise_for_status()
-        metadata: dict[str, Any] = response.json()
-    except (httpx.HTTPError, ValueError) as error:
+        with outbound.client(follow_redirects=True) as http:  # each redirect's address is checked too
+            response = http.get(address)
+    except outbound.OutboundRefused as refused:
+        raise InvalidInput(str(refused), field="issuer") from None
+    except httpx.HTTPError as error:
         raise InvalidInput(
-            f"The issuer's metadata could not be read at {address}: {error}.", field="issuer"
+            f"The issuer's metadata could not be read at {address}: {type(error).__name__}.", field="issuer"
         ) from None
+    if response.status_code != 200:
+        raise InvalidInput(
+            f"The issuer's metadata could not be read at {address}: it answered {response.status_code}.",
+            field="issuer",
+        )
+    try:
+        metadata: Any = response.json()
+    except ValueError:
+        metadata = None
+    if not isinstance(metadata, dict):
+        raise InvalidInput(f"{address} does not answer OpenID Connect metadata (JSON).", field="issuer")
     if metadata.get("issuer", "").rstrip("/") != issuer.rstrip("/"):
         raise InvalidInput(
             f"Wrong issuer: {address} says it is {metadata.get('issuer')!r}, not {issuer!r}.", field="issuer"
@@ -43,6 +56,11 @@ def discover(issuer: str) -> dict[str, Any]:
     ]
     if missing:
         raise InvalidInput(f"The issuer's metadata lacks {', '.join(missing)}.", field="issuer")
+    for key in ("token_endpoint", "userinfo_endpoint", "jwks_uri"):  # the ones the plane itself calls
+        try:
+            outbound.check_url(str(metadata[key]))
+        except outbound.OutboundRefused as refused:
+            raise InvalidInput(f"The issuer's {key}: {refused}", field="issuer") from None
     return metadata
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlencode
 
+import httpx
 import requests
 from django.contrib import auth
 from django.core.exceptions import SuspiciousOperation
@@ -49,7 +50,8 @@ class Callback(OIDCAuthenticationCallbackView):
             return JsonResponse({"detail": NOT_CONFIGURED}, status=404)
         try:
             response: HttpResponse = super().get(request)
-        except (requests.RequestException, SuspiciousOperation):  # a code, state or token that fails
+        except (requests.RequestException, httpx.HTTPError, SuspiciousOperation, ValueError):
+            # a code, state or token that fails, an endpoint that cannot be reached or answers nonsense
             return self.login_failure()
         return response
 

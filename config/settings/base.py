@@ -16,6 +16,9 @@ DEBUG = env.flag("DEBUG", default=False)
 # Tenants are reached at <slug>.<base domain>; the base domain itself serves the provider (public schema).
 KLIQUE_BASE_DOMAIN = (env.text("KLIQUE_BASE_DOMAIN", "localhost") or "localhost").lower()
 ALLOWED_HOSTS = [KLIQUE_BASE_DOMAIN, f".{KLIQUE_BASE_DOMAIN}", *env.words("KLIQUE_EXTRA_HOSTS")]
+# Ranges the plane may call on a tenant's behalf although they are not public (apps.core.outbound): a
+# provider's self-hosted models on its private network. None by default.
+KLIQUE_OUTBOUND_ALLOW = env.words("KLIQUE_OUTBOUND_ALLOW")
 KLIQUE_DATA_DIR = env.data_dir()
 # The vault's master keys (Fernet, comma-separated, the current one first); without any, a key is made
 # once in the data folder (laptops, tests). Production requires them.

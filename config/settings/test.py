@@ -11,11 +11,15 @@ TEST_SERVICES = ensure_services(
     Path(__file__).resolve().parent.parent.parent / ".klique" / "test", prefer_local=True
 )
 
+from config import env  # noqa: E402
 from config.settings.base import *  # noqa: E402 -- must follow ensure_services, which sets the environment
 
 KLIQUE_BASE_DOMAIN = "klique.test"
 ALLOWED_HOSTS = [KLIQUE_BASE_DOMAIN, f".{KLIQUE_BASE_DOMAIN}"]
 WHITENOISE_USE_FINDERS = True
+# The suite's model servers and identity provider listen on loopback; tests of the guard itself set this
+# to nothing (tests/security/test_outbound.py).
+KLIQUE_OUTBOUND_ALLOW = env.words("KLIQUE_OUTBOUND_ALLOW", ("127.0.0.0/8", "::1/128"))
 STATIC_ROOT = None  # served from the apps by WhiteNoise; collectstatic is for production
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # speed; no test relies on hash cost
 CELERY_BEAT_SCHEDULE = {}
