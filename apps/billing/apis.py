@@ -75,3 +75,46 @@ class ReconciliationView(ProviderView):
         rows = _stripe(services.reconcile, period)
         fields = ("tenant", "kind", "ledger_cents", "stripe_cents", "state", "source")
         return Response([{name: getattr(row, name) for name in fields} for row in rows])
+
+
+class ProviderPricesIO(serializers.Serializer[Any]):
+    gpu_hour = serializers.DictField(
+        help_text='USD per GPU-hour by GPU class; "*" for any other',
+        required=False,
+        default=dict,
+    )
+    tokens_million = serializers.DictField(
+        help_text='{"<model>": {"in": USD, "out": USD}} per million tokens; "*" for any other model',
+        required=False,
+        default=dict,
+    )
+    gb_month = serializers.CharField(
+        help_text="USD per GB kept 30 days; null: storage is not invoiced", allow_null=True, required=False
+    )
+
+
+def _prices_out(book: Any) -> dict[str, Any]:
+    gb_month = None if book.gb_month is None else str(book.gb_month)
+    return {"gpu_hour": book.gpu_hour, "tokens_million": book.tokens_million, "gb_month": gb_month}
+
+
+class ProviderPricesView(ProviderView):
+    @extend_schema(responses=ProviderPricesIO, summary="What the provider charges its tenants (invoices)")
+    def get(self, request: Request) -> Response:
+        return Response(_prices_out(services.provider_prices()))
+
+    @extend_schema(
+        request=ProviderPricesIO,
+        responses=ProviderPricesIO,
+        summary="Set what the provider charges its tenants; a tenant's own price book is its chargeback's",
+    )
+    def put(self, request: Request) -> Response:
+        data = ProviderPricesIO(data=request.data)
+        data.is_valid(raise_exception=True)
+        values = data.validated_data
+        book = services.provider_prices_save(
+            gpu_hour=values["gpu_hour"],
+            tokens_million=values["tokens_million"],
+            gb_month=values.get("gb_month"),
+        )
+        return Response(_prices_out(book))

@@ -54,3 +54,18 @@ class StripePush(models.Model):
 
     def __str__(self) -> str:
         return self.idempotency_key
+
+
+class ProviderPriceBook(models.Model):
+    """What the provider charges its tenants (one row, pk 1), in USD: per GPU-hour by GPU class, per
+    million tokens by model ("*" for any other, either way), per GB-month (30 days). A tenant's own price
+    book prices its internal chargeback; it never decides what the provider invoices."""
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1, editable=False)
+    gpu_hour = models.JSONField(default=dict)  # {"H100": "2.50", "*": "1.00"}
+    tokens_million = models.JSONField(default=dict)  # {"*": {"in": "0.15", "out": "0.60"}}
+    gb_month = models.DecimalField(max_digits=12, decimal_places=6, null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return "provider price book"

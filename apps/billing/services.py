@@ -1,7 +1,8 @@
 """Usage into Stripe: a customer per tenant, a push per tenant, month and kind, and a reconciliation.
 
 `export_period` computes each tenant's month from its ledger (by the ledger's own periods, so late events
-count where they landed) and records one pending push per kind. `push_pending` sends them: as billing
+count where they landed), priced with the provider's price book (never the tenant's, which prices its
+internal chargeback), and records one pending push per kind. `push_pending` sends them: as billing
 meter events (`klique_gpu_hours`, `klique_tokens`, `klique_storage_gb_hours`, with the push's key as the
 event's identifier) or, where meters are not used, as invoice items in USD cents; each request carries
 the push's idempotency key. While Stripe cannot be reached, a push stays pending and is retried (Celery
@@ -23,7 +24,7 @@ from django.db import transaction
 from django.utils import timezone
 from django_tenants.utils import get_public_schema_name, schema_context
 
-from apps.billing.models import StripeCustomer, StripePush
+from apps.billing.models import ProviderPriceBook, StripeCustomer, StripePush
 from apps.core.errors import InvalidInput
 from tenants.models import Tenant
 
@@ -70,24 +71,111 @@ def client() -> Any:
     return stripe.StripeClient(key, base_addresses=addresses, max_network_retries=0)
 
 
-def _month_totals(schema: str, period: date) -> dict[str, dict[str, Decimal]]:
+def provider_prices() -> ProviderPriceBook:
+    with schema_context(get_public_schema_name()):
+        return ProviderPriceBook.objects.filter(pk=1).first() or ProviderPriceBook(pk=1)
+
+
+@transaction.atomic
+def provider_prices_save(
+    *, gpu_hour: dict[str, Any], tokens_million: dict[str, Any], gb_month: Any
+) -> ProviderPriceBook:
+    """Set what the provider charges its tenants (each price checked as a tenant's book checks its own)."""
+    from apps.metering.services import check_price
+
+    if len(gpu_hour) > 500 or len(tokens_million) > 500:
+        raise InvalidInput("A price book holds at most 500 GPU classes and 500 models.")
+    checked_gpu = {str(name)[:50]: check_price(price, f"gpu_hour.{name}") for name, price in gpu_hour.items()}
+    checked_tokens = {}
+    for model, prices in tokens_million.items():
+        if not isinstance(prices, dict) or set(prices) - {"in", "out"}:
+            raise InvalidInput(f'tokens_million.{model}: {{"in": <USD>, "out": <USD>}} per million tokens.')
+        checked_tokens[str(model)[:100]] = {
+            side: check_price(prices.get(side, 0), f"tokens_million.{model}.{side}") for side in ("in", "out")
+        }
+    with schema_context(get_public_schema_name()):
+        book, _ = ProviderPriceBook.objects.update_or_create(
+            pk=1,
+            defaults={
+                "gpu_hour": checked_gpu,
+                "tokens_million": checked_tokens,
+                "gb_month": None if gb_month is None else Decimal(check_price(gb_month, "gb_month")),
+            },
+        )
+    return book
+
+
+class Unpriced(Exception):
+    """Usage the provider's price book has no price for; the message names what to price."""
+
+
+def _provider_amount(book: ProviderPriceBook, row: dict[str, Any]) -> Decimal | None:
+    """What one row of a tenant's month costs at the provider's prices, in USD; None where unpriced."""
+    from apps.metering.ledger import gb_hours, gpu_hours
+
+    if row["kind"] == "gpu":
+        price = book.gpu_hour.get(row["gpu_class"] or "", book.gpu_hour.get("*"))
+        return None if price is None else gpu_hours(row["gpu_unit_ms"]) * Decimal(price)
+    if row["kind"] == "tokens":
+        prices = book.tokens_million.get(row["model"] or "", book.tokens_million.get("*"))
+        if prices is None:
+            return None
+        return (row["tokens_in"] * Decimal(prices["in"]) + row["tokens_out"] * Decimal(prices["out"])) / 10**6
+    if book.gb_month is None:
+        return None
+    return gb_hours(row["byte_ms"]) / 720 * book.gb_month  # a GB-month is 30 days of a GB
+
+
+def _what(row: dict[str, Any]) -> str:
+    if row["kind"] == "gpu":
+        return f"GPU class {row['gpu_class'] or '(none)'} (gpu_hour)"
+    if row["kind"] == "tokens":
+        return f"model {row['model'] or '(none)'} (tokens_million)"
+    return "storage (gb_month)"
+
+
+def _month_totals(schema: str, period: date, *, priced: bool = True) -> dict[str, dict[str, Decimal]]:
+    """A tenant's month per kind: the quantity, and what it comes to at the provider's prices (never the
+    tenant's own book). `priced`: every row must have a provider price, else Unpriced names them."""
     from apps.metering.ledger import amount_sums, gb_hours, gpu_hours
     from apps.metering.models import LedgerEvent
 
+    book = provider_prices()
     with schema_context(schema):
         rows: Iterable[Any] = (  # rows of .values(), with the sums annotated
-            LedgerEvent.objects.filter(period=period).values("kind").annotate(**amount_sums())
+            LedgerEvent.objects.filter(period=period)
+            .values("kind", "gpu_class", "model")
+            .annotate(**amount_sums())
+            .order_by("kind", "gpu_class", "model")
         )
-        totals = {}
-        for row in rows:
-            quantity = {
-                "gpu": gpu_hours(row["gpu_unit_ms"]),
-                "tokens": Decimal(row["tokens_in"] + row["tokens_out"]),
-                "storage": gb_hours(row["byte_ms"]),
-            }[row["kind"]]
-            cents = (Decimal(row["cost"]) / 10**7).quantize(Decimal(1), rounding=ROUND_HALF_UP)
-            totals[row["kind"]] = {"quantity": quantity.quantize(Decimal("0.000001")), "cents": cents}
-        return totals
+        rows = list(rows)
+    totals: dict[str, dict[str, Decimal]] = {}
+    unpriced: list[str] = []
+    for row in rows:
+        quantity = {
+            "gpu": gpu_hours(row["gpu_unit_ms"]),
+            "tokens": Decimal(row["tokens_in"] + row["tokens_out"]),
+            "storage": gb_hours(row["byte_ms"]),
+        }[row["kind"]]
+        amount = _provider_amount(book, row)
+        if amount is None:
+            unpriced.append(_what(row))
+        total = totals.setdefault(row["kind"], {"quantity": Decimal(0), "usd": Decimal(0)})
+        total["quantity"] += quantity
+        total["usd"] += amount or 0
+    if unpriced and priced:
+        raise Unpriced(
+            f"The provider's price book has no price for {', '.join(sorted(set(unpriced)))} used by "
+            f'tenant {schema}: set it with PUT /api/v1/provider/billing/prices/ (a "*" price covers the '
+            "rest) before invoicing."
+        )
+    return {
+        kind: {
+            "quantity": total["quantity"].quantize(Decimal("0.000001")),
+            "cents": (total["usd"] * 100).quantize(Decimal(1), rounding=ROUND_HALF_UP),
+        }
+        for kind, total in totals.items()
+    }
 
 
 @transaction.atomic
@@ -108,8 +196,13 @@ def export_period(period: date) -> list[StripePush]:
     pushes = []
     with schema_context(get_public_schema_name()):
         tenants = list(Tenant.objects.exclude(schema_name=get_public_schema_name()))
+    invoiced = mode == StripePush.Mode.INVOICE_ITEM  # meter events are priced by Stripe's own prices
+    try:
+        months = {tenant.pk: _month_totals(tenant.schema_name, period, priced=invoiced) for tenant in tenants}
+    except Unpriced as unpriced:
+        raise InvalidInput(str(unpriced), field="period") from None
     for tenant in tenants:
-        for kind, total in sorted(_month_totals(tenant.schema_name, period).items()):
+        for kind, total in sorted(months[tenant.pk].items()):
             push, _ = StripePush.objects.get_or_create(
                 tenant=tenant,
                 period=period,
@@ -216,9 +309,8 @@ def reconcile(period: date) -> list[Reconciled]:
     with schema_context(get_public_schema_name()):
         tenants = list(Tenant.objects.exclude(schema_name=get_public_schema_name()))
     for tenant in tenants:
-        ledger = {
-            kind: int(total["cents"]) for kind, total in _month_totals(tenant.schema_name, period).items()
-        }
+        month = _month_totals(tenant.schema_name, period, priced=False)
+        ledger = {kind: int(total["cents"]) for kind, total in month.items()}
         if meters:
             sent = StripePush.objects.filter(tenant=tenant, period=period, status=StripePush.Status.SENT)
             held = {push.kind: push.amount_cents for push in sent}

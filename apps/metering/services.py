@@ -175,33 +175,43 @@ def price_book() -> PriceBook:
     return PriceBook.objects.filter(pk=1).first() or PriceBook(pk=1)
 
 
-def _price(value: Any, where: str) -> str:
+MAX_PRICE = Decimal(1_000_000)  # USD per unit: more is a typo, and would overflow what it prices
+
+
+def check_price(value: Any, where: str) -> str:
+    """A price in USD as text, or InvalidInput saying what a price may be: 0 to 1,000,000, at most six
+    decimal places (what the ledger's nano-USD and Stripe's cents can carry)."""
     try:
-        price = Decimal(str(value))
+        price = Decimal(str(value)) if not isinstance(value, bool) else Decimal("NaN")
     except ArithmeticError:
-        raise InvalidInput(f"{where}: a price in USD, as 2.50 (got {value!r}).", field=where) from None
-    if not price.is_finite() or price < 0:
-        raise InvalidInput(f"{where}: a price cannot be negative (got {value!r}).", field=where)
+        price = Decimal("NaN")
+    exponent = price.as_tuple().exponent
+    if not price.is_finite() or not 0 <= price <= MAX_PRICE or (isinstance(exponent, int) and exponent < -6):
+        raise InvalidInput(
+            f"{where}: a price in USD from 0 to {MAX_PRICE:,}, with at most six decimals, as 2.50 "
+            f"(got {str(value)[:40]!r}).",
+            field=where,
+        )
     return str(price)
 
 
 @transaction.atomic
 def price_book_save(*, gpu_hour: dict[str, Any], tokens_million: dict[str, Any], gb_month: Any) -> PriceBook:
     """Set the tenant's prices. They price events as they are recorded; what is recorded keeps its price."""
-    checked_gpu = {str(name): _price(price, f"gpu_hour.{name}") for name, price in gpu_hour.items()}
+    checked_gpu = {str(name): check_price(price, f"gpu_hour.{name}") for name, price in gpu_hour.items()}
     checked_tokens = {}
     for model, prices in tokens_million.items():
         if not isinstance(prices, dict) or set(prices) - {"in", "out"}:
             raise InvalidInput(f'tokens_million.{model}: {{"in": <USD>, "out": <USD>}} per million tokens.')
         checked_tokens[str(model)] = {
-            side: _price(prices.get(side, 0), f"tokens_million.{model}.{side}") for side in ("in", "out")
+            side: check_price(prices.get(side, 0), f"tokens_million.{model}.{side}") for side in ("in", "out")
         }
     book, _ = PriceBook.objects.update_or_create(
         pk=1,
         defaults={
             "gpu_hour": checked_gpu,
             "tokens_million": checked_tokens,
-            "gb_month": Decimal(_price(gb_month, "gb_month")),
+            "gb_month": Decimal(check_price(gb_month, "gb_month")),
         },
     )
     return book

@@ -20,6 +20,15 @@ ENDPOINTS = [
         expect=400,
     ),
     Endpoint("GET", "api/v1/provider/billing/pushes/", "provider", fixed("/api/v1/provider/billing/pushes/")),
+    Endpoint("GET", "api/v1/provider/billing/prices/", "provider", fixed("/api/v1/provider/billing/prices/")),
+    Endpoint(
+        "PUT",
+        "api/v1/provider/billing/prices/",
+        "provider",
+        fixed("/api/v1/provider/billing/prices/"),
+        body=lambda w: {"gpu_hour": {"H100": "3.10", "*": "1.20"}, "tokens_million": {}, "gb_month": "0.02"},
+        bad_body={"gpu_hour": {"H100": "1E+400"}},
+    ),
     Endpoint(
         "GET",
         "api/v1/provider/billing/reconciliation/",

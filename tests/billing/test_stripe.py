@@ -58,6 +58,9 @@ def localstripe() -> Iterator[str]:
 
 @pytest.fixture
 def last_month_usage(world: World) -> World:
+    services.provider_prices_save(  # what the provider invoices; the tenant's book below is its chargeback's
+        gpu_hour={"H100": "2.50"}, tokens_million={"*": {"in": "1", "out": "2"}}, gb_month=None
+    )
     with schema_context("acme"):
         PriceBook.objects.update_or_create(
             pk=1, defaults={"gpu_hour": {"H100": "2.50"}, "tokens_million": {"chat": {"in": "1", "out": "2"}}}
@@ -244,3 +247,46 @@ def test_a_meter_event_push_left_pending_past_the_window_fails_without_a_request
     assert [r["form"]["event_name"] for r in Recorder.requests if r["path"] != "/v1/customers"] == [
         ["klique_tokens"]
     ]
+
+
+@pytest.mark.parametrize(
+    "tenant_book",
+    [
+        {"gpu_hour": {}, "tokens_million": {}},  # an empty book used to invoice 0
+        {"gpu_hour": {"H100": "0"}, "tokens_million": {"chat": {"in": "0", "out": "0"}}},
+        {"gpu_hour": {"H100": "999"}, "tokens_million": {"chat": {"in": "999", "out": "999"}}},
+    ],
+)
+def test_the_provider_invoices_at_its_own_prices_whatever_the_tenants_book_says(
+    last_month_usage: World, localstripe: str, tenant_book: dict[str, Any]
+) -> None:
+    with schema_context("acme"):
+        PriceBook.objects.filter(pk=1).update(**tenant_book)
+    with stripe_settings(localstripe):
+        pushes = services.export_period(LAST_MONTH)
+        assert {(p.kind, p.amount_cents) for p in pushes} == {("gpu", 143), ("tokens", 500)}
+        services.push_pending()
+        assert {(r.kind, r.stripe_cents, r.state) for r in services.reconcile(LAST_MONTH)} == {
+            ("gpu", 143, "match"),
+            ("tokens", 500, "match"),
+        }
+
+
+def test_invoicing_usage_the_provider_has_no_price_for_is_refused_with_what_to_price(
+    last_month_usage: World, localstripe: str
+) -> None:
+    from apps.core.errors import InvalidInput
+
+    services.provider_prices_save(gpu_hour={"A100": "1.00"}, tokens_million={}, gb_month=None)
+    with stripe_settings(localstripe), pytest.raises(InvalidInput) as refused:
+        services.export_period(LAST_MONTH)
+    assert "no price for GPU class H100 (gpu_hour), model chat (tokens_million)" in refused.value.message
+    assert not StripePush.objects.exists()
+
+
+@pytest.mark.parametrize("price", ["1E+400", "-1", "NaN", "Infinity", "abc", True, "0.0000001", "1000001"])
+def test_provider_prices_are_bounded(price: Any, api: Any) -> None:
+    answer = api("root").put("/api/v1/provider/billing/prices/", {"gpu_hour": {"H100": price}}, format="json")
+    assert answer.status_code == 400, answer.content
+    assert "a price in USD from 0 to 1,000,000" in answer.json()["detail"]
+    assert api("root").get("/api/v1/provider/billing/prices/").json()["gpu_hour"] == {}

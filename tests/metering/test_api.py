@@ -69,7 +69,7 @@ def test_the_price_book_refuses_what_is_not_a_price(api: Callable[..., APIClient
         format="json",
     )
     assert response.status_code == 400
-    assert "gpu_hour.H100: a price cannot be negative" in response.json()["detail"]
+    assert "gpu_hour.H100: a price in USD from 0 to 1,000,000" in response.json()["detail"]
     fine = api("alice").put(
         "/api/v1/price-book/",
         {
