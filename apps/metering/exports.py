@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import csv
 import io
 from collections.abc import Iterable
 from datetime import date
@@ -12,6 +11,7 @@ from typing import Any
 
 from django.db.models import Count
 
+from apps.core.spreadsheet import csv_bytes
 from apps.metering.ledger import amount_sums, gb_hours, gpu_hours, usd
 from apps.metering.models import LedgerEvent
 
@@ -50,14 +50,8 @@ def chargeback(period: date) -> list[dict[str, Any]]:
 
 
 def to_csv(rows: list[dict[str, Any]]) -> bytes:
-    out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(
-        {key: format(value, "f") if isinstance(value, Decimal) else value for key, value in row.items()}
-        for row in rows
-    )
-    return out.getvalue().encode()
+    """For spreadsheets: names people chose are written so that no spreadsheet evaluates them."""
+    return csv_bytes(COLUMNS, rows)
 
 
 def to_parquet(rows: list[dict[str, Any]]) -> bytes:
