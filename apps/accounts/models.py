@@ -131,3 +131,15 @@ class ApiToken(models.Model):
     def acting(self) -> str:
         """Who acts with this token, as the audit log and task history say it."""
         return f"agent {self.agent} for {self.user.username}" if self.agent else self.user.username
+
+
+class SignInFailure(models.Model):
+    """A refused password sign-in, kept for the limits on further attempts (per account and per address;
+    apps.accounts.services.sign_in_limits). Rows older than the window mean nothing and are purged."""
+
+    at = models.DateTimeField(db_index=True)
+    username = models.CharField(max_length=150, db_index=True)
+    address = models.CharField(max_length=64, db_index=True)
+
+    def __str__(self) -> str:
+        return f"{self.username} from {self.address} at {self.at:%Y-%m-%d %H:%M:%S}"

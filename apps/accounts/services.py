@@ -8,13 +8,13 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from apps.accounts.models import ApiToken, Group, Project, ProjectMembership, Role, User
+from apps.accounts.models import ApiToken, Group, Project, ProjectMembership, Role, SignInFailure, User
 from apps.accounts.tokens import hash_token, new_token, parse_prefix
 from apps.core.errors import Conflict, InvalidInput
 from apps.core.events import publish_event
@@ -319,3 +319,56 @@ def project_member_remove(*, tenant: Tenant, membership: ProjectMembership) -> N
     publish_event(
         tenant=tenant, kind="project.member_removed", data={"project": str(project.pk), "user": str(user.pk)}
     )
+
+
+# --- limits on password sign-in -------------------------------------------------------------------
+
+SIGN_IN_WINDOW = timedelta(minutes=15)
+SIGN_IN_PER_ACCOUNT = 5  # within the window: then the account waits, whatever the password
+SIGN_IN_PER_ADDRESS = 20  # within the window, over every account: a guesser moving across names
+
+
+class SignInLimited(Exception):
+    """Too many refused sign-ins; the message says for whom and how long to wait."""
+
+
+def _address(request: Any) -> str:
+    return str(getattr(request, "META", {}).get("REMOTE_ADDR") or "unknown")[:64]
+
+
+def sign_in_check(*, request: Any, username: str, where: str) -> None:
+    """Before a password is even looked at: refuse an account or an address past its limit, audited."""
+    now = timezone.now()
+    address = _address(request)
+    recent = SignInFailure.objects.filter(at__gte=now - SIGN_IN_WINDOW)
+    limits = (
+        (
+            f"the account {username[:60]}",
+            recent.filter(username=username[:150]),
+            SIGN_IN_PER_ACCOUNT,
+        ),
+        (f"the address {address}", recent.filter(address=address), SIGN_IN_PER_ADDRESS),
+    )
+    for what, failures, limit in limits:
+        times = list(failures.order_by("-at").values_list("at", flat=True)[:limit])
+        if len(times) < limit:
+            continue
+        minutes = max(1, int((times[-1] + SIGN_IN_WINDOW - now).total_seconds() // 60) + 1)
+        from apps.audit.services import record
+
+        record(actor=username[:150] or "?", action="password.limited", target=where, address=address)
+        raise SignInLimited(
+            f"Too many failed sign-ins for {what}: wait {minutes} minute{'s' if minutes > 1 else ''} and "
+            "try again, or ask an administrator to reset the password."
+        )
+
+
+def sign_in_failed(*, request: Any, username: str) -> None:
+    SignInFailure.objects.filter(at__lt=timezone.now() - SIGN_IN_WINDOW).delete()
+    SignInFailure.objects.create(at=timezone.now(), username=username[:150], address=_address(request))
+
+
+def sign_in_succeeded(*, username: str) -> None:
+    """A right password clears the account's count (not the address's: a guesser who knows one password
+    must not reset the count of the others)."""
+    SignInFailure.objects.filter(username=username[:150]).delete()

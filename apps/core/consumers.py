@@ -57,6 +57,23 @@ def resolve_identity(scope: dict[str, Any]) -> WebsocketIdentity:
     return WebsocketIdentity(tenant.schema_name, tenant.slug, str(user.pk), user.username)
 
 
+def _same_origin(origin: Any, host_header: str) -> bool:
+    """The page's origin is this address: the same host and the same port (another service on another
+    port of the same host is another origin). A Host without a port means the default port of the page's
+    scheme: behind a proxy that ends TLS the socket itself may arrive as plain ws."""
+    from urllib.parse import urlsplit
+
+    defaults = {"http": 80, "https": 443}
+    asked = urlsplit(f"//{host_header}")
+    try:
+        origin_port = origin.port or defaults.get(origin.scheme, 0)
+        asked_port = asked.port or defaults.get(origin.scheme, 0)
+    except ValueError:  # a port that is not a number
+        return False
+    same_host = bool(origin.hostname) and (origin.hostname or "").lower() == (asked.hostname or "").lower()
+    return same_host and origin_port == asked_port
+
+
 def _session_user(scope: dict[str, Any], schema_name: str, host: str) -> Any:
     """The signed-in user of the session cookie, for pages of this tenant's own address only (another
     site's page must not open a socket with the visitor's cookie)."""
@@ -72,7 +89,7 @@ def _session_user(scope: dict[str, Any], schema_name: str, host: str) -> Any:
     cookie = SimpleCookie(header(scope, b"cookie")).get(settings.SESSION_COOKIE_NAME)
     if cookie is None:
         raise WebsocketRejected("Send 'Authorization: Bearer <token>' when opening the websocket.", 4401)
-    if not origin or (urlsplit(origin).hostname or "").lower() != host:
+    if not origin or not _same_origin(urlsplit(origin), header(scope, b"host")):
         raise WebsocketRejected(
             "A signed-in session opens websockets from its own tenant's pages only.", 4403
         )

@@ -22,3 +22,15 @@ def server_error(request: HttpRequest) -> HttpResponse:
         },
         status=500,
     )
+
+
+def csrf_refused(request: HttpRequest, reason: str = "") -> JsonResponse:
+    """CSRF_FAILURE_VIEW: a POST that did not come from Klique's own pages, said in a sentence."""
+    return JsonResponse(
+        {
+            "detail": "Refused: this request did not come from Klique's own page (the CSRF check failed: "
+            f"{reason or 'no token'}). Reload the page and send it again; scripts GET the address first "
+            "for a token."
+        },
+        status=403,
+    )

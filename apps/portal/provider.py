@@ -36,16 +36,24 @@ def provider_admin(view: View) -> View:
 
 @require_http_methods(["GET", "POST"])
 def sign_in(request: HttpRequest) -> HttpResponse:
+    from apps.accounts.services import SignInLimited, sign_in_check, sign_in_failed, sign_in_succeeded
     from apps.audit.services import record
 
     context: dict[str, Any] = {"passwords": True, "provider": True, "next": "/portal/"}
     if request.method == "POST":
         username = request.POST.get("username", "")
+        try:
+            sign_in_check(request=request, username=username, where="provider sign-in")
+        except SignInLimited as limited:
+            context["error"] = str(limited)
+            return render(request, "portal/sign_in.html", context, status=429)
         user = auth.authenticate(request, username=username, password=request.POST.get("password", ""))
         if not isinstance(user, User) or not user.has_role(Role.ADMIN):
+            sign_in_failed(request=request, username=username)
             record(actor=username[:150] or "?", action="password.refused", target="provider sign-in")
             context["error"] = "Wrong username or password, or not one of the provider's admins."
             return render(request, "portal/sign_in.html", context, status=401)
+        sign_in_succeeded(username=user.username)
         auth.login(request, user, backend="django.contrib.auth.backends.ModelBackend")
         record(actor=user.username, action="password.signed_in", target="provider session")
         return HttpResponseRedirect("/portal/")

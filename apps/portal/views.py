@@ -34,6 +34,7 @@ def signed_in(view: View) -> View:
 
 @require_http_methods(["GET", "POST"])
 def sign_in(request: HttpRequest) -> HttpResponse:
+    from apps.accounts.services import SignInLimited
     from apps.sso.models import Provider
     from apps.sso.services import SignInRefused, password_sign_in
 
@@ -50,6 +51,9 @@ def sign_in(request: HttpRequest) -> HttpResponse:
         except SignInRefused as refused:
             context["error"] = str(refused)
             return render(request, "portal/sign_in.html", context, status=401)
+        except SignInLimited as limited:
+            context["error"] = str(limited)
+            return render(request, "portal/sign_in.html", context, status=429)
         target = context["next"] if str(context["next"]).startswith("/portal/") else "/portal/"
         return HttpResponseRedirect(target)
     return render(request, "portal/sign_in.html", context)

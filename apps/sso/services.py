@@ -156,16 +156,20 @@ def password_sign_in(request: Any, username: str, password: str) -> User:
     from django.contrib import auth
 
     from apps.accounts.models import Role
+    from apps.accounts.services import sign_in_check, sign_in_failed, sign_in_succeeded
     from apps.audit.services import record
     from apps.sso.models import Provider
 
     provider = Provider.objects.filter(pk=1).first()
     if provider is not None and not provider.break_glass_passwords:
         raise SignInRefused("This tenant signs in through single sign-on: use the single sign-on button.")
+    sign_in_check(request=request, username=username, where="sign-in")  # SignInLimited past the limits
     user = auth.authenticate(request, username=username, password=password)
     if not isinstance(user, User) or (provider is not None and not user.has_role(Role.ADMIN)):
+        sign_in_failed(request=request, username=username)
         record(actor=username[:150] or "?", action="password.refused", target="sign-in")
         raise SignInRefused("Wrong username or password, or not a break-glass admin.")
+    sign_in_succeeded(username=user.username)
     auth.login(request, user, backend="django.contrib.auth.backends.ModelBackend")
     record(actor=user.username, action="password.signed_in", target="session")
     return user

@@ -10,7 +10,8 @@ import requests
 from django.contrib import auth
 from django.core.exceptions import SuspiciousOperation
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
-from django.views.decorators.csrf import csrf_exempt
+from django.middleware.csrf import get_token
+from django.views.decorators.csrf import csrf_protect
 from mozilla_django_oidc.views import OIDCAuthenticationCallbackView, OIDCAuthenticationRequestView
 
 from apps.audit.services import record
@@ -66,9 +67,12 @@ class Callback(OIDCAuthenticationCallbackView):
         return JsonResponse({"detail": f"{why} Start again at /auth/sso/login/."}, status=401)
 
 
-@csrf_exempt
+@csrf_protect
 def sign_out(request: HttpRequest) -> HttpResponse:
-    """End the Klique session, then the provider's (RP-initiated logout) where it offers one."""
+    """End the Klique session, then the provider's (RP-initiated logout) where it offers one. A POST from
+    another site is refused (CSRF): it must carry the csrftoken cookie's value."""
+    if request.method == "GET":
+        return _csrf_instructions(request, "Sign out")
     if request.method != "POST":
         return JsonResponse({"detail": "Sign out with POST."}, status=405)
     provider = Provider.objects.filter(pk=1).first()
@@ -84,11 +88,27 @@ def sign_out(request: HttpRequest) -> HttpResponse:
     return JsonResponse({"detail": "Signed out."})
 
 
-@csrf_exempt
+def _csrf_instructions(request: HttpRequest, what: str) -> HttpResponse:
+    """GET: how to POST here, with a CSRF token (the cookie is set with the answer)."""
+    return JsonResponse(
+        {
+            "detail": f"{what} with POST, sending the csrftoken cookie set with this answer and its value as "
+            "the X-CSRFToken header (or the csrfmiddlewaretoken field); a page of another site cannot.",
+            "csrf_token": get_token(request),
+        }
+    )
+
+
+@csrf_protect
 def password_sign_in(request: HttpRequest) -> HttpResponse:
-    """Break-glass: a tenant admin's password, only where the tenant allows it or has no SSO."""
+    """Break-glass: a tenant admin's password, only where the tenant allows it or has no SSO. CSRF is
+    enforced (a login form on another site must not sign a visitor in as someone else), and attempts are
+    limited per account and per address (apps.accounts.services.sign_in_check)."""
+    if request.method == "GET":
+        return _csrf_instructions(request, "Sign in (username and password)")
     if request.method != "POST":
         return JsonResponse({"detail": "Sign in with POST username and password."}, status=405)
+    from apps.accounts.services import SignInLimited
     from apps.sso.services import SignInRefused
     from apps.sso.services import password_sign_in as sign_in
 
@@ -101,4 +121,6 @@ def password_sign_in(request: HttpRequest) -> HttpResponse:
         user = sign_in(request, request.POST.get("username", ""), request.POST.get("password", ""))
     except SignInRefused as refused:
         return JsonResponse({"detail": str(refused)}, status=401)
+    except SignInLimited as limited:
+        return JsonResponse({"detail": str(limited)}, status=429)
     return JsonResponse({"detail": f"Signed in as {user.username}."})

@@ -252,6 +252,7 @@ STORAGES = {
 
 SESSION_COOKIE_HTTPONLY = True
 CSRF_COOKIE_HTTPONLY = False
+CSRF_FAILURE_VIEW = "apps.core.views.csrf_refused"
 
 LOG_FORMAT = env.text("KLIQUE_LOG_FORMAT", "json")
 LOG_LEVEL = (env.text("KLIQUE_LOG_LEVEL", "INFO") or "INFO").upper()

@@ -71,3 +71,26 @@ def test_an_ended_session_is_told_to_sign_in_again(world: World) -> None:
     first, closed = asyncio.run(opened(f"http://{HOST_A}", "sessionid=nosuchsession"))
     assert first["detail"] == "The session has ended; sign in again."
     assert closed == {"type": "websocket.close", "code": 4401}
+
+
+@pytest.mark.parametrize(
+    "origin",
+    [
+        f"http://{HOST_A}:9999",  # another service on another port of the same host
+        f"http://{HOST_A}:80.evil.example",
+        f"http://{HOST_A}.evil.example",
+        f"http://evil.{HOST_A}",
+        "null",
+        f"http://user@{HOST_A}:81",
+    ],
+)
+def test_an_origin_of_another_port_or_host_is_refused(bobs_session: str, origin: str) -> None:
+    first, closed = asyncio.run(opened(origin, f"sessionid={bobs_session}"))
+    assert first["detail"] == "A signed-in session opens websockets from its own tenant's pages only."
+    assert closed == {"type": "websocket.close", "code": 4403}
+
+
+def test_the_default_port_of_the_pages_scheme_is_the_same_origin(bobs_session: str) -> None:
+    for origin in (f"http://{HOST_A}:80", f"https://{HOST_A}"):  # the Host names no port
+        first, _ = asyncio.run(opened(origin, f"sessionid={bobs_session}"))
+        assert first["type"] == "welcome", (origin, first)
