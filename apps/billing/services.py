@@ -120,7 +120,8 @@ def _provider_amount(book: ProviderPriceBook, row: dict[str, Any]) -> Decimal | 
         prices = book.tokens_million.get(row["model"] or "", book.tokens_million.get("*"))
         if prices is None:
             return None
-        return (row["tokens_in"] * Decimal(prices["in"]) + row["tokens_out"] * Decimal(prices["out"])) / 10**6
+        tokens_in, tokens_out = Decimal(row["tokens_in"]), Decimal(row["tokens_out"])
+        return (tokens_in * Decimal(prices["in"]) + tokens_out * Decimal(prices["out"])) / 10**6
     if book.gb_month is None:
         return None
     return gb_hours(row["byte_ms"]) / 720 * book.gb_month  # a GB-month is 30 days of a GB

@@ -93,3 +93,37 @@ class ProbeMiddleware:
         if probe is not None and request.method in {"GET", "HEAD"}:
             return probe(request)
         return self.get_response(request)
+
+
+NUL_REFUSED = (
+    "Text with NUL characters (\\x00, \\u0000) is not accepted anywhere in Klique's API: remove them and "
+    "send the request again."
+)
+
+
+def has_nul(value: object) -> bool:
+    """Whether a parsed JSON value holds a NUL in any string, key or value, however deep."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(has_nul(key) or has_nul(item) for key, item in value.items())
+    if isinstance(value, list | tuple):
+        return any(has_nul(item) for item in value)
+    return False
+
+
+class RefuseNulMiddleware:
+    """NULs are refused at the edge: PostgreSQL's text cannot hold them, so a NUL reaching a query or a
+    row would be a 500 (or a value no later path can read). Query strings and form bodies are checked
+    here; JSON bodies by apps.core.parsers.JSONParser, where they are parsed."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        if "%00" in request.META.get("QUERY_STRING", "") or has_nul(dict(request.GET.lists())):
+            return JsonResponse({"detail": NUL_REFUSED}, status=400)
+        forms = ("application/x-www-form-urlencoded", "multipart/form-data")
+        if request.method == "POST" and request.content_type in forms and has_nul(dict(request.POST.lists())):
+            return JsonResponse({"detail": NUL_REFUSED}, status=400)
+        return self.get_response(request)

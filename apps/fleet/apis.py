@@ -13,7 +13,7 @@ from django.shortcuts import get_object_or_404
 from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
-from rest_framework.exceptions import PermissionDenied
+from rest_framework.exceptions import NotFound, PermissionDenied
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -126,9 +126,14 @@ class TaskOutputDownloadView(TenantAPIView):
     def get(self, request: Request, task_id: str, name: str) -> FileResponse:
         task = _readable_task(self.user, task_id)
         output = get_object_or_404(task.outputs, name=name)
-        return FileResponse(
-            default_storage.open(output.stored, "rb"), as_attachment=True, filename=output.name
-        )
+        try:
+            stored = default_storage.open(output.stored, "rb")
+        except OSError:
+            raise NotFound(
+                f"Output {output.name} is listed but its file is gone from the plane's store; ask an "
+                "administrator to check KLIQUE_FILES_DIR."
+            ) from None
+        return FileResponse(stored, as_attachment=True, filename=output.name)
 
 
 def _bearer(request: HttpRequest) -> str | None:

@@ -21,19 +21,22 @@ An HPC job's node reporter posts its own reports (source "node-<rank>") over HTT
 from __future__ import annotations
 
 import base64
+import contextlib
+import errno
 import hashlib
 import hmac
 import logging
+import os
+import tempfile
 import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Protocol
 
 from django.conf import settings
-from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
@@ -539,11 +542,42 @@ def task_report(
     return True
 
 
+MAX_OUTPUT_DEPTH = 16
+
+
 def _output_name(name: str) -> str:
+    """A relative path of plain names inside the task's folder ("metrics.json", "eval/scores.csv")."""
     parts = PurePosixPath(name).parts
-    if not name or name.startswith("/") or ".." in parts or len(name) > 500 or "\x00" in name:
-        raise AgentRejected(f"{name!r} cannot name an output: give a path inside the task's folder.")
+    plain = all(part not in ("", ".", "..") and len(part) <= 255 and "\\" not in part for part in parts)
+    if (
+        not parts
+        or name.startswith("/")
+        or not plain
+        or len(parts) > MAX_OUTPUT_DEPTH
+        or len(name) > 500
+        or "\x00" in name
+    ):
+        raise AgentRejected(
+            f"{name[:100]!r} cannot name an output: give a relative path of plain names inside the task's "
+            f"folder (no '..', at most {MAX_OUTPUT_DEPTH} levels and 500 characters)."
+        )
     return str(PurePosixPath(*parts))
+
+
+def _store_error(name: str, error: OSError) -> AgentRejected:
+    """What went wrong keeping an output, in words: the plane's disk full, its store not writable, or a
+    name that is a folder (or under a file) in what the task uploaded before."""
+    causes = {
+        errno.ENOSPC: "the plane's file store is full",
+        errno.EDQUOT: "the plane's file store is over its quota",
+        errno.EACCES: "the plane's file store is not writable",
+        errno.EROFS: "the plane's file store is read-only",
+        errno.EISDIR: "a folder of that name holds other outputs",
+        errno.ENOTDIR: "a part of its path is an output file already",
+        errno.EEXIST: "a part of its path is an output file already",
+    }
+    cause = causes.get(error.errno or 0, f"the file store failed ({error.strerror})")
+    return AgentRejected(f"Output {name} could not be stored: {cause}.")
 
 
 @transaction.atomic
@@ -551,23 +585,47 @@ def output_store(*, tenant: Tenant, task: Task, name: str, content: Readable) ->
     """Keep a file a task declared as output, replacing an earlier upload of the same name. The caller
     has checked that the uploader may write this task's outputs (its pool's agent, or its task token)."""
     name = _output_name(name)
-    digest, size, chunks = hashlib.sha256(), 0, []
+    stored = f"{tenant.schema_name}/{task.pk}/{name}"
+    target = Path(default_storage.path(stored))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        size, digest = _write_atomically(target, name, content)
+    except OSError as error:
+        raise _store_error(name, error) from None
+    output, _ = TaskOutput.objects.update_or_create(
+        task=task,
+        name=name,
+        defaults={"size": size, "sha256": digest, "stored": stored, "at": timezone.now()},
+    )
+    return output
+
+
+def _copy(content: Readable, handle: Any, name: str) -> tuple[int, str]:
+    digest, size = hashlib.sha256(), 0
     while chunk := content.read(1024 * 1024):
         size += len(chunk)
         if size > settings.KLIQUE_MAX_OUTPUT_BYTES:
             raise AgentRejected(f"Output {name} is larger than {settings.KLIQUE_MAX_OUTPUT_BYTES} bytes.")
         digest.update(chunk)
-        chunks.append(chunk)
-    stored_name = f"{tenant.schema_name}/{task.pk}/{name}"
-    if default_storage.exists(stored_name):
-        default_storage.delete(stored_name)
-    stored = default_storage.save(stored_name, ContentFile(b"".join(chunks)))
-    output, _ = TaskOutput.objects.update_or_create(
-        task=task,
-        name=name,
-        defaults={"size": size, "sha256": digest.hexdigest(), "stored": stored, "at": timezone.now()},
-    )
-    return output
+        handle.write(chunk)
+    handle.flush()
+    os.fsync(handle.fileno())
+    return size, digest.hexdigest()
+
+
+def _write_atomically(target: Path, name: str, content: Readable) -> tuple[int, str]:
+    """Stream the upload to a temporary file beside `target`, hashing it, then rename it into place: the
+    file is never held in memory, and a reader never sees half of it (nor a crash leaves half of it)."""
+    descriptor, temporary = tempfile.mkstemp(dir=target.parent, prefix=".upload-")
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            written = _copy(content, handle, name)
+        os.replace(temporary, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+    return written
 
 
 def task_metrics(task: Task, *, after: int = 0) -> list[dict[str, Any]]:

@@ -237,6 +237,25 @@ class Directory:
         return _rounded(Fraction(byte_ms) * self.gb_month * NANO / (NANO * MS_PER_MONTH))
 
 
+MAX_AMOUNT = 10**15  # tokens, bytes or nano-USD in one event: far above any real one, far below the columns'
+MAX_COST = 2**62  # nano-USD in one ledger row (its column is a 64-bit integer)
+
+
+def _check_sizes(event: Event) -> None:
+    """Text and amounts within what a ledger row holds, or Invalid naming the field."""
+    texts = (("model", 100), ("group", 100), ("pool", 100), ("compute_resource", 200), ("source", 20))
+    for name, longest in texts:
+        text = getattr(event, name)
+        if not isinstance(text, str) or len(text) > longest:
+            raise Invalid(f"{name} is text of at most {longest} characters")
+    for name in ("tokens_in", "tokens_out", "bytes", "cost_nano_usd"):
+        amount = getattr(event, name) or 0
+        if isinstance(amount, bool) or not isinstance(amount, int):
+            raise Invalid(f"{name} is a whole number")
+        if not 0 <= amount <= MAX_AMOUNT:
+            raise Invalid(f"{name} is from 0 to {MAX_AMOUNT:,} (tokens, bytes and costs cannot be negative)")
+
+
 def _row(event: Event, directory: Directory) -> tuple[Any, ...]:
     """The ledger row of an event, or Invalid saying what is wrong with it."""
     if not event.event_id or len(event.event_id) > 128:
@@ -254,8 +273,7 @@ def _row(event: Event, directory: Directory) -> tuple[Any, ...]:
         raise Invalid(f"it ends ({ended.isoformat()}) before it starts ({event.started_at.isoformat()})")
     if ended > directory.latest:
         raise Invalid(f"it ends in the future ({ended.isoformat()})")
-    if event.tokens_in < 0 or event.tokens_out < 0 or event.bytes < 0 or (event.cost_nano_usd or 0) < 0:
-        raise Invalid("tokens, bytes and costs cannot be negative")
+    _check_sizes(event)
     user_id, username = directory.user(event.user)
     project_id, project_name, cost_center = directory.project(event.project)
     milliseconds = (ended - event.started_at) // ONE_MS
@@ -266,6 +284,9 @@ def _row(event: Event, directory: Directory) -> tuple[Any, ...]:
         units, gpu_class = units_of(event.gpus), directory.pools[event.pool]
     unit_ms = (units or 0) * milliseconds
     byte_ms = event.bytes * milliseconds if event.kind == Kind.STORAGE else 0
+    cost = directory.cost(event, gpu_class or "", unit_ms, byte_ms)
+    if max(unit_ms, byte_ms, cost) > MAX_COST:
+        raise Invalid("its GPU time, storage or cost is more than one ledger row holds; split it")
     period, late = directory.period(ended)
     # What the event says, not what the ledger made of it (its period, lateness and price): a replay must
     # say the same. Instants as microseconds since 1970 UTC, so one instant in two time zones is the same.
@@ -297,7 +318,7 @@ def _row(event: Event, directory: Directory) -> tuple[Any, ...]:
         event.tokens_in,
         event.tokens_out,
         byte_ms,
-        directory.cost(event, gpu_class or "", unit_ms, byte_ms),
+        cost,
         event.source,
         directory.now,
     )

@@ -88,6 +88,7 @@ MIDDLEWARE = [
     "apps.core.middleware.RequestContextMiddleware",
     "apps.core.middleware.ProbeMiddleware",
     "tenants.middleware.TenantMiddleware",
+    "apps.core.middleware.RefuseNulMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -206,6 +207,11 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 100,
     "EXCEPTION_HANDLER": "apps.core.api_errors.exception_handler",
+    "DEFAULT_PARSER_CLASSES": [
+        "apps.core.parsers.JSONParser",  # refuses NUL characters, which PostgreSQL's text cannot hold
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
     "UNAUTHENTICATED_USER": None,
 }
 

@@ -3,6 +3,8 @@ CSRF enforced on /auth/login/ and /auth/logout/ (a form on another site cannot s
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from django.test import Client
 from django_tenants.utils import schema_context
@@ -85,7 +87,7 @@ def test_the_portal_and_the_management_centre_forms_are_limited_too(
 @pytest.mark.parametrize("origin", [None, "https://evil.example", f"http://{HOST_A}"])
 def test_a_post_without_the_csrf_token_is_refused(path: str, origin: str | None, alice_password: str) -> None:
     client = Client(HTTP_HOST=HOST_A, enforce_csrf_checks=True)
-    extra = {"HTTP_ORIGIN": origin} if origin else {}
+    extra: dict[str, Any] = {"HTTP_ORIGIN": origin} if origin else {}
     answer = client.post(path, {"username": "alice", "password": alice_password}, **extra)
     assert answer.status_code == 403
     assert "did not come from Klique's own page" in answer.json()["detail"]

@@ -11,6 +11,7 @@ from fractions import Fraction
 from functools import lru_cache
 
 UNITS_PER_GPU = 840
+MAX_GPUS = 1_000_000  # more than any cluster holds: a size above it is a typo (or an attack on the columns)
 
 # Compute slices per GPU for MIG, by GPU class; 7 where the class is not listed (A100, H100, H200, B200).
 MIG_SLICES = {"a30": 4}
@@ -27,6 +28,8 @@ def units(gpus: Fraction | int | str) -> int:
         value = Fraction(gpus)
     except (ValueError, ZeroDivisionError):
         raise SizeError(f"{gpus!r} is not a number of GPUs.") from None
+    if not 0 <= value <= MAX_GPUS:
+        raise SizeError(f"{str(gpus)[:40]} is not a number of GPUs from 0 to {MAX_GPUS:,}.")
     count = value * UNITS_PER_GPU
     if count.denominator != 1:
         raise SizeError(f"{gpus} GPU cannot be counted exactly; use halves, thirds, ... tenths of a GPU.")
