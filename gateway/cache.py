@@ -56,11 +56,23 @@ def async_redis() -> Any:
     return redis.asyncio.Redis.from_url(settings.REDIS_URL)
 
 
+# OPTIONS that are libpq connection parameters (others, such as Django's pool settings, are not).
+LIBPQ_OPTIONS = frozenset(
+    {"host", "hostaddr", "port", "sslmode", "sslrootcert", "sslcert", "sslkey", "connect_timeout", "options",
+     "target_session_attrs", "passfile", "service", "sslcrl", "gssencmode", "channel_binding"}
+)  # fmt: skip
+
+
 def database_conninfo() -> str:
-    """libpq parameters of Django's default database (the test database under pytest)."""
+    """libpq parameters of Django's default database (the test database under pytest), its OPTIONS
+    included: the embedded PostgreSQL of `klique up` is reached through `?host=<socket folder>`, which
+    Django keeps in OPTIONS, not HOST."""
     from psycopg.conninfo import make_conninfo
 
     database = connections["default"].settings_dict
+    options = {
+        key: str(value) for key, value in (database.get("OPTIONS") or {}).items() if key in LIBPQ_OPTIONS
+    }
     parameters = {
         "dbname": database["NAME"],
         "user": database.get("USER") or None,
@@ -69,7 +81,8 @@ def database_conninfo() -> str:
         "port": str(database["PORT"]) if database.get("PORT") else None,
         "application_name": "klique-gateway",
     }
-    return make_conninfo(**{key: value for key, value in parameters.items() if value})
+    given = {key: value for key, value in parameters.items() if value}
+    return make_conninfo(**{**options, **given})
 
 
 @dataclass(frozen=True)

@@ -364,8 +364,24 @@ def _project_for(user: User, reference: str) -> Project | None:
             "permission_error",
             "not_a_project_member",
         )
-    only = list(memberships[:2])
-    return only[0].project if len(only) == 1 else None
+    projects = [membership.project for membership in memberships]
+    if len(projects) == 1:
+        return projects[0]
+    budgeted = sorted(
+        {str(name) for name in Budget.objects.filter(scope=Budget.Scope.PROJECT, project__in=projects)
+         .values_list("project__name", flat=True)}
+    )  # fmt: skip
+    if budgeted:  # calling without a project would pass by the budgets of the projects the caller is in
+        names = ", ".join(sorted(project.name for project in projects))
+        raise CallerRefused(
+            f"{user.username} is a member of several projects ({names}) and project budgets apply "
+            f"({', '.join(budgeted)}): name the project that pays with the OpenAI-Project header "
+            "(project= in OpenAI's client).",
+            400,
+            "invalid_request_error",
+            "project_required",
+        )
+    return None
 
 
 def caller_load(*, host: str, presented: str, project: str) -> Caller:

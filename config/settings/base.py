@@ -97,7 +97,10 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "apps.audit.middleware.RefusedUseAudit",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "apps.core.middleware.PortalContentSecurityPolicy",
 ]
+X_FRAME_OPTIONS = "DENY"
 
 TEMPLATES = [
     {

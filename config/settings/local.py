@@ -5,7 +5,9 @@ from __future__ import annotations
 from config import env
 from config.settings.base import *
 
-DEBUG = env.flag("DEBUG", default=True)
+# Off unless asked for (DEBUG=1): `klique up` serves a demo others may reach, and Django's debug pages
+# show settings and source.
+DEBUG = env.flag("DEBUG", default=False)
 LOG_FORMAT = env.text("KLIQUE_LOG_FORMAT", "text")
 LOGGING["handlers"]["console"]["formatter"] = LOG_FORMAT  # type: ignore[index]
 # Serve static files straight from the apps so no collectstatic step is needed on a laptop.

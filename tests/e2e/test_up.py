@@ -8,6 +8,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +185,12 @@ def test_up_with_configured_services(fresh_database: str, redis_url: str, tmp_pa
         assert reply.choices[0].message.content == "hello demo hello"
         usage = call(running, "GET", "/api/v1/gateway/usage/", token).json()["results"]
         assert (usage[0]["model"], usage[0]["tokens_out"]) == ("demo-echo", 3)
+        started = time.monotonic()  # the README's curl sends no max_tokens: a brief answer, at once
+        brief = client.chat.completions.create(
+            model="demo-echo", messages=[{"role": "user", "content": "hello demo"}]
+        )
+        assert time.monotonic() - started < 5
+        assert 0 < len((brief.choices[0].message.content or "").split()) <= 32
 
         # The Celery worker runs tenant tasks in the schema named in the message.
         celery = Celery(broker=redis_url, backend=redis_url)

@@ -144,3 +144,31 @@ def test_every_endpoint_has_a_list_without_routing_fields() -> None:
             ["api_base"] if "temperature" in allowed else ["api_base", "temperature"]
         )
         assert "api_base" not in upstream_payload(endpoint, body)
+
+
+def test_a_member_of_several_projects_names_the_one_that_pays_when_project_budgets_apply(a: Any) -> None:
+    """Without the header such a caller's calls used to pass by every project budget."""
+    from apps.accounts.models import Project, Role, User
+    from apps.accounts.services import project_member_set, project_save
+    from gateway import services
+
+    def second_project() -> None:
+        from tenants.models import Tenant
+
+        ann, ben = User.objects.get(username="ann"), User.objects.get(username="ben")
+        tenant = Tenant.objects.get(schema_name="gwf")
+        other = project_save(tenant=tenant, name="second", admin=ann)
+        project_member_set(tenant=tenant, project=other, user=ben, role=Role.MEMBER)
+        services.budget_create(scope="project", project=Project.objects.get(name="lab"), unit="tokens",
+                               limit=1000, period="month")  # fmt: skip
+
+    a.run(second_project)
+    with pytest.raises(openai.BadRequestError) as refused:
+        a.client("ben").chat.completions.create(model="chat", messages=HELLO, max_tokens=2)
+    body: Any = refused.value.body
+    assert body["code"] == "project_required"
+    assert "member of several projects (lab, second)" in body["message"]
+    paid = a.client("ben", project="lab").chat.completions.with_raw_response.create(
+        model="chat", messages=HELLO, max_tokens=2
+    )
+    assert a.usage(request_id=paid.headers["x-request-id"])[0].project_name == "lab"

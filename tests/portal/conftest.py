@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +148,17 @@ def page(browser: Any, portal: Portal) -> Iterator[Any]:
 def screenshot(page: Any, name: str) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def wait_for(page: Any, expression: str, timeout: float = 30, **given: Any) -> None:
+    """Wait until `expression` is true in the page. Playwright's wait_for_function evaluates its string
+    with eval inside the page, which the portal's Content Security Policy forbids; page.evaluate goes
+    through DevTools, which it does not."""
+    deadline = time.monotonic() + timeout
+    while not (page.evaluate(expression, given["arg"]) if "arg" in given else page.evaluate(expression)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{expression} did not become true within {timeout} s")
+        time.sleep(0.1)
 
 
 def sign_in(page: Any, portal: Portal) -> None:

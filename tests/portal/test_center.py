@@ -9,7 +9,7 @@ import pytest
 from django_tenants.utils import get_public_schema_name, schema_context
 
 from tests.gateway.conftest import committed
-from tests.portal.conftest import PASSWORD, Portal, screenshot, sign_in
+from tests.portal.conftest import PASSWORD, Portal, screenshot, sign_in, wait_for
 from tests.portal.test_portal import UNLABELLED
 
 pytestmark = pytest.mark.django_db
@@ -35,7 +35,7 @@ def test_the_center_lists_every_tenant_with_usage_and_draws_it(page: Any, portal
     listed = page.locator("tr[data-tenant]").evaluate_all("rows => rows.map(row => row.dataset.tenant)")
     assert {"acme", "globex", "portal"} <= set(listed)
     assert page.locator("tr[data-tenant='portal'] .in-use").inner_text() == "4.0"
-    page.wait_for_function("document.getElementById('usage-chart').chart !== undefined")
+    wait_for(page, "document.getElementById('usage-chart').chart !== undefined")
     series = page.evaluate("document.getElementById('usage-chart').chart.data.datasets.map(d => d.label)")
     assert "acme" in series  # acme's ledger has usage (the world's gateway call)
     assert page.evaluate(UNLABELLED) == []

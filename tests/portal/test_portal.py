@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.portal.conftest import PASSWORD, Portal, screenshot, sign_in
+from tests.portal.conftest import PASSWORD, Portal, screenshot, sign_in, wait_for
 
 pytestmark = pytest.mark.django_db
 
@@ -53,7 +53,7 @@ def test_a_submitted_task_appears_without_a_reload_and_its_output_streams_live(
     task_id = portal.run(lambda: str(Task.objects.get(name="portal-run").pk))
     page.get_by_role("link", name="portal-run").click()
     page.wait_for_url(re.compile(rf".*/portal/tasks/{task_id}/"))
-    page.wait_for_function("document.querySelector('#log-state').textContent.length > 0")
+    wait_for(page, "document.querySelector('#log-state').textContent.length > 0")
 
     def report(seq: int, lines: list[str]) -> None:
         def send() -> None:
@@ -161,7 +161,7 @@ def test_the_dashboard_draws_its_charts_with_data(page: Any, portal: Portal) -> 
     idle_task = portal.run(seed_a_busy_hour)
     sign_in(page, portal)
     page.get_by_role("link", name="Dashboard").click()
-    page.wait_for_function("document.getElementById('gpu-chart').chart !== undefined")
+    wait_for(page, "document.getElementById('gpu-chart').chart !== undefined")
     labels = page.evaluate("document.getElementById('gpu-chart').chart.data.labels")
     assert labels == ["baremetal", "h100"]
     capacity = page.evaluate(
@@ -179,7 +179,7 @@ def test_the_dashboard_draws_its_charts_with_data(page: Any, portal: Portal) -> 
     assert len(percent) == 24
     assert max(percent) == 25.0  # 4 GPU-hours in one hour of 16 GPUs
     page.get_by_label("Over the last", exact=True).select_option("7d")  # per day now, in place
-    page.wait_for_function("document.getElementById('utilization-chart').chart.data.labels.length === 7")
+    wait_for(page, "document.getElementById('utilization-chart').chart.data.labels.length === 7")
     daily = page.evaluate("document.getElementById('utilization-chart').chart.data.datasets[0].data")
     assert max(daily) == 1.0  # the same 4 GPU-hours in a day of 16 GPUs: 1.04%
     page.get_by_label("Over the last", exact=True).select_option("24h")
@@ -271,7 +271,7 @@ def test_the_dashboard_shows_cpus_and_workers_per_environment_and_follows_the_cl
     portal.run(connect)
     sign_in(page, portal)
     page.get_by_role("link", name="Dashboard").click()
-    page.wait_for_function("document.getElementById('gpu-chart').chart !== undefined")
+    wait_for(page, "document.getElementById('gpu-chart').chart !== undefined")
     cells = page.locator("tr[data-environment='baremetal'] td").all_inner_texts()
     assert cells == ["baremetal", "1", "8", cells[3], cells[4], "16 of 64", "1", "1"]
     kubernetes = page.locator("tr[data-environment='kubernetes'] td").all_inner_texts()
@@ -303,7 +303,8 @@ def test_the_dashboard_shows_cpus_and_workers_per_environment_and_follows_the_cl
 
     expected = portal.run(place_a_task)
     assert expected != before
-    page.wait_for_function(
+    wait_for(
+        page,
         "(expected) => JSON.stringify(document.getElementById('gpu-chart').chart.data.datasets[0].data)"
         " === JSON.stringify(expected)",
         arg=expected,

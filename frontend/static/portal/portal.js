@@ -13,6 +13,26 @@ window.htmx.config.responseHandling = [
   { code: "[45]..", swap: false, error: true },
 ];
 
+// A form with data-clear-on-success="#field" empties that field once its request succeeded (a secret's
+// value is not left on the page). Handlers live here, not in hx-on attributes: the pages' Content
+// Security Policy runs no inline script.
+document.body.addEventListener("htmx:afterRequest", (event) => {
+  const form = event.detail.elt;
+  const target = form && form.dataset ? form.dataset.clearOnSuccess : null;
+  if (!target || !event.detail.successful) return;
+  const field = form.querySelector(target);
+  if (field) field.value = "";
+});
+
+// [data-refresh-seconds]: a part that reloads itself every so often (hx-trigger="klique:refresh"), but
+// not while focus is inside it, so that nobody's click or typing is swapped away.
+for (const element of document.querySelectorAll("[data-refresh-seconds]")) {
+  const seconds = Number(element.dataset.refreshSeconds) || 30;
+  setInterval(() => {
+    if (!element.contains(document.activeElement)) element.dispatchEvent(new CustomEvent("klique:refresh"));
+  }, seconds * 1000);
+}
+
 function socketUrl(path) {
   const scheme = window.location.protocol === "https:" ? "wss:" : "ws:";
   return `${scheme}//${window.location.host}${path}`;

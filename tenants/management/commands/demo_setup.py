@@ -180,7 +180,12 @@ class Command(BaseCommand):
         demo_echo = {
             "model_name": "demo-echo",
             "litellm_params": {"model": "openai/echo", "api_base": model_url},
-            "model_info": {"input_cost_per_million": 0.15, "output_cost_per_million": 0.6},
+            # The echo server answers as many words as it may; a reply of a few dozen words reads like one.
+            "model_info": {
+                "input_cost_per_million": 0.15,
+                "output_cost_per_million": 0.6,
+                "max_output_tokens": 32,
+            },
         }
         settings_save(user=alice, document={"model_list": [demo_echo]})
         if not Budget.objects.filter(scope=Budget.Scope.TENANT).exists():

@@ -1,0 +1,126 @@
+"""What a newcomer meets first: pages that cannot be framed and run only Klique's own scripts, a demo
+without Django's debug pages, and an output upload that the web process streams to disk instead of holding
+in memory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from django.test import Client
+from django_tenants.utils import schema_context
+
+from apps.resources.models import Pool
+from apps.scheduling.models import Task, TaskState
+from tests.e2e.conftest import free_port
+from tests.gateway.conftest import start_web, wait_until_listening
+from tests.world import HOST_A, HOST_PROVIDER, World
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.mark.parametrize("host", [HOST_A, HOST_PROVIDER])
+def test_portal_pages_carry_a_content_security_policy_and_cannot_be_framed(host: str, world: World) -> None:
+    answer = Client(HTTP_HOST=host).get("/portal/sign-in/")
+    assert answer.status_code == 200
+    policy = answer.headers["Content-Security-Policy"]
+    for directive in (
+        "default-src 'self'",
+        "script-src 'self'",
+        "frame-ancestors 'none'",
+        "object-src 'none'",
+    ):
+        assert directive in policy
+    assert "unsafe-inline" not in policy
+    assert "unsafe-eval" not in policy
+    assert answer.headers["X-Frame-Options"] == "DENY"
+
+
+def test_api_answers_cannot_be_framed_either(world: World) -> None:
+    answer = Client(HTTP_HOST=HOST_A).get("/api/v1/me/")
+    assert answer.headers["X-Frame-Options"] == "DENY"
+
+
+def test_no_template_has_inline_script_or_handlers() -> None:
+    """What the policy would block: an inline <script>, on* handlers, hx-on (run through eval)."""
+    root = Path(__file__).resolve().parents[2] / "frontend" / "templates"
+    for template in root.rglob("*.html"):
+        text = template.read_text()
+        for forbidden in ("<script>", " onclick=", " onload=", " onsubmit=", "hx-on", "javascript:"):
+            assert forbidden not in text, (template, forbidden)
+
+
+def test_klique_up_runs_without_debug_unless_asked() -> None:
+    code = "import django.conf as c; from config.settings import local; print(local.DEBUG)"
+    environment = {key: value for key, value in os.environ.items() if key != "DEBUG"}
+    environment.setdefault("DATABASE_URL", "postgres://klique@127.0.0.1:5432/klique")
+    shown = subprocess.run(
+        [sys.executable, "-c", code], env=environment, capture_output=True, text=True, check=True
+    )
+    assert shown.stdout.strip() == "False"
+    asked = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**environment, "DEBUG": "1"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert asked.stdout.strip() == "True"
+
+
+@pytest.fixture(scope="module")
+def served(world: World) -> Iterator[tuple[str, int]]:
+    port = free_port()
+    process = start_web(port)
+    try:
+        wait_until_listening(port, process)
+        yield f"http://127.0.0.1:{port}", process.pid
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+
+
+def _peak_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_a_large_output_is_streamed_to_the_store(
+    world: World, served: tuple[str, int], django_db_blocker: object
+) -> None:
+    from tests.gateway.conftest import committed
+
+    base, pid = served
+
+    def running_on_h100() -> None:
+        with schema_context("acme"):
+            h100 = Pool.objects.get(name="h100")
+            Task.objects.filter(pk=world.task_a).update(state=TaskState.RUNNING, pool=h100)
+
+    committed(django_db_blocker, running_on_h100)
+    headers = {"Host": HOST_A, "Authorization": f"Bearer {world.agent_secret_a}"}
+    url = f"{base}/agents/v1/tasks/{world.task_a}/outputs/big-{time.monotonic_ns()}.bin"
+    megabytes = 96
+
+    def body() -> Iterator[bytes]:
+        chunk = os.urandom(1024 * 1024)
+        for _ in range(megabytes):
+            yield chunk
+
+    with httpx.Client(timeout=120) as client:
+        assert client.get(f"{base}/healthz").status_code == 200
+        before = _peak_mb(pid)
+        answer = client.put(
+            url, content=body(), headers={**headers, "Content-Type": "application/octet-stream"}
+        )
+    assert answer.status_code == 201, answer.text
+    assert answer.json()["size"] == megabytes * 1024 * 1024
+    assert _peak_mb(pid) - before < megabytes / 2  # the upload never sat in memory whole, let alone twice
