@@ -148,7 +148,7 @@ def test_every_endpoint_has_a_list_without_routing_fields() -> None:
 
 def test_a_member_of_several_projects_names_the_one_that_pays_when_project_budgets_apply(a: Any) -> None:
     """Without the header such a caller's calls used to pass by every project budget."""
-    from apps.accounts.models import Project, Role, User
+    from apps.accounts.models import Role, User
     from apps.accounts.services import project_member_set, project_save
     from gateway import services
 
@@ -159,8 +159,7 @@ def test_a_member_of_several_projects_names_the_one_that_pays_when_project_budge
         tenant = Tenant.objects.get(schema_name="gwf")
         other = project_save(tenant=tenant, name="second", admin=ann)
         project_member_set(tenant=tenant, project=other, user=ben, role=Role.MEMBER)
-        services.budget_create(scope="project", project=Project.objects.get(name="lab"), unit="tokens",
-                               limit=1000, period="month")  # fmt: skip
+        services.budget_create(scope="project", project="lab", unit="tokens", limit=1000, period="month")
 
     a.run(second_project)
     with pytest.raises(openai.BadRequestError) as refused:
