@@ -41,7 +41,14 @@ def test_a_secret_reaches_its_task_and_no_log_file_or_table_shows_it(
         with agent_log.open("w") as log:
             agent = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         kept = demo.call(
-            "POST", "/api/v1/secrets/", json={"scope": "tenant", "name": "DEMO_SECRET", "value": value}
+            "POST",
+            "/api/v1/secrets/",
+            json={  # a tenant secret goes to the tasks of the groups it is granted to
+                "scope": "tenant",
+                "name": "DEMO_SECRET",
+                "value": value,
+                "audience": {"groups": ["research"]},
+            },
         )
         assert "value" not in kept
         task = demo.call(

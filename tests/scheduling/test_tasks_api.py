@@ -60,7 +60,7 @@ def test_a_batch_is_all_or_none_and_names_the_bad_one(api: Callable[..., APIClie
     ("body", "fragment"),
     [
         ({"compute_resource": "Research: shared GPU", "gpus": "0"}, "more than 0"),
-        ({"compute_resource": "Research: shared GPU", "gpus": "-1"}, "more than 0"),
+        ({"compute_resource": "Research: shared GPU", "gpus": "-1"}, "from 0 to 1,000,000"),
         ({"compute_resource": "Research: shared GPU", "gpus": "0.75"}, "runs tasks of 0.25 GPU to 0.5 GPU"),
         ({"compute_resource": "Research: shared GPU"}, "give gpus between 0.25 GPU and 0.5 GPU"),
         ({"compute_resource": "Research: 4 GPUs", "gpus": "8"}, "runs tasks of exactly 4 GPUs"),

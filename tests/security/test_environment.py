@@ -17,7 +17,7 @@ from rest_framework.test import APIClient
 
 from agents.backend import Refused
 from agents.baremetal import UNITS_PER_GPU, BareMetal
-from agents.hpc import SYSTEM_PATH, Batch, Completed, Settings, Slurm, execute
+from agents.hpc import SYSTEM_PATH, Batch, Completed, Settings, Slurm, agent_environment, execute
 from agents.state import State
 from apps.accounts.models import User
 from apps.vault.models import Secret
@@ -256,7 +256,7 @@ def test_the_submission_runs_as_the_account_with_a_fixed_path_and_no_privileged_
     assert account == batch.account_for("alice")
     assert environment["PATH"] == SYSTEM_PATH
     assert environment["HF_TOKEN"] == "hf_abc"  # sbatch passes it on to the job; nothing else sees it
-    set_by_the_agent = {"PATH", "HOME", "USER", "LOGNAME", "SHELL"}
+    set_by_the_agent = {"PATH", "HOME", "USER", "LOGNAME", "SHELL", *agent_environment()}
     assert not {name for name in environment if rule.refusal(name)} - set_by_the_agent
     assert "hf_abc" not in " ".join(argv)
 
