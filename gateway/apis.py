@@ -15,6 +15,7 @@ from rest_framework.response import Response
 
 from apps.accounts.apis import TenantAPIView
 from apps.accounts.models import ProjectMembership, Role, User
+from apps.core.schema import AmountField, DocumentField
 from gateway import services
 from gateway.budgets import usd
 from gateway.models import Budget, Usage
@@ -27,9 +28,7 @@ class SettingsOut(serializers.Serializer[Any]):
 
 
 class SettingsIn(serializers.Serializer[Any]):
-    document = serializers.JSONField(
-        help_text="model_list, router_settings and guardrails (see docs/gateway.md)"
-    )
+    document = DocumentField(help_text="model_list, router_settings and guardrails (see docs/gateway.md)")
 
 
 def _settings_out(row: Any) -> dict[str, Any]:
@@ -82,16 +81,16 @@ class BudgetIn(serializers.Serializer[Budget]):
     project = serializers.CharField(required=False, help_text="the project's name or id, for scope project")
     user = serializers.CharField(required=False, help_text="the username or id, for scope user")
     unit = serializers.ChoiceField(choices=Budget.Unit.choices, default=Budget.Unit.TOKENS)
-    limit = serializers.DecimalField(max_digits=24, decimal_places=6, min_value=Decimal(0))
+    limit = AmountField(min_value=Decimal(0))
     period = serializers.ChoiceField(choices=Budget.Period.choices, default=Budget.Period.MONTH)
 
 
 class BudgetPatch(serializers.Serializer[Budget]):
-    limit = serializers.DecimalField(max_digits=24, decimal_places=6, min_value=Decimal(0))
+    limit = AmountField(min_value=Decimal(0), required=False, help_text="the new limit; absent: unchanged")
 
 
 class TopUpIn(serializers.Serializer[Budget]):
-    amount = serializers.DecimalField(max_digits=24, decimal_places=6)
+    amount = AmountField()
 
 
 def budgets_visible_to(user: User) -> QuerySet[Budget]:
@@ -130,6 +129,8 @@ class BudgetDetailView(TenantAPIView):
         budget = get_object_or_404(budgets_visible_to(self.user), pk=budget_id)
         data = BudgetPatch(data=request.data)
         data.is_valid(raise_exception=True)
+        if not data.validated_data:  # a PATCH that changes nothing
+            return Response(BudgetOut(budget).data)
         return Response(BudgetOut(services.budget_update(budget=budget, **data.validated_data)).data)
 
     @extend_schema(responses={204: None}, summary="Remove a budget")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rest_framework import serializers
 
 from apps.accounts.models import ApiToken, Group, Project, ProjectMembership, Role, User
+from apps.core.schema import GpusField
 
 
 class UserOut(serializers.ModelSerializer[User]):
@@ -142,7 +143,7 @@ class TokenIn(serializers.Serializer[ApiToken]):
         error_messages={"invalid": "Name the agent with letters, digits, spaces and . _ - (at most 100)."},
         help_text="makes a delegated token: an AI agent acting for you, with scope read or submit",
     )
-    gpu_quota = serializers.CharField(
+    gpu_quota = GpusField(
         required=False, max_length=20, help_text='a delegated token\'s own GPU quota, e.g. "2"'
     )
 

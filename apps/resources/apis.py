@@ -11,6 +11,7 @@ from rest_framework.response import Response
 
 from apps.accounts.apis import TenantAPIView
 from apps.accounts.models import Role, User
+from apps.core.schema import DocumentField
 from apps.fleet.selectors import NONE_REPORTED, Reported, agents_by_pool
 from apps.resources import services
 from apps.resources.document import to_gpus_text
@@ -28,7 +29,7 @@ class DraftOut(serializers.Serializer[object]):
 
 
 class DraftIn(serializers.Serializer[object]):
-    document = serializers.JSONField(help_text="pools, profiles and policies; see the README")
+    document = DocumentField(help_text="pools, profiles and policies; see the README")
 
 
 class ReportItem(serializers.Serializer[object]):
