@@ -19,8 +19,7 @@ from django_tenants.utils import schema_context
 from apps.fleet.models import TaskOutput
 from apps.resources.models import Pool
 from apps.scheduling.models import Task, TaskState
-from tests.e2e.conftest import free_port
-from tests.gateway.conftest import start_web, wait_until_listening
+from tests.security.conftest import memory_mb
 from tests.world import HOST_A, HOST_PROVIDER, World
 
 pytestmark = pytest.mark.django_db
@@ -77,25 +76,6 @@ def test_klique_up_runs_without_debug_unless_asked() -> None:
     assert asked.stdout.strip() == "True"
 
 
-@pytest.fixture(scope="module")
-def served(world: World) -> Iterator[tuple[str, int]]:
-    port = free_port()
-    process = start_web(port)
-    try:
-        wait_until_listening(port, process)
-        yield f"http://127.0.0.1:{port}", process.pid
-    finally:
-        process.terminate()
-        process.wait(timeout=20)
-
-
-def _peak_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmHWM")
-
-
 def test_a_large_output_is_streamed_to_the_store(
     world: World, served: tuple[str, int], django_db_blocker: object
 ) -> None:
@@ -125,14 +105,16 @@ def test_a_large_output_is_streamed_to_the_store(
 
         with httpx.Client(timeout=120) as client:
             assert client.get(f"{base}/healthz").status_code == 200
-            before = _peak_mb(pid)
+            before = memory_mb(pid, "VmHWM")
             octets = {**headers, "Content-Type": "application/octet-stream"}
             answer = client.put(url, content=body(), headers=octets)
     finally:  # the world is the session's: leave its task as it was
         committed(django_db_blocker, lambda: put_on(first["state"], first["pool_id"]))
     assert answer.status_code == 201, answer.text
     assert answer.json()["size"] == megabytes * 1024 * 1024
-    assert _peak_mb(pid) - before < megabytes / 2  # the upload never sat in memory whole, let alone twice
+    assert (
+        memory_mb(pid, "VmHWM") - before < megabytes / 2
+    )  # the upload never sat in memory whole, let alone twice
 
 
 def _h100_id() -> object:

@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from agents.batch import TemplateInvalid, Unsafe, render, render_isolated, sample_context
-from tests.e2e.conftest import free_port
-from tests.gateway.conftest import start_web, wait_until_listening
+from tests.security.conftest import memory_mb
 from tests.world import HOST_A, World
 
 HEAD = "#!/bin/bash\n#SBATCH --nodes={{ nodes }} {{ gpus }}\n{{ run }}\n"
@@ -67,25 +64,6 @@ def test_an_ordinary_template_renders_the_same_in_both() -> None:
     assert render_isolated(text, sample_context("slurm")) == render(text, sample_context("slurm"))
 
 
-@pytest.fixture(scope="module")
-def served(world: World) -> Iterator[tuple[str, int]]:
-    port = free_port()
-    process = start_web(port)
-    try:
-        wait_until_listening(port, process)
-        yield f"http://127.0.0.1:{port}", process.pid
-    finally:
-        process.terminate()
-        process.wait(timeout=20)
-
-
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 @pytest.mark.django_db
 def test_bombs_through_the_preview_leave_the_web_process_serving(
     world: World, served: tuple[str, int]
@@ -98,7 +76,7 @@ def test_bombs_through_the_preview_leave_the_web_process_serving(
         assert client.get(f"{base}/api/v1/me/").status_code == 200
         ordinary = client.post(preview, json={"scheduler": "slurm", "template": HEAD})
         assert ordinary.status_code == 200, ordinary.text
-    before = _rss_mb(pid)
+    before = memory_mb(pid, "VmRSS")
     latencies: list[float] = []
     stop = threading.Event()
 
@@ -128,7 +106,7 @@ def test_bombs_through_the_preview_leave_the_web_process_serving(
         assert "limits (docs/hpc.md)" in detail, (name, detail)
     assert len(latencies) > 20
     assert max(latencies) < 1.0, max(latencies)  # served all along, never held behind a rendering
-    assert _rss_mb(pid) - before < 100  # no bomb grew the web process
+    assert memory_mb(pid, "VmRSS") - before < 100  # no bomb grew the web process
 
 
 @pytest.mark.django_db
