@@ -96,15 +96,19 @@ class ProbeMiddleware:
 
 
 NUL_REFUSED = (
-    "Text with NUL characters (\\x00, \\u0000) is not accepted anywhere in Klique's API: remove them and "
-    "send the request again."
+    "Text with NUL characters (\\x00, \\u0000) or unpaired surrogates (\\ud800) is not accepted anywhere "
+    "in Klique's API: remove them and send the request again."
 )
+# What PostgreSQL's text and jsonb cannot hold: NUL, and UTF-16 surrogates that pair with nothing (JSON's
+# "\ud800" escapes decode to them).
+UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 
 def has_nul(value: object) -> bool:
-    """Whether a parsed JSON value holds a NUL in any string, key or value, however deep."""
+    """Whether a parsed JSON value holds a NUL (or an unpaired surrogate) in any string, key or value,
+    however deep."""
     if isinstance(value, str):
-        return "\x00" in value
+        return UNSTORABLE.search(value) is not None
     if isinstance(value, dict):
         return any(has_nul(key) or has_nul(item) for key, item in value.items())
     if isinstance(value, list | tuple):

@@ -3,6 +3,8 @@ schema describes request bodies as they are validated (and a fuzzer's valid data
 
 from __future__ import annotations
 
+from typing import Any
+
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
@@ -26,7 +28,16 @@ class GpusField(serializers.CharField):
 
 @extend_schema_field({"type": "object", "additionalProperties": True})
 class DocumentField(serializers.JSONField):
-    """A JSON object, checked whole by the service that takes it (which says what it lacks)."""
+    """A JSON object, checked whole by the service that takes it (which says what it lacks). Sent in a
+    form, it is JSON text parsed here, so the text rule of the API's parsers is applied here too."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        from apps.core.middleware import NUL_REFUSED, has_nul
+
+        value = super().to_internal_value(data)
+        if has_nul(value):
+            raise serializers.ValidationError(NUL_REFUSED)
+        return value
 
 
 class BearerTokenScheme(OpenApiAuthenticationExtension):  # type: ignore[no-untyped-call]

@@ -212,8 +212,8 @@ REST_FRAMEWORK = {
     "EXCEPTION_HANDLER": "apps.core.api_errors.exception_handler",
     "DEFAULT_PARSER_CLASSES": [
         "apps.core.parsers.JSONParser",  # refuses NUL characters, which PostgreSQL's text cannot hold
-        "rest_framework.parsers.FormParser",
-        "rest_framework.parsers.MultiPartParser",
+        "apps.core.parsers.FormParser",
+        "apps.core.parsers.MultiPartParser",
     ],
     "UNAUTHENTICATED_USER": None,
 }

@@ -44,6 +44,7 @@ NUL_BODIES = [
     ("put", "/api/v1/price-book/", {"gpu_hour": {"H\u0000": "1"}, "tokens_million": {}, "gb_month": "0"}),
     ("post", "/api/v1/secrets/", {"name": "A", "value": "x", "scope": "project", "project": "\u0000"}),
     ("post", "/api/v1/usage/events/", {"events": [{"event_id": "n\u0000", "kind": "tokens"}]}),
+    ("put", "/api/v1/configuration/draft/", {"document": {"k": {"": {"\u00e2\u0019\u0000": 1}}}}),
 ]
 
 
@@ -52,6 +53,43 @@ def test_a_nul_anywhere_in_a_json_body_is_refused(
     method: str, path: str, body: dict[str, Any], api: Callable[..., APIClient], world: World
 ) -> None:
     answer = getattr(api("alice"), method)(path, body, format="json")
+    assert answer.status_code == 400, answer.content
+    assert "NUL characters" in answer.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("path", "raw"),
+    [
+        ("/api/v1/configuration/draft/", rb'{"document": {"k\ud800": {"": 1}}}'),
+        ("/api/v1/configuration/draft/", rb'{"document": {"pools": [{"name": "lone \udfff"}]}}'),
+        ("/api/v1/gateway/", rb'{"document": {"model_list": [], "x": "\ud83d"}}'),
+    ],
+)
+def test_an_unpaired_surrogate_in_json_is_refused(
+    path: str, raw: bytes, api: Callable[..., APIClient], world: World
+) -> None:
+    """JSON's \\ud800 escapes decode to code points no database text can hold."""
+    answer = api("alice").generic("PUT", path, raw.decode(), content_type="application/json")
+    assert answer.status_code == 400, answer.content
+    assert "unpaired surrogates" in answer.json()["detail"]
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "multipart/form-data"])
+def test_a_nul_in_a_put_form_is_refused(
+    content_type: str, api: Callable[..., APIClient], world: World
+) -> None:
+    """A PUT form is parsed by the API, not by Django's request.POST: it is checked there."""
+    from django.test.client import BOUNDARY, encode_multipart
+
+    fields = {"document": '{"pools": [], "k\\u0000": 1}'}
+    if content_type.startswith("multipart"):
+        body, content_type = (
+            encode_multipart(BOUNDARY, fields).decode(),
+            f"multipart/form-data; boundary={BOUNDARY}",
+        )
+    else:
+        body = "document=%7B%22k%00%22%3A1%7D"
+    answer = api("alice").generic("PUT", "/api/v1/configuration/draft/", body, content_type=content_type)
     assert answer.status_code == 400, answer.content
     assert "NUL characters" in answer.json()["detail"]
 
