@@ -81,18 +81,9 @@ def provider_prices_save(
     *, gpu_hour: dict[str, Any], tokens_million: dict[str, Any], gb_month: Any
 ) -> ProviderPriceBook:
     """Set what the provider charges its tenants (each price checked as a tenant's book checks its own)."""
-    from apps.metering.services import check_price
+    from apps.metering.services import check_price, checked_prices
 
-    if len(gpu_hour) > 500 or len(tokens_million) > 500:
-        raise InvalidInput("A price book holds at most 500 GPU classes and 500 models.")
-    checked_gpu = {str(name)[:50]: check_price(price, f"gpu_hour.{name}") for name, price in gpu_hour.items()}
-    checked_tokens = {}
-    for model, prices in tokens_million.items():
-        if not isinstance(prices, dict) or set(prices) - {"in", "out"}:
-            raise InvalidInput(f'tokens_million.{model}: {{"in": <USD>, "out": <USD>}} per million tokens.')
-        checked_tokens[str(model)[:100]] = {
-            side: check_price(prices.get(side, 0), f"tokens_million.{model}.{side}") for side in ("in", "out")
-        }
+    checked_gpu, checked_tokens = checked_prices(gpu_hour, tokens_million)
     with schema_context(get_public_schema_name()):
         book, _ = ProviderPriceBook.objects.update_or_create(
             pk=1,

@@ -195,17 +195,27 @@ def check_price(value: Any, where: str) -> str:
     return str(price)
 
 
-@transaction.atomic
-def price_book_save(*, gpu_hour: dict[str, Any], tokens_million: dict[str, Any], gb_month: Any) -> PriceBook:
-    """Set the tenant's prices. They price events as they are recorded; what is recorded keeps its price."""
-    checked_gpu = {str(name): check_price(price, f"gpu_hour.{name}") for name, price in gpu_hour.items()}
+def checked_prices(
+    gpu_hour: dict[str, Any], tokens_million: dict[str, Any]
+) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """A price book's GPU-hour and token prices, each checked (check_price), or InvalidInput naming one."""
+    if len(gpu_hour) > 500 or len(tokens_million) > 500:
+        raise InvalidInput("A price book holds at most 500 GPU classes and 500 models.")
+    checked_gpu = {str(name)[:50]: check_price(price, f"gpu_hour.{name}") for name, price in gpu_hour.items()}
     checked_tokens = {}
     for model, prices in tokens_million.items():
         if not isinstance(prices, dict) or set(prices) - {"in", "out"}:
             raise InvalidInput(f'tokens_million.{model}: {{"in": <USD>, "out": <USD>}} per million tokens.')
-        checked_tokens[str(model)] = {
+        checked_tokens[str(model)[:100]] = {
             side: check_price(prices.get(side, 0), f"tokens_million.{model}.{side}") for side in ("in", "out")
         }
+    return checked_gpu, checked_tokens
+
+
+@transaction.atomic
+def price_book_save(*, gpu_hour: dict[str, Any], tokens_million: dict[str, Any], gb_month: Any) -> PriceBook:
+    """Set the tenant's prices. They price events as they are recorded; what is recorded keeps its price."""
+    checked_gpu, checked_tokens = checked_prices(gpu_hour, tokens_million)
     book, _ = PriceBook.objects.update_or_create(
         pk=1,
         defaults={
