@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -179,7 +180,9 @@ class BareMetal:
         else:
             devices = self._pick(units)
         directory = self.work_dir / task_id
-        directory.mkdir(parents=True, exist_ok=True)
+        if directory.is_symlink() or directory.exists():  # an earlier run's folder: a new run starts empty
+            shutil.rmtree(directory)  # does not follow symbolic links
+        directory.mkdir(parents=True)
         spec = assignment.get("spec") or {}
         try:  # the one rule, checked again here: the agent trusts no one to have checked it
             task_variables = {
@@ -289,18 +292,25 @@ class BareMetal:
                     offset + len(complete),
                 )
             if code is not None:
-                uploaded = await self._upload_outputs(run, report)
+                uploaded, failed = await self._upload_outputs(run, report)
                 self._hold(run.devices, run.units, -1)
                 self.state.remove_run(task_id)
                 self.children.pop(task_id, None)
-                result = {"exit_code": code, "stopped": task_id in self.stopping, "outputs": uploaded}
+                result = {
+                    "exit_code": code,
+                    "stopped": task_id in self.stopping,
+                    "outputs": uploaded,
+                    "outputs_failed": failed,
+                }
                 await report(task_id, "result", result, None)
                 self.stopping.discard(task_id)
                 return
             await asyncio.sleep(POLL_SECONDS)
 
-    async def _upload_outputs(self, run: RunRecord, report: Report) -> list[str]:
-        """Upload the files matching the task's declared output patterns; a failure is said in the log."""
+    async def _upload_outputs(self, run: RunRecord, report: Report) -> tuple[list[str], list[dict[str, str]]]:
+        """Upload the files matching the task's declared output patterns (each upload retries while the
+        plane cannot take it); returns those stored and, for each one that could not be, why. A failure is
+        also said in the task's log; the file stays in the task's folder on this host."""
         folder = Path(run.log_path).parent
         names = sorted(
             {
@@ -310,17 +320,19 @@ class BareMetal:
                 if path.is_file() and path.resolve().is_relative_to(folder.resolve())
             }
         )
-        uploaded = []
+        uploaded: list[str] = []
+        failed: list[dict[str, str]] = []
         for name in names:
             if self.upload is None:
                 break
             try:
                 await self.upload(run.task_id, name, folder / name)
                 uploaded.append(name)
-            except Exception as error:  # the result still goes out; the log says what was lost
-                lines = [f"klique: output {name} was not uploaded: {error}"]
+            except Exception as error:  # the result still goes out, saying what could not be stored
+                failed.append({"name": name, "error": str(error)[:500]})
+                lines = [f"klique: output {name} was not stored: {error}; it is kept at {folder / name}"]
                 await report(run.task_id, "log", {"stream": "klique", "lines": lines}, None)
-        return uploaded
+        return uploaded, failed
 
     async def stop(self, task_id: str, grace_seconds: float) -> None:
         """SIGTERM the task's process group, then SIGKILL it after the grace period."""

@@ -10,11 +10,13 @@ The agent token comes from a file only its owner may read (--token-file) or from
 binds the token to this agent: its id and a random instance key the agent keeps in its work folder, so a
 copy of the token used from elsewhere is refused and shown to the pool's admins.
 
-The agent only ever opens an outbound websocket. It reconnects with exponential backoff and jitter;
-every report (status, log, result) carries a per-task sequence number and stays in the outbox until the
-plane acknowledges it, so a reconnect replays what was not acknowledged and the plane, which keeps each
-sequence number once, counts nothing twice. SIGTERM stops the running tasks (with their grace period)
-and the agent cleanly.
+The agent only ever opens an outbound websocket. It reconnects with exponential backoff and jitter,
+reset only by the plane's welcome. Every report (status, log, metric, result) names its run's lease and a
+sequence number within that run, and stays in the outbox until the plane answers it with a verdict
+(applied, duplicate, stale): a reconnect replays what was not answered, the plane counts nothing twice,
+and a report of a run the plane gave to another attempt is dropped. Outputs are streamed up with their
+checksum and retried with backoff while the plane cannot take them. SIGTERM stops the running tasks (with
+their grace period) and the agent cleanly.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -31,10 +34,10 @@ import signal
 import socket
 import sys
 import tomllib
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import httpx
 import websockets
@@ -45,6 +48,7 @@ from agents.baremetal import BareMetal, detect_gpus
 from agents.hpc import DIALECTS, Batch, Settings
 from agents.state import State
 from klique.sdk import loopback
+from protocol import messages
 
 logger = logging.getLogger("klique.agent")
 
@@ -64,6 +68,42 @@ def websocket_address(url: str) -> tuple[str, dict[str, str], dict[str, Any]]:
 
 
 CAPACITY_SECONDS = 30.0  # how often the environment is asked for its CPUs and nodes
+UPLOAD_PATIENCE_SECONDS = 600.0  # how long an output upload is retried while the plane cannot take it
+# Answers that mean "not now": the plane down or restarting, its store full or not writable, a checksum
+# that did not match what arrived.
+RETRIED_STATUSES = frozenset({408, 422, 425, 429, 500, 502, 503, 504, 507})
+
+
+class UploadFailed(Exception):
+    """An output could not be stored; the message says why (the plane's own words where it gave some)."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1024 * 1024):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+async def _chunks(path: Path) -> AsyncIterator[bytes]:
+    """The file in pieces, so that it is never held in memory whole."""
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1024 * 1024):
+            yield chunk
+
+
+def _detail(response: httpx.Response) -> str:
+    """What the plane said, in a sentence: its JSON detail, or the start of whatever else it sent (a proxy's
+    HTML error page), never a parse error of it."""
+    try:
+        detail = response.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = None
+    if isinstance(detail, str) and detail:
+        return detail
+    text = " ".join(response.text.split())[:200]
+    return text or response.reason_phrase
 
 
 class Backoff:
@@ -89,6 +129,7 @@ class Agent:
         self.stopping = asyncio.Event()
         self.heartbeat_seconds = 10.0
         self.capacity: dict[str, int] = {}  # as last asked of the environment; hello and heartbeats send it
+        self.upload_patience = UPLOAD_PATIENCE_SECONDS
 
     async def _follow_capacity(self) -> None:
         """Ask the environment for its CPUs and nodes every CAPACITY_SECONDS, beside the connection: on a
@@ -120,87 +161,111 @@ class Agent:
                     **connect_to,
                 ) as socket_:
                     self.socket = socket_
-                    backoff.reset()
-                    await self._session(socket_)
+                    await self._session(socket_, backoff)
             except (OSError, websockets.WebSocketException, TimeoutError) as error:
                 logger.warning("connection to %s lost (%s)", address, error)
             finally:
                 self.socket = None
             if not self.stopping.is_set():
-                delay = backoff.next()
+                delay = (
+                    backoff.next()
+                )  # reset only by a welcome: a plane that accepts and fails still backs off
                 logger.info("reconnecting in %.1f s", delay)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stopping.wait(), timeout=delay)
 
-    async def _session(self, socket_: Any) -> None:
-        await socket_.send(
-            json.dumps(
-                {
-                    "type": "hello",
-                    "agent_id": self.agent_id,
-                    "instance": self.instance,
-                    "backend": self.backend.name,
-                    "version": __version__,
-                    "inventory": self.backend.inventory(),
-                    "capacity": self.capacity,
-                    "running": self.holding(),
-                }
-            )
+    async def _session(self, socket_: Any, backoff: Backoff | None = None) -> None:
+        hello = messages.Hello(
+            agent_id=self.agent_id,
+            backend=self.backend.name,
+            version=__version__,
+            instance=self.instance,
+            inventory=self.backend.inventory(),
+            capacity=self.capacity,
+            held=self.held(),
         )
-        for message in self.state.pending():  # replay what the plane has not acknowledged
-            await socket_.send(json.dumps(message))
+        await socket_.send(json.dumps(hello.as_json()))
+        for pending in self.state.pending():  # replay what the plane has not answered
+            await socket_.send(json.dumps(pending))
         heartbeat = asyncio.create_task(self._heartbeats(socket_))
         stop = asyncio.create_task(self.stopping.wait())
         try:
             async for raw in socket_:
-                await self._on_message(json.loads(raw))
+                try:
+                    message = messages.parse_from_plane(json.loads(raw))
+                except (ValueError, messages.ProtocolError) as error:
+                    logger.warning("the plane sent a message this agent cannot read: %s", error)
+                    continue
+                if isinstance(message, messages.Welcome) and backoff is not None:
+                    backoff.reset()
+                await self._on_message(message)
                 if stop.done():
                     break
         finally:
             heartbeat.cancel()
             stop.cancel()
 
+    def held(self) -> tuple[messages.Held, ...]:
+        """The runs this agent still has something of: those running, and those whose reports (a result
+        above all) the plane has not answered. A run that ended while the agent was cut off is still the
+        agent's until its result is in; otherwise the plane would take it for lost and run it again."""
+        running = {task: self.state.lease(task) for task in self.backend.running()}
+        ended = {(task, lease) for task, lease in self.state.pending_runs() if running.get(task) != lease}
+        runs = [messages.Held(task, lease) for task, lease in running.items()]
+        runs += [messages.Held(task, lease, ended=True) for task, lease in ended]
+        return tuple(sorted(runs, key=lambda run: (run.task_id, run.lease_id)))
+
     def holding(self) -> list[str]:
-        """The tasks this agent still has something of: those running, and those whose reports (a result
-        above all) the plane has not acknowledged. A task that ended while the agent was cut off is still
-        the agent's until its result is in; otherwise the plane would take it for lost and run it again."""
-        return sorted(set(self.backend.running()) | {message["task_id"] for message in self.state.pending()})
+        return sorted({run.task_id for run in self.held()})
 
     async def _heartbeats(self, socket_: Any) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_seconds)
-            heartbeat = {
-                "type": "heartbeat",
-                "running": self.backend.running(),
-                "queue": self.backend.queue(),
-                "capacity": self.capacity,
-            }
-            await socket_.send(json.dumps(heartbeat))
+            heartbeat = messages.Heartbeat(
+                held=self.held(), queue=self.backend.queue(), capacity=self.capacity
+            )
+            await socket_.send(json.dumps(heartbeat.as_json()))
 
-    async def _on_message(self, message: dict[str, Any]) -> None:
-        kind = message.get("type")
-        if kind == "welcome":
-            self.heartbeat_seconds = float(message.get("heartbeat_seconds", 10))
-            for task_id in message.get("abort", []):
-                await self.backend.stop(task_id, 0)
-        elif kind == "assign":
+    async def _on_message(
+        self, message: messages.Welcome | messages.Assign | messages.Ack | messages.Stop | messages.Error
+    ) -> None:
+        if isinstance(message, messages.Welcome):
+            self.heartbeat_seconds = message.heartbeat_seconds or 10.0
+            for stop in message.stop:
+                await self._stop(stop)
+        elif isinstance(message, messages.Assign):
             await self._assign(message)
-        elif kind == "ack":
-            self.state.acknowledge(message["task_id"], int(message["seq"]))
-        elif kind in {"abort", "preempt"}:
-            await self.backend.stop(message["task_id"], float(message.get("grace_seconds", 0)))
-        elif kind == "error":
-            logger.warning("the plane refused a message: %s", message.get("detail"))
+        elif isinstance(message, messages.Ack):
+            self.state.acknowledge(message.task_id, message.lease_id, message.seq)
+            if message.verdict == messages.STALE:
+                logger.info("report %s of task %s dropped: %s", message.seq, message.task_id, message.detail)
+        elif isinstance(message, messages.Stop):
+            await self._stop(message)
+        else:
+            logger.warning("the plane refused a message: %s", message.detail)
 
-    async def _assign(self, assignment: dict[str, Any]) -> None:
-        task_id, lease = assignment["task_id"], assignment["lease_id"]
-        try:
-            await self.backend.start(assignment, self.report)
-        except Refused as refused:
-            rejection = {"type": "rejected", "task_id": task_id, "lease_id": lease, "reason": str(refused)}
-            await self._send({**rejection, "permanent": refused.permanent})
+    async def _stop(self, stop: messages.Stop) -> None:
+        """Stop the run the message names; a stop of another run of the task (an earlier lease) is moot."""
+        if self.state.lease(stop.task_id) in (stop.lease_id, ""):
+            await self.backend.stop(stop.task_id, stop.grace_seconds if stop.kind == "preempt" else 0.0)
+
+    async def _assign(self, assignment: messages.Assign) -> None:
+        task_id, lease = assignment.task_id, assignment.lease_id
+        holding = self.state.lease(task_id)
+        if holding and holding != lease and any(run.task_id == task_id for run in self.held()):
+            reason = (
+                f"this agent still holds an earlier run of the task (lease {holding}); offer it again later"
+            )
+            await self._send(messages.Rejected(task_id, lease, reason).as_json())
             return
-        await self._send({"type": "accepted", "task_id": task_id, "lease_id": lease})
+        self.state.lease_begin(task_id, lease, assignment.attempt)
+        try:
+            await self.backend.start(assignment.as_json(), self.report)
+        except Refused as refused:
+            self.state.lease_end(task_id)
+            await self._send(messages.Rejected(task_id, lease, str(refused), refused.permanent).as_json())
+            return
+        await self._send(messages.Accepted(task_id, lease).as_json())
 
     async def report(self, task_id: str, kind: str, body: dict[str, Any], offset: int | None = None) -> None:
         """Keep the report in the outbox (with the log offset it reaches) and send it if connected."""
@@ -212,16 +277,38 @@ class Agent:
                 await self.socket.send(json.dumps(message))
 
     async def upload(self, task_id: str, name: str, path: Path) -> None:
-        """PUT an output file to the plane's file store, with this agent's token."""
+        """PUT an output file to the plane's file store, streamed from disk with its SHA-256, under the
+        run's lease; retried with backoff while the plane cannot take it (down, restarting, its store full
+        or not writable) for up to upload_patience seconds. Raises UploadFailed saying why."""
+        digest = await asyncio.to_thread(_sha256, path)
         base, headers = loopback(self.url)
-        async with httpx.AsyncClient(base_url=base, headers=headers, timeout=300) as client:
-            response = await client.put(
-                f"/agents/v1/tasks/{task_id}/outputs/{name}",
-                content=path.read_bytes(),
-                headers={"Authorization": f"Bearer {self.token}"},
-            )
-        if response.status_code >= 400:
-            raise RuntimeError(response.json().get("detail", response.text))
+        lease = self.state.lease(task_id)
+        backoff = Backoff(base=0.5, cap=15.0)
+        deadline = asyncio.get_running_loop().time() + self.upload_patience
+        while True:
+            try:
+                async with httpx.AsyncClient(base_url=base, headers=headers, timeout=300) as client:
+                    response = await client.put(
+                        f"/agents/v1/tasks/{task_id}/outputs/{quote(name)}",
+                        content=_chunks(path),
+                        headers={
+                            "Authorization": f"Bearer {self.token}",
+                            "X-Klique-Lease": lease,
+                            "X-Klique-Sha256": digest,
+                            "Content-Length": str(path.stat().st_size),
+                        },
+                    )
+                if response.status_code < 400:
+                    return
+                problem = f"the plane answered {response.status_code}: {_detail(response)}"
+                if response.status_code not in RETRIED_STATUSES:
+                    raise UploadFailed(problem)
+            except httpx.TransportError as error:
+                problem = f"the plane cannot be reached ({type(error).__name__}: {error})"
+            if asyncio.get_running_loop().time() > deadline or self.stopping.is_set():
+                raise UploadFailed(f"{problem}; gave up after {self.upload_patience:.0f} s of retries")
+            logger.warning("output %s of task %s not stored yet (%s); retrying", name, task_id, problem)
+            await asyncio.sleep(backoff.next())
 
     async def shutdown(self, grace_seconds: float) -> None:
         await self.backend.stop_all(grace_seconds)
@@ -312,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agent-id", default=socket.gethostname())
     parser.add_argument("--work-dir", type=Path, default=Path(".klique-agent"))
     parser.add_argument("--grace-seconds", type=float, default=30.0, help="for running tasks at shutdown")
+    parser.add_argument(
+        "--upload-patience",
+        type=float,
+        default=UPLOAD_PATIENCE_SECONDS,
+        help="seconds an output upload is retried while the plane cannot take it",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
     token = agent_token(args.token_file, args.token, os.environ)
@@ -329,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         agent_id=args.agent_id,
         instance=instance_key(args.work_dir),
     )
+    agent.upload_patience = args.upload_patience
     backend.upload = agent.upload
 
     async def serve() -> None:

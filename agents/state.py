@@ -1,9 +1,11 @@
-"""The agent's durable state, in SQLite beside its work: the runs it owns and the outbox.
+"""The agent's durable state, in SQLite beside its work: the runs it owns, their leases and the outbox.
 
-Every report gets the next sequence number of its task and goes into the outbox in the same SQLite
-transaction that records how far the task's log has been read; it leaves the outbox only when the plane
-acknowledges it. So after a crash, a restart or a cut connection, what was not acknowledged is sent again
-(the plane keeps each sequence number once) and nothing read is read twice.
+Each run is known by its task and the lease the plane handed it out under. Every report names that lease,
+gets the next sequence number of its run and goes into the outbox in the same SQLite transaction that
+records how far the task's log has been read; it leaves the outbox when the plane answers it with a
+verdict (applied, duplicate or stale). So after a crash, a restart or a cut connection, what was not
+answered is sent again (the plane keeps each number once), nothing read is read twice, and a report the
+plane will never apply (its run was given to another attempt) is dropped rather than kept forever.
 """
 
 from __future__ import annotations
@@ -50,13 +52,47 @@ class State:
             CREATE TABLE IF NOT EXISTS runs (task_id TEXT PRIMARY KEY, pid INTEGER, log_path TEXT,
                 exit_path TEXT, "offset" INTEGER, devices TEXT, units INTEGER, outputs TEXT DEFAULT '[]',
                 mig TEXT DEFAULT '[]');
-            CREATE TABLE IF NOT EXISTS outbox (
-                task_id TEXT, seq INTEGER, message TEXT, PRIMARY KEY (task_id, seq));
-            CREATE TABLE IF NOT EXISTS sequences (task_id TEXT PRIMARY KEY, last INTEGER);
+            CREATE TABLE IF NOT EXISTS leases (task_id TEXT PRIMARY KEY, lease_id TEXT, attempt INTEGER);
+            CREATE TABLE IF NOT EXISTS reports (
+                task_id TEXT, lease_id TEXT, seq INTEGER, message TEXT, PRIMARY KEY (task_id, lease_id, seq));
+            CREATE TABLE IF NOT EXISTS run_sequences (
+                task_id TEXT, lease_id TEXT, last INTEGER, PRIMARY KEY (task_id, lease_id));
             CREATE TABLE IF NOT EXISTS jobs (task_id TEXT PRIMARY KEY, job_id TEXT, folder TEXT,
                 account TEXT, stopping INTEGER DEFAULT 0, last TEXT DEFAULT '');
             """
         )
+
+        # An outbox of an agent from before leases: its reports name no run, and the plane answers them stale.
+        if self.db.execute("SELECT 1 FROM sqlite_master WHERE name = 'outbox'").fetchone():
+            self.db.executescript(
+                """
+                INSERT OR IGNORE INTO reports SELECT task_id, '', seq, message FROM outbox;
+                DROP TABLE outbox;
+                DROP TABLE IF EXISTS sequences;
+                """
+            )
+
+    # Leases ----------------------------------------------------------------------------------------------
+
+    def lease_begin(self, task_id: str, lease_id: str, attempt: int) -> None:
+        """The run this agent holds of the task from now on: its reports name this lease, numbered from 1."""
+        self.db.execute("INSERT OR REPLACE INTO leases VALUES (?, ?, ?)", (task_id, lease_id, attempt))
+
+    def lease(self, task_id: str) -> str:
+        """The lease of the task's run here ("" for none)."""
+        row = self.db.execute("SELECT lease_id FROM leases WHERE task_id = ?", (task_id,)).fetchone()
+        return str(row[0]) if row else ""
+
+    def lease_end(self, task_id: str) -> None:
+        """Forget the task's lease once the run is gone and nothing of it waits in the outbox."""
+        busy = self.db.execute(
+            "SELECT 1 FROM runs WHERE task_id = ? UNION SELECT 1 FROM jobs WHERE task_id = ? "
+            "UNION SELECT 1 FROM reports WHERE task_id = ?",
+            (task_id, task_id, task_id),
+        ).fetchone()
+        if not busy:
+            self.db.execute("DELETE FROM leases WHERE task_id = ?", (task_id,))
+            self.db.execute("DELETE FROM run_sequences WHERE task_id = ?", (task_id,))
 
     def add_run(self, run: RunRecord) -> None:
         self.db.execute(
@@ -127,14 +163,20 @@ class State:
     def enqueue(
         self, task_id: str, kind: str, body: dict[str, Any], *, offset: int | None = None
     ) -> dict[str, Any]:
-        """Number the report and keep it until acknowledged; move the log offset in the same transaction."""
+        """Number the report in its run and keep it until answered; move the log offset in the same
+        transaction."""
         self.db.execute("BEGIN IMMEDIATE")
         try:
-            row = self.db.execute("SELECT last FROM sequences WHERE task_id = ?", (task_id,)).fetchone()
+            lease = self.lease(task_id)
+            row = self.db.execute(
+                "SELECT last FROM run_sequences WHERE task_id = ? AND lease_id = ?", (task_id, lease)
+            ).fetchone()
             seq = (row[0] if row else 0) + 1
-            message = {"type": kind, "task_id": task_id, "seq": seq, **body}
-            self.db.execute("INSERT OR REPLACE INTO sequences VALUES (?, ?)", (task_id, seq))
-            self.db.execute("INSERT INTO outbox VALUES (?, ?, ?)", (task_id, seq, json.dumps(message)))
+            message = {**body, "type": kind, "task_id": task_id, "lease_id": lease, "seq": seq}
+            self.db.execute("INSERT OR REPLACE INTO run_sequences VALUES (?, ?, ?)", (task_id, lease, seq))
+            self.db.execute(
+                "INSERT INTO reports VALUES (?, ?, ?, ?)", (task_id, lease, seq, json.dumps(message))
+            )
             if offset is not None:
                 self.db.execute('UPDATE runs SET "offset" = ? WHERE task_id = ?', (offset, task_id))
             self.db.execute("COMMIT")
@@ -143,9 +185,26 @@ class State:
             raise
         return message
 
-    def acknowledge(self, task_id: str, seq: int) -> None:
-        self.db.execute("DELETE FROM outbox WHERE task_id = ? AND seq = ?", (task_id, seq))
+    def acknowledge(self, task_id: str, lease_id: str, seq: int) -> None:
+        """The plane answered the report (applied, duplicate or stale): it leaves the outbox."""
+        self.db.execute(
+            "DELETE FROM reports WHERE task_id = ? AND lease_id = ? AND seq = ?", (task_id, lease_id, seq)
+        )
+        if self.lease(task_id) == lease_id:
+            self.lease_end(task_id)
+        elif not self.db.execute(
+            "SELECT 1 FROM reports WHERE task_id = ? AND lease_id = ?", (task_id, lease_id)
+        ).fetchone():  # an earlier run's last report: nothing more will be numbered in it
+            self.db.execute(
+                "DELETE FROM run_sequences WHERE task_id = ? AND lease_id = ?", (task_id, lease_id)
+            )
 
     def pending(self) -> list[dict[str, Any]]:
-        rows = self.db.execute("SELECT message FROM outbox ORDER BY rowid").fetchall()
+        rows = self.db.execute("SELECT message FROM reports ORDER BY rowid").fetchall()
         return [json.loads(message) for (message,) in rows]
+
+    def pending_runs(self) -> set[tuple[str, str]]:
+        """The runs (task, lease) with reports the plane has not answered."""
+        return {
+            (task, lease) for task, lease in self.db.execute("SELECT DISTINCT task_id, lease_id FROM reports")
+        }

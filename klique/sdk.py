@@ -161,9 +161,15 @@ class Client:
         chunks: list[dict[str, Any]] = self.request("GET", f"/api/v1/tasks/{self.resolve(task)}/logs/")
         return chunks
 
-    async def follow_logs(self, task_id: str) -> AsyncIterator[dict[str, Any]]:
-        """The task's output so far, then live, until it ends: chunks {"type": "log", "lines": [...]} and
-        a last {"type": "end", "state": ...}."""
+    async def follow_logs(
+        self, task_id: str, *, after: int = 0, reconnects: int = 10
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The task's output after cursor `after` (all of it by default), then live, until it ends: chunks
+        {"type": "log", "cursor": n, "lines": [...]} and a last {"type": "end", "state": ...}. A dropped
+        connection is opened again (up to `reconnects` times in a row) from the last cursor received, so
+        no chunk is missed or repeated."""
+        import asyncio
+
         import websockets
 
         parts = urlsplit(str(self.http.base_url))
@@ -172,18 +178,31 @@ class Client:
         connect: dict[str, Any] = {}
         if "Host" in self.http.headers:  # a .localhost address: connect to the loopback, name the tenant
             connect = {"host": parts.hostname, "port": parts.port}
-        async with websockets.connect(
-            f"{scheme}://{host}/ws/v1/tasks/{task_id}/logs/",
-            additional_headers={"Authorization": self.http.headers["Authorization"]},
-            **connect,
-        ) as stream:
-            async for raw in stream:
-                message: dict[str, Any] = json.loads(raw)
-                if message.get("type") == "error":
-                    raise KliqueError(str(message.get("detail")))
-                yield message
-                if message.get("type") == "end":
-                    return
+        cursor, failures = after, 0
+        while True:
+            try:
+                async with websockets.connect(
+                    f"{scheme}://{host}/ws/v1/tasks/{task_id}/logs/?after={cursor}",
+                    additional_headers={"Authorization": self.http.headers["Authorization"]},
+                    **connect,
+                ) as stream:
+                    async for raw in stream:
+                        message: dict[str, Any] = json.loads(raw)
+                        if message.get("type") == "error":
+                            raise KliqueError(str(message.get("detail")))
+                        if isinstance(message.get("cursor"), int):
+                            cursor, failures = max(cursor, message["cursor"]), 0
+                        yield message
+                        if message.get("type") == "end":
+                            return
+            except (OSError, websockets.WebSocketException) as error:
+                problem: Exception = error
+            else:
+                problem = ConnectionError("the stream closed before the task ended")
+            failures += 1
+            if failures > reconnects:
+                raise KliqueError(f"Following task {task_id}'s output failed: {problem}.")
+            await asyncio.sleep(min(5.0, 0.25 * 2**failures))
 
     def outputs(self, task: str) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = self.request("GET", f"/api/v1/tasks/{self.resolve(task)}/outputs/")

@@ -22,7 +22,7 @@ from apps.accounts.models import Role, User
 from apps.fleet import services
 from apps.fleet.models import AgentToken, TaskOutput
 from apps.resources.models import Pool
-from apps.scheduling.models import Task
+from apps.scheduling.models import Task, TaskState
 from apps.scheduling.selectors import may_read_output, output_readers, tasks_visible_to
 
 if TYPE_CHECKING:
@@ -118,14 +118,16 @@ class TaskOutputListView(TenantAPIView):
     @extend_schema(responses=TaskOutputOut(many=True), summary="The files the task left as outputs")
     def get(self, request: Request, task_id: str) -> Response:
         task = _readable_task(self.user, task_id)
-        return Response(TaskOutputOut(task.outputs.all(), many=True).data)
+        return Response(TaskOutputOut(services.task_outputs(task), many=True).data)
 
 
 class TaskOutputDownloadView(TenantAPIView):
     @extend_schema(responses={(200, "application/octet-stream"): bytes}, summary="Download one output")
     def get(self, request: Request, task_id: str, name: str) -> FileResponse:
         task = _readable_task(self.user, task_id)
-        output = get_object_or_404(task.outputs, name=name)
+        output = services.task_outputs(task).filter(name=name).order_by("-at").first()
+        if output is None:
+            raise NotFound(f"Task {task.pk} has no output {name!r} in its latest run.")
         try:
             stored = default_storage.open(output.stored, "rb")
         except OSError:
@@ -141,8 +143,13 @@ def _bearer(request: HttpRequest) -> str | None:
     return presented.strip() if scheme.lower() == "bearer" and presented.strip() else None
 
 
-def _uploader_task(tenant: Tenant, presented: str, task_id: str) -> Task:
-    """The task an agent token (its pool's tasks) or a task token (that task's current run) may write."""
+class StaleUpload(services.AgentRejected):
+    """An upload for a run that is not the task's current run: dropped, not retried (409)."""
+
+
+def _uploader_task(tenant: Tenant, presented: str, task_id: str, lease: str) -> Task:
+    """The task an agent token (its pool's tasks, under the run's lease) or a task token (that task's
+    current run) may write outputs of."""
     if presented.startswith(f"{services.TASK_TOKEN_KIND}_"):
         return services.task_authenticate(
             schema_name=tenant.schema_name, presented=presented, task_id=task_id
@@ -151,6 +158,11 @@ def _uploader_task(tenant: Tenant, presented: str, task_id: str) -> Task:
     task = services.pool_task(task_id, token.pool)
     if task is None:
         raise services.AgentRejected(f"Task {task_id} is not in pool {token.pool.name}.")
+    if str(task.lease_id) != lease or task.state not in (TaskState.DISPATCHING, TaskState.RUNNING):
+        raise StaleUpload(
+            f"Lease {lease or '(none sent)'} is not the current run of task {task_id} ({task.state}): "
+            "its outputs are not kept. Send the run's lease in X-Klique-Lease."
+        )
     return task
 
 
@@ -164,9 +176,20 @@ def agent_output_upload(request: HttpRequest, task_id: str, name: str) -> JsonRe
     tenant, presented = getattr(request, "tenant", None), _bearer(request)
     if tenant is None or presented is None:
         return JsonResponse({"detail": "Send 'Authorization: Bearer <agent or task token>'."}, status=401)
+    lease = request.headers.get("X-Klique-Lease", "")
     try:
-        task = _uploader_task(tenant, presented, str(task_id))
-        output = services.output_store(tenant=tenant, task=task, name=name, content=request)
+        task = _uploader_task(tenant, presented, str(task_id), lease)
+        output = services.output_store(
+            tenant=tenant,
+            task=task,
+            name=name,
+            content=request,
+            sha256=request.headers.get("X-Klique-Sha256", ""),
+        )
+    except StaleUpload as stale:
+        return JsonResponse({"detail": str(stale), "verdict": "stale"}, status=409)
+    except services.OutputNotStored as failed:
+        return JsonResponse({"detail": str(failed)}, status=failed.status)
     except services.AgentRejected as rejected:
         return JsonResponse({"detail": str(rejected)}, status=400 if "output" in str(rejected) else 403)
     return JsonResponse(TaskOutputOut(output).data, status=201)

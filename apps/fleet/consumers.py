@@ -2,43 +2,56 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.db import DatabaseError, close_old_connections
 from django_tenants.utils import schema_context
 
 from apps.core.consumers import header
+from apps.core.errors import InvalidInput, NotFound
 from apps.fleet import services
 from apps.fleet.models import AgentToken
+from protocol import messages
 
 logger = logging.getLogger(__name__)
 
-REPORT_KINDS = {"status", "log", "metric", "result"}
+# Close codes: 4401 a bad or revoked token, 4403 a token bound to another agent, 4400 an agent that
+# speaks another protocol version, 1011 the plane could not serve the message (its database is down):
+# the agent reconnects with backoff, and its outbox keeps what was not acknowledged.
+CLOSE_TOKEN, CLOSE_BOUND, CLOSE_PROTOCOL, CLOSE_UNAVAILABLE = 4401, 4403, 4400, 1011
 
 
 class AgentConsumer(AsyncJsonWebsocketConsumer):
-    """Speaks the agent protocol (apps.fleet.services) for one pool-scoped agent token.
+    """Speaks the agent protocol (apps.fleet.services, protocol.messages) for one pool-scoped agent token.
 
-    Every database step runs in the tenant's schema, named explicitly. Errors in a message are answered
-    with {"type": "error", "detail": ...}; a bad token closes the connection with 4401, and a token bound
-    to another agent (agent_bind) with 4403.
-    """
+    The token is checked before the socket is accepted: with the database down the handshake is refused,
+    so the agent backs off instead of counting a connection that serves nothing. Every database step
+    runs in the tenant's schema, named explicitly. A message that breaks the protocol or that the plane
+    refuses is answered {"type": "error", "detail": ..., "about": ...}; no message ends the consumer
+    without a close code."""
 
     schema_name: str | None = None
     token: AgentToken | None = None
     agent_id: str | None = None
 
     async def connect(self) -> None:
-        await self.accept()
         try:
             self.tenant, self.token = await database_sync_to_async(self._authenticate)()
         except services.AgentRejected as rejected:
-            await self.send_json({"type": "error", "detail": str(rejected)})
-            await self.close(code=4401)
+            await self.accept()  # only to say why: the agent logs it and backs off
+            await self.send_json(messages.Error(str(rejected), "connect").as_json())
+            await self.close(code=CLOSE_TOKEN)
+            return
+        except DatabaseError as error:
+            logger.warning("agent connection refused: the database is unavailable (%s)", error)
+            await self.close(code=CLOSE_UNAVAILABLE)  # before accept: the handshake is refused
             return
         self.schema_name = self.tenant.schema_name
+        await self.accept()
         await self.channel_layer.group_add(
             services.pool_group(self.schema_name, self.token.pool_id), self.channel_name
         )
@@ -46,15 +59,18 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
     def _authenticate(self) -> tuple[Any, AgentToken]:
         from tenants.selectors import tenant_for_host
 
-        host = header(self.scope, b"host").split(":")[0].lower()
-        tenant = tenant_for_host(host)
-        if tenant is None or tenant.is_suspended:
-            raise services.AgentRejected(f"No active tenant is served at {host!r}.")
-        scheme, _, presented = header(self.scope, b"authorization").partition(" ")
-        if scheme.lower() != "bearer":
-            raise services.AgentRejected("Send 'Authorization: Bearer <agent token>' when connecting.")
-        with schema_context(tenant.schema_name):
-            return tenant, services.agent_authenticate(presented=presented.strip())
+        try:
+            host = header(self.scope, b"host").split(":")[0].lower()
+            tenant = tenant_for_host(host)
+            if tenant is None or tenant.is_suspended:
+                raise services.AgentRejected(f"No active tenant is served at {host!r}.")
+            scheme, _, presented = header(self.scope, b"authorization").partition(" ")
+            if scheme.lower() != "bearer":
+                raise services.AgentRejected("Send 'Authorization: Bearer <agent token>' when connecting.")
+            with schema_context(tenant.schema_name):
+                return tenant, services.agent_authenticate(presented=presented.strip())
+        finally:
+            close_old_connections()  # a connection broken by a database restart is not kept
 
     async def disconnect(self, code: int) -> None:
         if self.token is None or self.schema_name is None:
@@ -63,117 +79,109 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             services.pool_group(self.schema_name, self.token.pool_id), self.channel_name
         )
         if self.agent_id:
-            await database_sync_to_async(self._in_schema)(services.agent_gone, agent_id=self.agent_id)
+            with contextlib.suppress(DatabaseError):  # the heartbeat's age says it anyway
+                await database_sync_to_async(self._in_schema)(services.agent_gone, agent_id=self.agent_id)
 
     def _in_schema(self, function: Any, **arguments: Any) -> Any:
         assert self.schema_name is not None
-        with schema_context(self.schema_name):
-            return function(**arguments)
+        try:
+            with schema_context(self.schema_name):
+                return function(**arguments)
+        except DatabaseError:
+            close_old_connections()
+            raise
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         if self.token is None:
             return
-        kind = content.get("type") if isinstance(content, dict) else None
+        kind = str(content.get("type"))[:30] if isinstance(content, dict) else ""
         try:
-            await self._handle(kind, content)
-        except services.AgentRejected as rejected:
-            await self.send_json({"type": "error", "detail": str(rejected), "about": kind})
-        except (KeyError, TypeError, ValueError) as error:
-            await self.send_json(
-                {"type": "error", "detail": f"Malformed {kind} message: {error}.", "about": kind}
+            await self._handle(messages.parse_from_agent(content))
+        except messages.ProtocolError as error:
+            await self.send_json(messages.Error(f"Malformed {kind or 'message'}: {error}", kind).as_json())
+        except services.StaleLease as stale:
+            await self.send_json(messages.Error(str(stale), kind).as_json())
+            if stale.stop is not None:
+                await self.send_json(stale.stop.as_json())
+        except (services.AgentRejected, InvalidInput, NotFound) as refused:
+            await self.send_json(messages.Error(str(refused), kind).as_json())
+        except DatabaseError as error:
+            logger.warning(
+                "agent %s: %s not served, the database is unavailable (%s)", self.agent_id, kind, error
+            )
+            await self._close_with(
+                CLOSE_UNAVAILABLE, "The control plane's database is unavailable; reconnect later."
+            )
+        except Exception:
+            logger.exception("agent %s: %s message failed", self.agent_id, kind)
+            await self._close_with(
+                CLOSE_UNAVAILABLE, f"The control plane failed to handle {kind}; reconnect."
             )
 
-    async def _handle(self, kind: str | None, content: dict[str, Any]) -> None:
+    async def _close_with(self, code: int, detail: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.send_json(messages.Error(detail).as_json())
+        await self.close(code=code)
+
+    async def _handle(self, message: Any) -> None:
         token = self.token
         assert token is not None
-        if kind == "hello":
-            agent_id = str(content["agent_id"])[:100]
-            client = self.scope.get("client") or ("", 0)
-            try:
-                await database_sync_to_async(self._in_schema)(
-                    services.agent_bind,
-                    tenant=self.tenant,
-                    token=token,
-                    agent_id=agent_id,
-                    instance=str(content.get("instance") or ""),
-                    address=str(client[0] or ""),
-                )
-            except services.AgentRejected as refused:  # a copy of another agent's token: nothing more
-                await self.send_json({"type": "error", "detail": str(refused), "about": "hello"})
-                await self.close(code=4403)
-                return
-            self.agent_id = agent_id
-            welcome = await database_sync_to_async(self._in_schema)(
-                services.agent_hello,
-                tenant=self.tenant,
-                token=token,
-                agent_id=self.agent_id,
-                backend=str(content.get("backend", "")),
-                version=str(content.get("version", "")),
-                inventory=content.get("inventory") or {},
-                running=[str(t) for t in content.get("running", [])],
-                capacity=content.get("capacity"),
-            )
-            await self.send_json(
-                {
-                    "type": "welcome",
-                    "heartbeat_seconds": services.HEARTBEAT_SECONDS,
-                    "lease_seconds": services.LEASE_SECONDS,
-                    "keep": welcome.keep,
-                    "abort": welcome.abort,
-                }
-            )
-            await self._dispatch()
+        if isinstance(message, messages.Hello):
+            await self._hello(token, message)
         elif self.agent_id is None:
             raise services.AgentRejected("Say hello first.")
-        elif kind == "heartbeat":
-            queue = content.get("queue")
-            await database_sync_to_async(self._in_schema)(
+        elif isinstance(message, messages.Heartbeat):
+            stops = await database_sync_to_async(self._in_schema)(
                 services.agent_heartbeat,
                 tenant=self.tenant,
                 token=token,
                 agent_id=self.agent_id,
-                queue=queue if isinstance(queue, list) else None,
-                capacity=content.get("capacity"),
+                heartbeat=message,
             )
+            for stop in stops:
+                await self.send_json(stop.as_json())
             await self._dispatch()
-        elif kind == "accepted":
+        elif isinstance(message, messages.Accepted):
             await database_sync_to_async(self._in_schema)(
-                services.lease_accepted,
-                pool=token.pool,
-                task_id=str(content["task_id"]),
-                lease_id=str(content["lease_id"]),
-            )
-        elif kind == "rejected":
+                services.lease_accepted, tenant=self.tenant, pool=token.pool, agent_id=self.agent_id,
+                accepted=message,
+            )  # fmt: skip
+        elif isinstance(message, messages.Rejected):
             await database_sync_to_async(self._in_schema)(
-                services.lease_rejected,
-                tenant=self.tenant,
-                pool=token.pool,
-                task_id=str(content["task_id"]),
-                lease_id=str(content["lease_id"]),
-                reason=str(content.get("reason", "no reason given"))[:2000],
-                permanent=bool(content.get("permanent", False)),
+                services.lease_rejected, tenant=self.tenant, pool=token.pool, rejected=message
             )
-        elif kind in REPORT_KINDS:
-            body = {key: value for key, value in content.items() if key not in {"type", "task_id", "seq"}}
-            await database_sync_to_async(self._in_schema)(
-                services.report,
-                tenant=self.tenant,
-                pool=token.pool,
-                task_id=str(content["task_id"]),
-                seq=int(content["seq"]),
-                kind=kind,
-                body=body,
-            )
-            await self.send_json({"type": "ack", "task_id": content["task_id"], "seq": int(content["seq"])})
         else:
-            raise services.AgentRejected(f"Unknown message type {kind!r}.")
+            ack = await database_sync_to_async(self._in_schema)(
+                services.report, tenant=self.tenant, pool=token.pool, agent_id=self.agent_id, message=message
+            )
+            await self.send_json(ack.as_json())
+
+    async def _hello(self, token: AgentToken, hello: messages.Hello) -> None:
+        client = self.scope.get("client") or ("", 0)
+        try:
+            await database_sync_to_async(self._in_schema)(
+                services.agent_bind,
+                tenant=self.tenant,
+                token=token,
+                agent_id=hello.agent_id,
+                instance=hello.instance,
+                address=str(client[0] or ""),
+            )
+        except services.AgentRejected as refused:  # a copy of another agent's token: nothing more
+            await self._close_with(CLOSE_BOUND, str(refused))
+            return
+        self.agent_id = hello.agent_id
+        welcome = await database_sync_to_async(self._in_schema)(
+            services.agent_hello, tenant=self.tenant, token=token, hello=hello
+        )
+        await self.send_json(welcome.as_json())
+        await self._dispatch()
 
     async def _dispatch(self) -> None:
         token = self.token
         assert token is not None
         assigned = await database_sync_to_async(self._in_schema)(
-            services.dispatch, pool=token.pool, schema_name=self.schema_name
+            services.dispatch, pool=token.pool, schema_name=self.schema_name, agent_id=self.agent_id or ""
         )
         for message in assigned:
             await self.send_json(message)
@@ -183,11 +191,13 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         message = event["message"]
         if message.get("type") == "revoked":
             if self.token is not None and message.get("token_id") == str(self.token.pk):
-                await self.send_json({"type": "error", "detail": "This agent token was revoked."})
-                await self.close(code=4401)
+                await self._close_with(CLOSE_TOKEN, "This agent token was revoked.")
             return
         if message.get("type") == "dispatch":
             if self.agent_id is not None:
-                await self._dispatch()
+                try:
+                    await self._dispatch()
+                except DatabaseError:
+                    await self._close_with(CLOSE_UNAVAILABLE, "The control plane's database is unavailable.")
             return
         await self.send_json(message)

@@ -78,10 +78,15 @@ class TaskOutput(models.Model):
     sha256 = models.CharField(max_length=64)
     stored = models.CharField(max_length=1000)  # the name in the file store
     at = models.DateTimeField(default=timezone.now)
+    lease_id = models.UUIDField(null=True, blank=True)  # the run that wrote it: each run has its own set
 
     class Meta:
         ordering = ["task", "name"]
-        constraints = [models.UniqueConstraint(fields=["task", "name"], name="one_output_per_name")]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["task", "lease_id", "name"], name="one_output_per_run_name", nulls_distinct=False
+            )
+        ]
 
     def __str__(self) -> str:
         return f"{self.task_id}:{self.name}"
@@ -92,7 +97,8 @@ class TaskReport(models.Model):
     number, so that a reconnecting agent may replay its outbox without anything counted twice.
 
     The source is "agent" for the pool's agent, and "node-<rank>" for an HPC job's node reporter, which
-    numbers its own reports. Logs are read in the order they were kept (the id)."""
+    numbers its own reports. Numbers start again with each run (lease): a retry's reports are its own.
+    Logs are read in the order they were kept (the id)."""
 
     class Kind(models.TextChoices):
         STATUS = "status"
@@ -102,6 +108,7 @@ class TaskReport(models.Model):
 
     task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="reports")
     source = models.CharField(max_length=40, default="agent")
+    lease_id = models.UUIDField(null=True, blank=True)  # the run it is about; None before leases fenced
     seq = models.PositiveIntegerField()
     kind = models.CharField(max_length=10, choices=Kind.choices)
     body = models.JSONField(default=dict)
@@ -114,7 +121,11 @@ class TaskReport(models.Model):
     class Meta:
         ordering = ["task", "id"]
         constraints = [
-            models.UniqueConstraint(fields=["task", "source", "seq"], name="one_report_per_source_seq")
+            models.UniqueConstraint(
+                fields=["task", "lease_id", "source", "seq"],
+                name="one_report_per_run_source_seq",
+                nulls_distinct=False,
+            )
         ]
         indexes = [
             models.Index(fields=["at"], name="gpu_samples_by_time", condition=models.Q(gpu_samples__gt=0))

@@ -1,16 +1,22 @@
 """The control plane's half of the agent protocol: tokens, hello and reconciliation, dispatch under a
 lease, reports deduplicated by sequence number, and what happens when an agent goes away.
 
-The protocol (JSON over the websocket at /agents/ws/, agent -> plane unless marked):
+The protocol (JSON over the websocket at /agents/ws/, agent -> plane unless marked), its messages typed
+and checked in protocol.messages by both sides:
 
-    hello      {agent_id, backend, version, inventory, capacity, running: [task ids]}
-    welcome    plane -> agent {heartbeat_seconds, lease_seconds, keep: [task ids], abort: [task ids]}
-    assign     plane -> agent {task_id, lease_id, spec, gpus, nodes, sharing}
-    accepted   {task_id, lease_id}            rejected {task_id, lease_id, reason}
-    status     {task_id, seq, state}          log {task_id, seq, stream, lines}
-    metric     {task_id, seq, values}         result {task_id, seq, exit_code}
-    abort      plane -> agent {task_id}       preempt plane -> agent {task_id, grace_seconds}
-    heartbeat  {running: [task ids], queue: [the cluster's view of its jobs, HPC agents], capacity}
+    hello      {protocol, agent_id, instance, backend, version, inventory, capacity, held: [run]}
+    welcome    plane -> agent {heartbeat_seconds, lease_seconds, keep: [run], stop: [abort|preempt]}
+    assign     plane -> agent {task_id, lease_id, attempt, spec, gpus, nodes, sharing, ...}
+    accepted   {task_id, lease_id}            rejected {task_id, lease_id, reason, permanent}
+    status     {task_id, lease_id, seq, state}           log {task_id, lease_id, seq, stream, lines}
+    metric     {task_id, lease_id, seq, values}          result {task_id, lease_id, seq, exit_code}
+    ack        plane -> agent {task_id, lease_id, seq, verdict: applied|duplicate|stale, detail}
+    abort      plane -> agent {task_id, lease_id}        preempt plane -> agent {..., grace_seconds}
+    heartbeat  {held: [run], queue: [the cluster's view of its jobs, HPC agents], capacity}
+
+A run is {task_id, lease_id, ended}: what the agent holds (running, or with reports not yet acknowledged).
+Every report is answered with an ack whose verdict lets the agent drop it; a report whose lease is not
+the task's run is stale, and changes nothing of the task.
 
 capacity is {cpus, cpus_in_use, nodes}: the agent's host, or its cluster's nodes (for the dashboard).
 
@@ -33,12 +39,14 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Protocol
 
 from django.conf import settings
 from django.core.files.storage import default_storage
 from django.db import IntegrityError, connection, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from apps.accounts.tokens import hash_token
@@ -47,12 +55,14 @@ from apps.core.errors import InvalidInput, NotFound
 from apps.core.events import publish_event, publish_log, send_to_group
 from apps.core.ids import as_uuid
 from apps.fleet.models import Agent, AgentToken, TaskOutput, TaskReport
-from apps.resources.models import Pool
+from apps.resources.models import SCALES_FROM_ZERO, Pool
 from apps.resources.services import pool_heartbeat
+from apps.scheduling import runs
 from apps.scheduling.engine import UNITS_PER_GPU
-from apps.scheduling.models import ACTIVE_STATES, ENDED_STATES, Task, TaskState
+from apps.scheduling.models import ACTIVE_STATES, ENDED_STATES, RunOutcome, Task, TaskRun, TaskState
 from apps.scheduling.services import task_finish, transition
 from apps.vault.services import mask, secret_names_quietly, secret_values_for, secret_values_to_mask
+from protocol import messages
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -61,7 +71,6 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 10
 LEASE_SECONDS = 30
-PREEMPT_GRACE_SECONDS = 30
 MAX_COUNT = 100_000_000  # the most CPUs or nodes an agent may report
 AGENT_TOKEN_KIND = "kqa"  # noqa: S105 -- the kind of token (kqa_<prefix>_<secret>), not a secret
 TASK_TOKEN_KIND = "kqt"  # noqa: S105 -- kqt_<task id>_<signature>, not a secret
@@ -178,91 +187,106 @@ def agent_bind(*, tenant: Tenant, token: AgentToken, agent_id: str, instance: st
     )
 
 
-@dataclass(frozen=True)
-class Welcome:
-    keep: list[str]
-    abort: list[str]
-
-
 @transaction.atomic
-def agent_hello(
-    *,
-    tenant: Tenant,
-    token: AgentToken,
-    agent_id: str,
-    backend: str,
-    version: str,
-    inventory: dict[str, Any],
-    running: list[str],
-    capacity: object = None,
-) -> Welcome:
-    """Register the agent and reconcile what it runs with what the plane believes runs in its pool."""
+def agent_hello(*, tenant: Tenant, token: AgentToken, hello: messages.Hello) -> messages.Welcome:
+    """Register the agent and reconcile the runs it holds with this agent's runs in the plane's view.
+
+    Only this agent's runs are concerned (a pool may have several agents): a run the plane believes it
+    has and it no longer holds is lost; a run it holds that the plane had given up on (its agent was
+    silent past the pool's timeout) is adopted when the task has not been dispatched since; any other
+    run it still holds is to be stopped. A finished run whose result is still in its outbox is left to
+    that result."""
     pool = token.pool
+    agent_id = hello.agent_id
+    now = timezone.now()
     Agent.objects.update_or_create(
         id=agent_id,
         defaults={
             "pool": pool,
             "token": token,
-            "backend": backend,
-            "version": version,
-            "inventory": inventory,
+            "backend": hello.backend,
+            "version": hello.version,
+            "inventory": hello.inventory,
             "connected": True,
-            "connected_at": timezone.now(),
-            "last_heartbeat_at": timezone.now(),
-            **_capacity(capacity),
+            "connected_at": now,
+            "last_heartbeat_at": now,
+            **_capacity(hello.capacity),
         },
     )
     pool_heartbeat(tenant=tenant, pool=pool)
-    reported = set(running)
-    keep, abort = [], []
-    for task in Task.objects.select_for_update().filter(
-        pool=pool, state__in=(TaskState.DISPATCHING, TaskState.RUNNING)
-    ):
-        if str(task.pk) in reported:
-            keep.append(str(task.pk))
+    held = {(run.task_id, run.lease_id): run for run in hello.held}
+    keep: list[messages.Held] = []
+    for task in Task.objects.select_for_update(of=("self",)).filter(pool=pool, state__in=runs.LIVE_STATES):
+        run = runs.current_run(task)
+        if run is not None and run.agent_id not in ("", agent_id):
+            continue  # another agent's run
+        key = (str(task.pk), str(task.lease_id))
+        if key in held:
+            keep.append(held.pop(key))
+            if run is not None and run.agent_id != agent_id:
+                TaskRun.objects.filter(pk=run.pk).update(agent_id=agent_id)
         else:
-            _lost(tenant, task, f"agent {agent_id} no longer runs it")
-    known = {
-        str(pk)
-        for pk in Task.objects.filter(
-            pk__in=[as_uuid(t) for t in reported if as_uuid(t)], state__in=ACTIVE_STATES, pool=pool
-        ).values_list("pk", flat=True)
-    }
-    abort = sorted(reported - known)
-    return Welcome(keep, abort)
+            runs.run_lost(tenant, task, f"agent {agent_id} came back without it")
+    stop = []
+    for holding in held.values():
+        verdict = _held_elsewhere(tenant, pool, agent_id, holding)
+        if verdict is True:
+            keep.append(holding)
+        elif isinstance(verdict, messages.Stop):
+            stop.append(verdict)
+    return messages.Welcome(HEARTBEAT_SECONDS, LEASE_SECONDS, tuple(keep), tuple(stop))
 
 
-def _lost(tenant: Tenant, task: Task, why: str) -> None:
-    """A task its agent no longer has: a run that never started goes back to the queue; a started run
-    counts as a failed attempt, retried while attempts remain."""
-    if task.state == TaskState.DISPATCHING:
-        transition(
-            task,
-            to_state=TaskState.QUEUED,
-            actor="scheduler",
-            message=why,
-            pool=None,
-            lease_id=None,
-            lease_expires_at=None,
-            queued_at=timezone.now(),
-            reason_code="lease_lost",
-            reason=f"Its dispatch was lost ({why}); queued again.",
-        )
-    else:
-        task_finish(tenant=tenant, task=task, succeeded=False, exit_code=None, actor="scheduler")
+def _held_elsewhere(
+    tenant: Tenant, pool: Pool, agent_id: str, holding: messages.Held
+) -> bool | messages.Stop | None:
+    """A run the agent holds that is not one of its live runs: adopted (True), left to its result on the
+    way (None), or to be stopped (the Stop to send)."""
+    stop = messages.Stop("abort", holding.task_id, holding.lease_id)
+    task = pool_task(holding.task_id, pool)
+    lease = as_uuid(holding.lease_id)
+    run = TaskRun.objects.select_for_update().filter(pk=lease, task=task).first() if task and lease else None
+    if task is None or run is None:
+        return None if holding.ended else stop
+    if runs.reclaimable(task, run):
+        runs.run_adopt(tenant, task, run, agent_id=agent_id, ended=holding.ended)
+        return True
+    if holding.ended:
+        return None  # its result will be recorded beside the task
+    return messages.Stop(run.stop or "abort", holding.task_id, holding.lease_id, run.stop_grace_seconds)
+
+
+def _silent_agents(now: Any) -> list[str]:
+    """Agents whose last heartbeat is older than their pool's timeout (their pool may be online still,
+    through another agent)."""
+    return [
+        agent.pk
+        for agent in Agent.objects.select_related("pool")
+        if agent.last_heartbeat_at is not None
+        and (now - agent.last_heartbeat_at).total_seconds() > agent.pool.heartbeat_timeout_seconds
+        and agent.pool.environment not in SCALES_FROM_ZERO  # as its pool: never silent
+    ]
 
 
 @transaction.atomic
 def tasks_of_silent_pools(*, tenant: Tenant) -> int:
-    """Tasks dispatched to or running in a pool whose agents stopped heartbeating beyond the pool's timeout
-    are lost: a dispatch goes back to the queue, a run counts as a failed attempt. Returns how many."""
+    """Runs dispatched to or running in a pool whose agents all stopped heartbeating beyond the pool's
+    timeout, or on an agent that did, are lost: a dispatch goes back to the queue, a run counts as a
+    failed attempt. Each is kept, to be adopted if its agent comes back with it before the task runs
+    again. Returns how many."""
     now = timezone.now()
-    silent = [pool.pk for pool in Pool.objects.all() if not pool.is_online(now)]
+    silent_pools = {pool.pk: pool.name for pool in Pool.objects.all() if not pool.is_online(now)}
+    silent_agents = _silent_agents(now)
+    leases = TaskRun.objects.filter(agent_id__in=silent_agents, outcome=RunOutcome.LIVE).values("pk")
     lost = 0
-    for task in Task.objects.select_for_update(skip_locked=True).filter(
-        pool_id__in=silent, state__in=(TaskState.DISPATCHING, TaskState.RUNNING)
+    for task in Task.objects.select_for_update(skip_locked=True, of=("self",)).filter(
+        Q(pool_id__in=list(silent_pools)) | Q(lease_id__in=leases), state__in=runs.LIVE_STATES
     ):
-        _lost(tenant, task, f"pool {task.pool.name if task.pool else '?'} went silent")
+        if task.pool_id in silent_pools:
+            why = f"pool {silent_pools[task.pool_id]} went silent (no heartbeat for its timeout)"
+        else:
+            why = "its agent went silent (no heartbeat for the pool's timeout)"
+        runs.run_lost(tenant, task, why)
         lost += 1
     return lost
 
@@ -283,21 +307,46 @@ def _capacity(reported: object) -> dict[str, int | None]:
     return fields
 
 
+@transaction.atomic
 def agent_heartbeat(
-    *,
-    tenant: Tenant,
-    token: AgentToken,
-    agent_id: str,
-    queue: list[dict[str, Any]] | None = None,
-    capacity: object = None,
-) -> None:
-    fields: dict[str, Any] = {"last_heartbeat_at": timezone.now(), "connected": True}
-    if queue is not None:
-        fields["queue"] = queue[:10_000]
-    if capacity is not None:
-        fields.update(_capacity(capacity))
+    *, tenant: Tenant, token: AgentToken, agent_id: str, heartbeat: messages.Heartbeat
+) -> list[messages.Stop]:
+    """Record that the agent is alive and reconcile the runs it holds: a stopping run it no longer holds
+    is released (its GPUs are free from now); a run it holds that it should not (aborted, preempted,
+    another attempt's, unknown) is asked to stop again. Returns the stops to send."""
+    now = timezone.now()
+    fields: dict[str, Any] = {"last_heartbeat_at": now, "connected": True}
+    if heartbeat.queue is not None:
+        fields["queue"] = heartbeat.queue[:10_000]
+    if heartbeat.capacity is not None:
+        fields.update(_capacity(heartbeat.capacity))
     Agent.objects.filter(pk=agent_id).update(**fields)
     pool_heartbeat(tenant=tenant, pool=Pool.objects.get(pk=token.pool_id))
+    held = {(run.task_id, run.lease_id): run for run in heartbeat.held}
+    let_go = [
+        run.pk
+        for run in TaskRun.objects.filter(agent_id=agent_id, released_at=None).exclude(
+            outcome=RunOutcome.LIVE
+        )
+        if (str(run.task_id), str(run.pk)) not in held
+    ]
+    if let_go:
+        TaskRun.objects.filter(pk__in=let_go).update(released_at=now)
+    leases = [lease for lease in (as_uuid(lease) for _, lease in held) if lease is not None]
+    known = {
+        (str(run.task_id), str(run.pk)): run
+        for run in TaskRun.objects.filter(pk__in=leases, pool_id=token.pool_id).select_related("task")
+    }
+    stops = []
+    for key, holding in held.items():
+        run = known.get(key)
+        if run is None:
+            stops.append(messages.Stop("abort", holding.task_id, holding.lease_id))
+        elif run.stop and not holding.ended:
+            stops.append(messages.Stop(run.stop, holding.task_id, holding.lease_id, run.stop_grace_seconds))
+        elif run.outcome != RunOutcome.LIVE and not holding.ended and not runs.reclaimable(run.task, run):
+            stops.append(messages.Stop("abort", holding.task_id, holding.lease_id))
+    return stops
 
 
 def _signature(schema_name: str, task_id: object, lease_id: object) -> str:
@@ -331,10 +380,11 @@ def task_authenticate(*, schema_name: str, presented: str, task_id: str) -> Task
 
 
 @transaction.atomic
-def dispatch(*, pool: Pool, schema_name: str) -> list[dict[str, Any]]:
-    """Hand the pool's placed tasks to its agent under a lease; returns the assign messages to send."""
+def dispatch(*, pool: Pool, schema_name: str, agent_id: str = "") -> list[dict[str, Any]]:
+    """Hand the pool's placed tasks to this agent, each as a new run under its own lease; returns the
+    assign messages to send."""
     now = timezone.now()
-    messages = []
+    assigned = []
     placed = Task.objects.select_for_update(skip_locked=True, of=("self",)).select_related(
         "compute_resource__profile", "submitter", "project"
     )
@@ -353,70 +403,100 @@ def dispatch(*, pool: Pool, schema_name: str) -> list[dict[str, Any]]:
             )
             continue
         lease = uuid.uuid4()
+        run = runs.run_begin(task, lease=lease, pool=pool, agent_id=agent_id, now=now)
         transition(
             task,
             to_state=TaskState.DISPATCHING,
             actor="scheduler",
-            message=f"lease {lease}",
+            message=f"attempt {run.attempt}, lease {lease}" + (f", agent {agent_id}" if agent_id else ""),
             lease_id=lease,
             lease_expires_at=now + timedelta(seconds=LEASE_SECONDS),
         )
-        messages.append(
-            {
-                "type": "assign",
-                "task_id": str(task.pk),
-                "lease_id": str(lease),
-                "name": task.name,
-                "spec": task.spec,
-                "gpus": str(task.size_units / UNITS_PER_GPU),
-                "size_units": task.size_units,
-                "nodes": task.nodes,
-                "sharing": task.sharing,
-                "mig_profile": task.compute_resource.profile.mig_profile if task.compute_resource else "",
-                "user": task.submitter.username,
-                "project": task.project.name if task.project else "",
-                "batch": task.compute_resource.batch if task.compute_resource else {},
-                "task_token": task_token(schema_name=schema_name, task=task),
-                "secrets": secrets,
-            }
-        )
-    return messages
+        details = {
+            "name": task.name,
+            "spec": task.spec,
+            "gpus": str(task.size_units / UNITS_PER_GPU),
+            "size_units": task.size_units,
+            "nodes": task.nodes,
+            "sharing": task.sharing,
+            "mig_profile": task.compute_resource.profile.mig_profile if task.compute_resource else "",
+            "user": task.submitter.username,
+            "project": task.project.name if task.project else "",
+            "batch": task.compute_resource.batch if task.compute_resource else {},
+            "task_token": task_token(schema_name=schema_name, task=task),
+            "secrets": secrets,
+        }
+        assigned.append(messages.Assign(str(task.pk), str(lease), run.attempt, details).as_json())
+    return assigned
 
 
 def pool_task(task_id: str, pool: Pool) -> Task | None:
-    """The task with this id in this pool, locked; None for another pool's task or a malformed id."""
+    """The task with this id in this pool, locked; None for another pool's task or a malformed id. A task
+    waiting in the queue again (its pool cleared) counts as the pool's if one of its runs was there."""
     identifier = as_uuid(task_id)
     if identifier is None:
         return None
-    return Task.objects.select_for_update().filter(pk=identifier, pool=pool).first()
+    mine = Q(pool=pool) | Q(pool__isnull=True, runs__pool=pool)
+    found = Task.objects.filter(mine, pk=identifier).values_list("pk", flat=True).first()
+    return Task.objects.select_for_update(of=("self",)).filter(pk=found).first() if found else None
 
 
-def _leased(task_id: str, lease_id: str, pool: Pool) -> Task:
-    task = pool_task(task_id, pool)
-    if task is None or str(task.lease_id) != lease_id:
-        raise AgentRejected(
-            f"No lease {lease_id} on task {task_id} in pool {pool.name}; it may have expired."
-        )
-    return task
-
-
-@transaction.atomic
-def lease_accepted(*, pool: Pool, task_id: str, lease_id: str) -> None:
-    task = _leased(task_id, lease_id, pool)
-    Task.objects.filter(pk=task.pk).update(lease_expires_at=None)
+def _run_of(task: Task | None, lease_id: str) -> TaskRun | None:
+    lease = as_uuid(lease_id)
+    if task is None or lease is None:
+        return None
+    return TaskRun.objects.select_for_update().filter(pk=lease, task=task).first()
 
 
 @transaction.atomic
-def lease_rejected(
-    *, tenant: Tenant, pool: Pool, task_id: str, lease_id: str, reason: str, permanent: bool = False
-) -> None:
+def lease_accepted(
+    *, tenant: Tenant, pool: Pool, agent_id: str, accepted: messages.Accepted
+) -> messages.Stop | None:
+    """The agent took the run. A lease that is no longer the task's (expired and dispatched again, or the
+    task aborted) is answered with a stop, so the run does not go on beside another; an expired lease of a
+    task that waits in the queue still is the task's run again."""
+    task = pool_task(accepted.task_id, pool)
+    run = _run_of(task, accepted.lease_id)
+    if task is not None and run is not None:
+        if runs.is_current(task, run):
+            Task.objects.filter(pk=task.pk).update(lease_expires_at=None)
+            return None
+        if runs.reclaimable(task, run):
+            runs.run_adopt(tenant, task, run, agent_id=agent_id, ended=False)
+            return None
+    raise StaleLease(
+        f"No lease {accepted.lease_id} on task {accepted.task_id} in pool {pool.name} is live; it may have "
+        "expired or the task ended. Do not run it.",
+        messages.Stop("abort", accepted.task_id, accepted.lease_id),
+    )
+
+
+class StaleLease(AgentRejected):
+    """A message about a lease that is not live; `stop` is what the agent should do with its run."""
+
+    def __init__(self, message: str, stop: messages.Stop | None = None) -> None:
+        super().__init__(message)
+        self.stop = stop
+
+
+@transaction.atomic
+def lease_rejected(*, tenant: Tenant, pool: Pool, rejected: messages.Rejected) -> None:
     """A refused task waits in the queue again, unless the refusal is permanent (a user with no account
     on the cluster, a value no batch script may hold, a partition the cluster lacks): then it fails, with
-    the agent's reason, rather than being placed and refused forever."""
+    the agent's reason, rather than being placed and refused forever. A refusal of a lease that is not
+    live changes nothing."""
     from apps.scheduling.tasks import request_cycle
 
-    task = _leased(task_id, lease_id, pool)
-    if permanent:
+    task = pool_task(rejected.task_id, pool)
+    run = _run_of(task, rejected.lease_id)
+    if task is None or run is None or not runs.is_current(task, run):
+        raise StaleLease(
+            f"No lease {rejected.lease_id} on task {rejected.task_id} in pool {pool.name} is live; "
+            "the refusal changes nothing."
+        )
+    runs.run_ended(run, outcome=RunOutcome.REFUSED, exit_code=None, now=timezone.now())
+    reason = rejected.reason
+    if rejected.permanent:
         transition(
             task,
             to_state=TaskState.FAILED,
@@ -445,13 +525,32 @@ def lease_rejected(
 
 
 @transaction.atomic
-def report(*, tenant: Tenant, pool: Pool, task_id: str, seq: int, kind: str, body: dict[str, Any]) -> bool:
-    """Apply one report of the pool's agent once: a sequence number already seen changes nothing.
-    Returns whether it was new."""
-    task = pool_task(task_id, pool)
-    if task is None:
-        raise AgentRejected(f"Task {task_id} is not in pool {pool.name}.")
-    return task_report(tenant=tenant, task=task, source="agent", seq=seq, kind=kind, body=body)
+def report(*, tenant: Tenant, pool: Pool, agent_id: str, message: messages.Report) -> messages.Ack:
+    """Apply one report of the pool's agent to the run its lease names, once, and say what became of it:
+    applied, a duplicate (its number was seen), or stale (its run is not the task's: refused, expired,
+    lost and run again, aborted). A result of a run that is not the task's is recorded beside it (a
+    stop it confirms, a duplicate run), never taken as the task's."""
+    task = pool_task(message.task_id, pool)
+    run = _run_of(task, message.lease_id)
+    ack = partial(messages.Ack, message.task_id, message.lease_id, message.seq)
+    if task is None or run is None:
+        return ack(
+            messages.STALE, f"Task {message.task_id} has no run {message.lease_id} in pool {pool.name}."
+        )
+    seen = TaskReport.objects.filter(task=task, lease_id=run.pk, source="agent", seq=message.seq)
+    if seen.exists():
+        return ack(messages.DUPLICATE)
+    if not runs.is_current(task, run):
+        if message.kind == TaskReport.Kind.RESULT and run.released_at is None:
+            return ack(
+                messages.STALE, runs.run_ended_aside(tenant, task, run, body=message.body, agent_id=agent_id)
+            )
+        return ack(messages.STALE, f"Attempt {run.attempt} is not the task's run any more ({task.state}).")
+    kept = task_report(
+        tenant=tenant, task=task, source="agent", seq=message.seq, kind=message.kind, body=message.body,
+        lease=run,
+    )  # fmt: skip
+    return ack(messages.APPLIED if kept else messages.DUPLICATE)
 
 
 MASK_SECONDS = 60.0  # how long a process keeps a task's values to mask before reading them again
@@ -477,9 +576,19 @@ def _masked_values(task: Task) -> list[str]:
 
 
 def task_report(
-    *, tenant: Tenant, task: Task, source: str, seq: int, kind: str, body: dict[str, Any]
+    *,
+    tenant: Tenant,
+    task: Task,
+    source: str,
+    seq: int,
+    kind: str,
+    body: dict[str, Any],
+    lease: TaskRun | None = None,
 ) -> bool:
-    """Apply one report about a task, locked by the caller, once per (source, seq)."""
+    """Apply one report about the task's current run (`lease`, or the task's lease when the caller
+    authenticated with the task token of that run), locked by the caller, once per (run, source, seq)."""
+    if lease is None:
+        lease = runs.current_run(task)
     if kind not in TaskReport.Kind.values:
         raise AgentRejected(f"Unknown report type {kind!r}: status, log, metric or result.")
     if kind == TaskReport.Kind.LOG and isinstance(body.get("lines"), list):
@@ -488,7 +597,9 @@ def task_report(
             body = {**body, "lines": mask(body["lines"], values)}
     try:
         with transaction.atomic():
-            report = TaskReport.objects.create(task=task, source=source, seq=seq, kind=kind, body=body)
+            report = TaskReport.objects.create(
+                task=task, lease_id=task.lease_id, source=source, seq=seq, kind=kind, body=body
+            )
     except IntegrityError:
         return False  # a replay after a reconnect or a retried post
     if kind == TaskReport.Kind.LOG:
@@ -522,6 +633,7 @@ def task_report(
         and task.state == TaskState.DISPATCHING
     ):
         # Running now; or, for a result, it ran (a batch job can start and end between two looks).
+        runs.run_started(lease, timezone.now())
         transition(
             task,
             to_state=TaskState.RUNNING,
@@ -534,15 +646,43 @@ def task_report(
         )
     if kind == TaskReport.Kind.RESULT and task.state in ACTIVE_STATES:
         exit_code = body.get("exit_code")
+        outcome = RunOutcome.COMPLETED if exit_code == 0 else RunOutcome.FAILED
+        runs.run_ended(lease, outcome=outcome, exit_code=exit_code, now=timezone.now())
         task = task_finish(
             tenant=tenant, task=task, succeeded=exit_code == 0, exit_code=exit_code, actor="agent"
         )
+        _outputs_not_stored(task, body.get("outputs_failed"))
         if task.state in ENDED_STATES:  # a failed attempt that is retried is not the end of the task
             publish_log(tenant=tenant, task_id=str(task.pk), chunk={"type": "end", "state": task.state})
     return True
 
 
+def _outputs_not_stored(task: Task, failed: object) -> None:
+    """A run that ended with outputs its agent could not store says so in the task's reason."""
+    if not isinstance(failed, list) or not failed or task.state != TaskState.COMPLETED:
+        return
+    named = [item for item in failed if isinstance(item, dict) and isinstance(item.get("name"), str)]
+    if not named:
+        return
+    names = ", ".join(str(item["name"])[:100] for item in named[:5]) + (" and more" if len(named) > 5 else "")
+    why = str(named[0].get("error") or "no reason given")[:500]
+    Task.objects.filter(pk=task.pk).update(
+        reason_code="outputs_not_stored",
+        reason=f"It completed, but {len(named)} output(s) could not be stored ({names}): {why}. The files "
+        "remain in the task's folder on its agent's host.",
+    )
+
+
 MAX_OUTPUT_DEPTH = 16
+
+
+class OutputNotStored(AgentRejected):
+    """An upload the plane could not keep; `status` is the HTTP answer (507 full, 503 not writable: the
+    agent retries; 409 a name clash, 413 too large: it does not)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _output_name(name: str) -> str:
@@ -564,40 +704,49 @@ def _output_name(name: str) -> str:
     return str(PurePosixPath(*parts))
 
 
-def _store_error(name: str, error: OSError) -> AgentRejected:
+def _store_error(name: str, error: OSError) -> OutputNotStored:
     """What went wrong keeping an output, in words: the plane's disk full, its store not writable, or a
     name that is a folder (or under a file) in what the task uploaded before."""
     causes = {
-        errno.ENOSPC: "the plane's file store is full",
-        errno.EDQUOT: "the plane's file store is over its quota",
-        errno.EACCES: "the plane's file store is not writable",
-        errno.EROFS: "the plane's file store is read-only",
-        errno.EISDIR: "a folder of that name holds other outputs",
-        errno.ENOTDIR: "a part of its path is an output file already",
-        errno.EEXIST: "a part of its path is an output file already",
+        errno.ENOSPC: ("the plane's file store is full", 507),
+        errno.EDQUOT: ("the plane's file store is over its quota", 507),
+        errno.EACCES: ("the plane's file store is not writable", 503),
+        errno.EROFS: ("the plane's file store is read-only", 503),
+        errno.EISDIR: ("a folder of that name holds other outputs", 409),
+        errno.ENOTDIR: ("a part of its path is an output file already", 409),
+        errno.EEXIST: ("a part of its path is an output file already", 409),
     }
-    cause = causes.get(error.errno or 0, f"the file store failed ({error.strerror})")
-    return AgentRejected(f"Output {name} could not be stored: {cause}.")
+    cause, status = causes.get(error.errno or 0, (f"the file store failed ({error.strerror})", 503))
+    logger.warning("output %s not stored: %s", name, cause)
+    return OutputNotStored(f"Output {name} could not be stored: {cause}.", status)
 
 
 @transaction.atomic
-def output_store(*, tenant: Tenant, task: Task, name: str, content: Readable) -> TaskOutput:
-    """Keep a file a task declared as output, replacing an earlier upload of the same name. The caller
-    has checked that the uploader may write this task's outputs (its pool's agent, or its task token)."""
+def output_store(*, tenant: Tenant, task: Task, name: str, content: Readable, sha256: str = "") -> TaskOutput:
+    """Keep a file the task's current run declared as output, replacing an earlier upload of the same
+    name in that run (each run has its own set). The caller has checked that the uploader may write this
+    run's outputs (its pool's agent under the run's lease, or the run's task token). With `sha256`, a file
+    whose content does not match is not kept (422: the agent sends it again)."""
     name = _output_name(name)
-    stored = f"{tenant.schema_name}/{task.pk}/{name}"
+    stored = f"{tenant.schema_name}/{task.pk}/{task.lease_id}/{name}"
     target = Path(default_storage.path(stored))
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        size, digest = _write_atomically(target, name, content)
+        size, digest = _write_atomically(target, name, content, sha256.lower())
     except OSError as error:
         raise _store_error(name, error) from None
     output, _ = TaskOutput.objects.update_or_create(
         task=task,
+        lease_id=task.lease_id,
         name=name,
         defaults={"size": size, "sha256": digest, "stored": stored, "at": timezone.now()},
     )
     return output
+
+
+def task_outputs(task: Task) -> Any:
+    """The outputs of the task's latest run (those kept before runs had their own sets, too)."""
+    return task.outputs.filter(Q(lease_id=task.lease_id) | Q(lease_id__isnull=True))
 
 
 def _copy(content: Readable, handle: Any, name: str) -> tuple[int, str]:
@@ -605,7 +754,9 @@ def _copy(content: Readable, handle: Any, name: str) -> tuple[int, str]:
     while chunk := content.read(1024 * 1024):
         size += len(chunk)
         if size > settings.KLIQUE_MAX_OUTPUT_BYTES:
-            raise AgentRejected(f"Output {name} is larger than {settings.KLIQUE_MAX_OUTPUT_BYTES} bytes.")
+            raise OutputNotStored(
+                f"Output {name} is larger than {settings.KLIQUE_MAX_OUTPUT_BYTES} bytes.", 413
+            )
         digest.update(chunk)
         handle.write(chunk)
     handle.flush()
@@ -613,13 +764,23 @@ def _copy(content: Readable, handle: Any, name: str) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def _write_atomically(target: Path, name: str, content: Readable) -> tuple[int, str]:
+def _check_digest(name: str, got: str, expected: str) -> None:
+    if expected and got != expected:
+        raise OutputNotStored(
+            f"Output {name} arrived with SHA-256 {got}, not the {expected} the agent sent; send it again.",
+            422,
+        )
+
+
+def _write_atomically(target: Path, name: str, content: Readable, expected: str = "") -> tuple[int, str]:
     """Stream the upload to a temporary file beside `target`, hashing it, then rename it into place: the
-    file is never held in memory, and a reader never sees half of it (nor a crash leaves half of it)."""
+    file is never held in memory, and a reader never sees half of it (nor a crash, nor a full disk, leaves
+    half of it, or an empty one)."""
     descriptor, temporary = tempfile.mkstemp(dir=target.parent, prefix=".upload-")
     try:
         with os.fdopen(descriptor, "wb") as handle:
             written = _copy(content, handle, name)
+        _check_digest(name, written[1], expected)
         os.replace(temporary, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -15,6 +15,7 @@ from django.views.decorators.http import require_http_methods, require_POST
 
 from apps.accounts.models import Role, User
 from apps.core.errors import KliqueError
+from apps.fleet.services import task_outputs
 
 View = Callable[..., HttpResponse]
 
@@ -171,7 +172,7 @@ def task(request: HttpRequest, task_id: str) -> HttpResponse:
         "metered": _metered(found),
         "may_read_output": readable,
         "output_readers": output_readers(found),
-        "outputs": found.outputs.order_by("name") if readable else [],
+        "outputs": task_outputs(found).order_by("name") if readable else [],
         "may_cancel": _may_cancel(user, found),
         "page": "tasks",
     }

@@ -27,7 +27,8 @@ from apps.resources.models import (
     SharingMethod,
 )
 from apps.scheduling import engine
-from apps.scheduling.models import ACTIVE_STATES, Task, TaskEvent, TaskState
+from apps.scheduling.models import ACTIVE_STATES, Task, TaskEvent, TaskRun, TaskState
+from apps.scheduling.runs import PREEMPT_GRACE_SECONDS, run_request_stop
 from apps.scheduling.services import SCHEDULER, leases_expire, meter_run
 
 if TYPE_CHECKING:
@@ -49,7 +50,24 @@ def _lock_key(schema_name: str) -> int:
     return zlib.crc32(f"klique-cycle:{schema_name}".encode())
 
 
-def _engine_pool(pool: Pool, now: datetime) -> engine.Pool:
+def _stopping_units() -> dict[str, int]:
+    """Units still held per pool by runs the plane has stopped (aborted, preempted) whose connected agent
+    has not yet let them go: their GPUs are free only when the agent says so."""
+    from django.db.models import Sum
+
+    from apps.fleet.models import Agent
+
+    connected = Agent.objects.filter(connected=True).values("pk")
+    rows = (
+        TaskRun.objects.filter(released_at=None, agent_id__in=connected)
+        .exclude(stop="")
+        .values("pool_id")
+        .annotate(units=Sum("size_units"))
+    )
+    return {str(row["pool_id"]): row["units"] for row in rows if row["pool_id"] is not None}
+
+
+def _engine_pool(pool: Pool, now: datetime, stopping: int = 0) -> engine.Pool:
     sharing = {engine.Sharing.WHOLE}
     if SharingMethod.FRACTION in pool.sharing:
         sharing.add(engine.Sharing.FRACTION)
@@ -57,7 +75,7 @@ def _engine_pool(pool: Pool, now: datetime) -> engine.Pool:
         sharing.add(engine.Sharing.MIG)
     return engine.Pool(
         str(pool.pk),
-        pool.capacity_gpus * engine.UNITS_PER_GPU,
+        max(0, pool.capacity_gpus * engine.UNITS_PER_GPU - stopping),
         pool.is_online(now),
         frozenset(sharing),
         pool.name,
@@ -92,9 +110,10 @@ def snapshot(tenant: Tenant, now: datetime, *, held: frozenset[str] = frozenset(
             state__in=ACTIVE_STATES, pool__isnull=False
         ).values_list("pk", "compute_resource_id", "pool_id", "size_units", "started_at", "placed_at")
     )
+    stopping = _stopping_units()
     return engine.Snapshot(
         now=now.timestamp(),
-        pools=tuple(_engine_pool(pool, now) for pool in Pool.objects.all()),
+        pools=tuple(_engine_pool(pool, now, stopping.get(str(pool.pk), 0)) for pool in Pool.objects.all()),
         profiles=tuple(profiles),
         policies=tuple(
             engine.Policy(str(pk), reservation, limit, name)
@@ -156,22 +175,24 @@ def _lose_tasks_of_silent_pools(tenant: Tenant) -> None:
     tasks_of_silent_pools(tenant=tenant)
 
 
-def _tell_agents(tenant: Tenant, decision: engine.Decision, victims_pools: dict[str, str]) -> None:
+def _tell_agents(tenant: Tenant, decision: engine.Decision, stopped: list[TaskRun]) -> None:
     """After commit: wake the agents of pools that got work, and stop preempted runs (with a grace period
-    so they can checkpoint)."""
-    from apps.fleet.services import PREEMPT_GRACE_SECONDS, notify_pool
+    so they can checkpoint). The stops are desired state on the runs: a heartbeat that still lists one
+    is answered with it again."""
+    from apps.fleet.services import notify_pool
 
     for pool in sorted({placement.pool for placement in decision.placements}):
         notify_pool(tenant=tenant, pool_id=pool, message={"type": "dispatch"})
-    for victim, pool in victims_pools.items():
+    for run in stopped:
         notify_pool(
             tenant=tenant,
-            pool_id=pool,
-            message={"type": "preempt", "task_id": victim, "grace_seconds": PREEMPT_GRACE_SECONDS},
-        )
+            pool_id=run.pool_id,
+            message={"type": "preempt", "task_id": str(run.task_id), "lease_id": str(run.pk),
+                     "grace_seconds": run.stop_grace_seconds},
+        )  # fmt: skip
 
 
-def _apply(decision: engine.Decision, now: datetime) -> tuple[int, int]:
+def _apply(decision: engine.Decision, now: datetime) -> tuple[int, int, list[TaskRun]]:
     events: list[TaskEvent] = []
     placed = 0
     for placement in decision.placements:
@@ -200,6 +221,7 @@ def _apply(decision: engine.Decision, now: datetime) -> tuple[int, int]:
             )
     preempted = 0
     runs_ended: list[Task] = []
+    stopped: list[TaskRun] = []
     for preemption in decision.preemptions:
         # Locked, so that its state is the one it leaves: a run that ended meanwhile is left alone.
         victim = (
@@ -231,6 +253,10 @@ def _apply(decision: engine.Decision, now: datetime) -> tuple[int, int]:
         ]
         if victim.state == TaskState.RUNNING and victim.started_at is not None:
             runs_ended.append(victim)
+        if victim.state in (TaskState.DISPATCHING, TaskState.RUNNING):
+            stopping = run_request_stop(victim, kind="preempt", grace_seconds=PREEMPT_GRACE_SECONDS)
+            if stopping is not None:
+                stopped.append(stopping)
         # Keeps submitted_at, so it returns to the front of its queue.
         preempted += Task.objects.filter(pk=victim.pk).update(
             state=TaskState.QUEUED,
@@ -258,7 +284,7 @@ def _apply(decision: engine.Decision, now: datetime) -> tuple[int, int]:
             task.reason_code, task.reason = reason.code, reason.message
             changed.append(task)
     Task.objects.bulk_update(changed, ["reason_code", "reason"], batch_size=2000)
-    return placed, preempted
+    return placed, preempted, stopped
 
 
 def run_cycle(tenant: Tenant) -> CycleResult:
@@ -276,15 +302,14 @@ def run_cycle(tenant: Tenant) -> CycleResult:
         held = _held_by_budgets(now)
         state = snapshot(tenant, now, held=frozenset(held))
         decision = engine.schedule(state)
-        placed, preempted = _apply(decision, now)
+        placed, preempted, stopped = _apply(decision, now)
         _explain(held, code="budget_exhausted")
         if placed or preempted:  # one event a cycle, however many tasks it moved
             publish_event(
                 tenant=tenant, kind="tasks.scheduled", data={"placed": placed, "preempted": preempted}
             )
         _publish_use(tenant)
-        running_in = {allocation.task: allocation.pool for allocation in state.running}
-        _tell_agents(tenant, decision, {p.victim: running_in[p.victim] for p in decision.preemptions})
+        _tell_agents(tenant, decision, stopped)
     elapsed = (time.perf_counter() - started) * 1000
     logger.info(
         "scheduling cycle",

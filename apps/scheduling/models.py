@@ -96,3 +96,50 @@ class TaskEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task_id}: {self.from_state} -> {self.to_state}"
+
+
+class RunOutcome(models.TextChoices):
+    LIVE = "", "live"  # dispatched or running, the task's current run
+    COMPLETED = "completed"
+    FAILED = "failed"
+    REFUSED = "refused"  # the agent rejected the assignment
+    EXPIRED = "expired"  # not acknowledged in time
+    LOST = "lost"  # its agent went silent, or no longer had it; kept if the agent comes back with it
+    STOPPED = "stopped"  # aborted or preempted
+    DUPLICATE = "duplicate"  # it ran although the task had started another run meanwhile
+
+
+class TaskRun(models.Model):
+    """One attempt of a task on one agent, under its lease: the fencing token every report names.
+
+    The plane applies a report only to the lease it names. A run keeps its agent, so reconciliation at
+    hello concerns that agent's runs alone (a pool may have several agents). `stop` is desired state: an
+    abort or preempt the plane keeps asking for until the agent no longer holds the run; `released_at`
+    is when the agent said so, and until then the run's GPUs are not handed to anything else."""
+
+    lease_id = models.UUIDField(primary_key=True)
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="runs")
+    attempt = models.PositiveSmallIntegerField()  # the n-th dispatch of the task
+    pool = models.ForeignKey(Pool, null=True, on_delete=models.SET_NULL, related_name="runs")
+    agent_id = models.CharField(max_length=100, blank=True)
+    size_units = models.PositiveIntegerField(default=0)
+    dispatched_at = models.DateTimeField()
+    started_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    outcome = models.CharField(max_length=12, choices=RunOutcome.choices, default=RunOutcome.LIVE, blank=True)
+    note = models.TextField(blank=True)  # what happened to it, for the task's page
+    stop = models.CharField(max_length=10, blank=True)  # "abort" or "preempt", until the agent lets it go
+    stop_grace_seconds = models.FloatField(default=0.0)
+    released_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["task", "attempt"]
+        indexes = [
+            models.Index(
+                fields=["agent_id"], name="live_runs_by_agent", condition=models.Q(released_at=None)
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_id} attempt {self.attempt} ({self.lease_id})"

@@ -21,7 +21,7 @@ from apps.core.events import publish_event, publish_here
 from apps.core.ids import as_uuid
 from apps.resources.models import ComputeResource, TaskSharing
 from apps.scheduling.engine import UNITS_PER_GPU, SizeError, describe, units
-from apps.scheduling.models import ENDED_STATES, Task, TaskEvent, TaskState
+from apps.scheduling.models import ENDED_STATES, RunOutcome, Task, TaskEvent, TaskRun, TaskState
 from apps.scheduling.selectors import compute_resources_for
 from protocol import environment as task_environment
 
@@ -372,8 +372,16 @@ def task_cancel(*, tenant: Tenant, user: User, task: Task) -> Task:
         raise InvalidInput(f"Task {task.pk} already ended ({task.state}); there is nothing to cancel.")
     if task.state in (TaskState.DISPATCHING, TaskState.RUNNING) and task.pool_id is not None:
         from apps.fleet.services import notify_pool
+        from apps.scheduling.runs import run_request_stop
 
-        notify_pool(tenant=tenant, pool_id=task.pool_id, message={"type": "abort", "task_id": str(task.pk)})
+        # Desired state: the run is asked to stop now, and again at each heartbeat that still lists it.
+        run = run_request_stop(task, kind="abort")
+        lease = str(run.pk) if run is not None else str(task.lease_id or "")
+        notify_pool(
+            tenant=tenant,
+            pool_id=task.pool_id,
+            message={"type": "abort", "task_id": str(task.pk), "lease_id": lease, "grace_seconds": 0},
+        )
     transition(
         task,
         to_state=TaskState.ABORTED,
@@ -388,15 +396,19 @@ def task_cancel(*, tenant: Tenant, user: User, task: Task) -> Task:
 
 
 @transaction.atomic
-def task_finish(*, tenant: Tenant, task: Task, succeeded: bool, exit_code: int | None, actor: str) -> Task:
-    """Record a run's end. A failed run is queued again while attempts remain (retry policy)."""
+def task_finish(
+    *, tenant: Tenant, task: Task, succeeded: bool, exit_code: int | None, actor: str, lost: str = ""
+) -> Task:
+    """Record a run's end. A failed run is queued again while attempts remain (retry policy). `lost` says
+    why a run that never reported its end was given up (its pool went silent): the task's reason keeps it."""
     from apps.scheduling.tasks import request_cycle
 
     task = Task.objects.select_for_update().get(pk=task.pk)
+    how = f"was lost ({lost})" if lost else f"failed with exit code {exit_code}"
     if succeeded:
         transition(task, to_state=TaskState.COMPLETED, actor=actor, exit_code=exit_code, pool=task.pool)
     elif task.attempts < task.max_attempts:
-        transition(task, to_state=TaskState.FAILED, actor=actor, message=f"attempt {task.attempts} failed")
+        transition(task, to_state=TaskState.FAILED, actor=actor, message=f"attempt {task.attempts} {how}")
         # A retry is a new run of the same task: it re-enters the queue, keeping its place by submit time.
         TaskEvent.objects.create(
             task=task,
@@ -412,8 +424,8 @@ def task_finish(*, tenant: Tenant, task: Task, succeeded: bool, exit_code: int |
             queued_at=timezone.now(),
             ended_at=None,
             exit_code=exit_code,
-            reason_code="retrying",
-            reason=f"Attempt {task.attempts} failed with exit code {exit_code}; queued again.",
+            reason_code="run_lost" if lost else "retrying",
+            reason=f"Attempt {task.attempts} {how}; queued again.",
         )
         task.refresh_from_db()
     else:
@@ -422,8 +434,8 @@ def task_finish(*, tenant: Tenant, task: Task, succeeded: bool, exit_code: int |
             to_state=TaskState.FAILED,
             actor=actor,
             exit_code=exit_code,
-            reason_code="failed",
-            reason=f"All {task.max_attempts} attempts failed.",
+            reason_code="run_lost" if lost else "failed",
+            reason=f"All {task.max_attempts} attempts failed; the last {how}.",
         )
     request_cycle(tenant)
     return task
@@ -456,6 +468,9 @@ def leases_expire() -> int:
     expired = Task.objects.filter(state=TaskState.DISPATCHING, lease_expires_at__lt=now)
     count = 0
     for task in expired.select_for_update(skip_locked=True):
+        TaskRun.objects.filter(task=task, lease_id__in=[task.lease_id], outcome=RunOutcome.LIVE).update(
+            outcome=RunOutcome.EXPIRED, ended_at=now, note="its agent did not acknowledge it in time"
+        )  # kept: the agent may still say it runs it, and it is the task's again if nothing ran since
         transition(
             task,
             to_state=TaskState.QUEUED,

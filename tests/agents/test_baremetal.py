@@ -14,6 +14,7 @@ import pytest
 from agents.baremetal import MAX_LINE, UNITS_PER_GPU, BareMetal, Refused, split_lines
 from agents.main import Agent, Backoff, websocket_address
 from agents.state import State
+from protocol import messages
 
 Reports = list[tuple[str, dict[str, Any]]]
 
@@ -61,7 +62,10 @@ def test_a_task_runs_on_its_gpus_and_reports_output_and_exit(tmp_path: Path) -> 
     recorder = asyncio.run(scenario())
     assert recorder.reports[0] == ("status", {"state": "running", "devices": [0, 1]})
     assert recorder.lines() == ["0,1", "done"]
-    assert recorder.reports[-1] == ("result", {"exit_code": 3, "stopped": False, "outputs": []})
+    assert recorder.reports[-1] == (
+        "result",
+        {"exit_code": 3, "stopped": False, "outputs": [], "outputs_failed": []},
+    )
     assert bare.used == {0: 0, 1: 0}  # the devices are free again
     assert bare.running() == []
 
@@ -93,7 +97,10 @@ def test_a_run_outlives_its_agent_and_the_next_agent_reads_on(tmp_path: Path) ->
     after = asyncio.run(next_agent())
     assert 0 < len(before) < 6
     assert before + after.lines() == [f"line {i}" for i in range(6)]
-    assert after.reports[-1] == ("result", {"exit_code": 0, "stopped": False, "outputs": []})
+    assert after.reports[-1] == (
+        "result",
+        {"exit_code": 0, "stopped": False, "outputs": [], "outputs_failed": []},
+    )
 
 
 def test_shares_go_on_one_device_and_whole_gpus_need_free_ones(tmp_path: Path) -> None:
@@ -136,7 +143,7 @@ def test_stop_sends_sigterm_then_sigkill_after_the_grace_period(tmp_path: Path) 
     recorder, took = asyncio.run(scenario())
     assert recorder.reports[-1] == (
         "result",
-        {"exit_code": -9, "stopped": True, "outputs": []},
+        {"exit_code": -9, "stopped": True, "outputs": [], "outputs_failed": []},
     )  # it ignored SIGTERM
     assert 0.5 <= took < 10
 
@@ -162,7 +169,7 @@ def test_a_polite_task_stops_on_sigterm(tmp_path: Path) -> None:
 
     assert asyncio.run(scenario()).reports[-1] == (
         "result",
-        {"exit_code": -15, "stopped": True, "outputs": []},
+        {"exit_code": -15, "stopped": True, "outputs": [], "outputs_failed": []},
     )
 
 
@@ -176,15 +183,45 @@ def test_reports_stay_in_the_outbox_until_acknowledged(tmp_path: Path) -> None:
     agent = Agent(url="http://acme.localhost:8000", token="kqa_x_y", backend=bare, agent_id="a")
 
     async def scenario() -> None:
+        bare.state.lease_begin("t", "lease-1", 1)
         await agent.report("t", "status", {"state": "running"})
         await agent.report("t", "log", {"stream": "stdout", "lines": ["hello"]})
-        await agent._on_message({"type": "ack", "task_id": "t", "seq": 1})
+        await agent.report("t", "log", {"stream": "stdout", "lines": ["again"]})
+        await agent._on_message(messages.Ack("t", "lease-1", 1, messages.APPLIED))
+        await agent._on_message(messages.Ack("t", "lease-1", 3, messages.STALE, "another attempt runs"))
+        await agent._on_message(messages.Ack("t", "lease-0", 2, messages.APPLIED))  # another run's number
 
     asyncio.run(scenario())
-    # Kept on disk: a restarted agent replays it.
-    assert [(m["task_id"], m["seq"]) for m in State(tmp_path / "work" / "agent.sqlite").pending()] == [
-        ("t", 2)
-    ]
+    # Kept on disk: a restarted agent replays it, naming its run.
+    pending = State(tmp_path / "work" / "agent.sqlite").pending()
+    assert [(m["task_id"], m["lease_id"], m["seq"]) for m in pending] == [("t", "lease-1", 2)]
+    assert agent.held() == (messages.Held("t", "lease-1", ended=True),)
+
+
+def test_a_new_run_of_a_task_numbers_its_reports_afresh_and_an_old_outbox_is_answered(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "agent.sqlite"
+    old = sqlite3.connect(path)  # an agent's state from before leases
+    old.executescript(
+        """CREATE TABLE outbox (task_id TEXT, seq INTEGER, message TEXT, PRIMARY KEY (task_id, seq));
+        CREATE TABLE sequences (task_id TEXT PRIMARY KEY, last INTEGER);
+        INSERT INTO outbox VALUES ('t', 7, '{"type": "log", "task_id": "t", "seq": 7, "lines": []}');"""
+    )
+    old.commit()
+    old.close()
+    state = State(path)
+    assert state.pending_runs() == {("t", "")}  # kept, to be answered stale and dropped
+    state.lease_begin("t", "first", 1)
+    assert state.enqueue("t", "log", {"lines": ["a"]})["seq"] == 1
+    assert state.enqueue("t", "log", {"lines": ["b"]})["seq"] == 2
+    state.acknowledge("t", "first", 1)
+    state.acknowledge("t", "first", 2)
+    state.lease_begin("t", "second", 2)
+    message = state.enqueue("t", "log", {"lines": ["c"]})
+    assert (message["lease_id"], message["seq"]) == ("second", 1)
+    state.acknowledge("t", "", 7)
+    assert [m["lease_id"] for m in state.pending()] == ["second"]
 
 
 def test_addresses_and_backoff() -> None:

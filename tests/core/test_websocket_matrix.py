@@ -89,6 +89,7 @@ def test_the_agents_stream_takes_agent_tokens_only(world: World, persona: str) -
     assert message == {
         "type": "error",
         "detail": "Malformed agent token: expected kqa_<prefix>_<secret>, as issued for the pool.",
+        "about": "connect",
     }
     assert closed == {"type": "websocket.close", "code": 4401}
 

@@ -19,7 +19,9 @@ from tests.fleet.conftest import HOST, agent
 async def _hello(token: str, agent_id: str, instance: str) -> tuple[dict[str, Any], Any]:
     client = agent(token)
     await client.connect()
-    await client.send_json_to({"type": "hello", "agent_id": agent_id, "instance": instance, "running": []})
+    await client.send_json_to(
+        {"type": "hello", "protocol": 2, "agent_id": agent_id, "instance": instance, "held": []}
+    )
     reply: dict[str, Any] = await client.receive_json_from(timeout=10)
     closed = await client.receive_output(timeout=5) if reply["type"] == "error" else None
     await client.disconnect()

@@ -19,7 +19,7 @@ from tests.world import World
 
 
 def hello(backend: str = "slurm") -> dict[str, Any]:
-    return {"type": "hello", "agent_id": "login-1", "backend": backend, "running": []}
+    return {"type": "hello", "protocol": 2, "agent_id": "login-1", "backend": backend, "held": []}
 
 
 async def assigned(client: Any) -> dict[str, Any]:
@@ -69,6 +69,7 @@ def test_the_clusters_pending_reason_is_the_tasks_reason_and_a_permanent_refusal
             {
                 "type": "status",
                 "task_id": task_id,
+                "lease_id": lease,
                 "seq": 1,
                 "state": "pending",
                 "reason": "Resources",
@@ -194,10 +195,19 @@ def test_node_reporters_post_with_the_task_token_once_per_number_and_only_while_
 
     async def scenario() -> str:
         client = agent(fleet["token"].secret)
-        token = (await assigned(client))["task_token"]
+        assignment = await assigned(client)
+        token = assignment["task_token"]
         await asyncio.to_thread(in_a_thread, over_https, token)
-        await client.send_json_to({"type": "result", "task_id": task_id, "seq": 1, "exit_code": 0})
-        assert (await client.receive_json_from(timeout=10))["type"] == "ack"
+        await client.send_json_to(
+            {
+                "type": "result",
+                "task_id": task_id,
+                "lease_id": assignment["lease_id"],
+                "seq": 1,
+                "exit_code": 0,
+            }
+        )
+        assert (await client.receive_json_from(timeout=10))["verdict"] == "applied"
         await client.disconnect()
         return str(token)
 
@@ -220,8 +230,9 @@ def test_a_pool_shows_its_clusters_queue_as_the_agent_last_saw_it(
 
     async def scenario() -> None:
         client = agent(fleet["token"].secret)
-        await assigned(client)
-        await client.send_json_to({"type": "heartbeat", "running": [fleet["task"]], "queue": jobs})
+        lease = (await assigned(client))["lease_id"]
+        held = [{"task_id": fleet["task"], "lease_id": lease}]
+        await client.send_json_to({"type": "heartbeat", "held": held, "queue": jobs})
         await asyncio.sleep(0.5)
         await client.disconnect()
 

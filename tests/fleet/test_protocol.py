@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 import pytest
@@ -27,18 +28,21 @@ def test_a_task_goes_from_assign_to_completed_with_each_report_counted_once(flee
         client = agent(fleet["token"].secret)
         assert (await client.connect())[0]
         await client.send_json_to(
-            {"type": "hello", "agent_id": "rack-1", "backend": "baremetal", "running": []}
+            {"type": "hello", "protocol": 2, "agent_id": "rack-1", "backend": "baremetal", "held": []}
         )
         welcome = await client.receive_json_from(timeout=10)
         assert welcome["type"] == "welcome", welcome
         assign = await client.receive_json_from(timeout=10)
-        await client.send_json_to({"type": "accepted", "task_id": task_id, "lease_id": assign["lease_id"]})
+        lease = assign["lease_id"]
+        await client.send_json_to({"type": "accepted", "task_id": task_id, "lease_id": lease})
         replies = []
+        run = {"task_id": task_id, "lease_id": lease}
         for message in (
-            {"type": "status", "task_id": task_id, "seq": 1, "state": "running"},
-            {"type": "log", "task_id": task_id, "seq": 2, "stream": "stdout", "lines": ["hello"]},
-            {"type": "log", "task_id": task_id, "seq": 2, "stream": "stdout", "lines": ["hello"]},  # a replay
-            {"type": "result", "task_id": task_id, "seq": 3, "exit_code": 0},
+            {"type": "status", **run, "seq": 1, "state": "running"},
+            {"type": "log", **run, "seq": 2, "stream": "stdout", "lines": ["hello"]},
+            {"type": "log", **run, "seq": 2, "stream": "stdout", "lines": ["hello"]},  # a replay
+            {"type": "result", **run, "seq": 3, "exit_code": 0},
+            {"type": "log", **run, "seq": 4, "stream": "stdout", "lines": ["late"]},  # after the end
         ):
             await client.send_json_to(message)
             replies.append(await client.receive_json_from(timeout=10))
@@ -48,7 +52,14 @@ def test_a_task_goes_from_assign_to_completed_with_each_report_counted_once(flee
     welcome, assign, *acks = asyncio.run(scenario())
     assert welcome["type"] == "welcome"
     assert (assign["type"], assign["task_id"], assign["spec"]) == ("assign", task_id, {"command": ["true"]})
-    assert [ack["seq"] for ack in acks] == [1, 2, 2, 3]
+    assert [(ack["seq"], ack["verdict"]) for ack in acks] == [
+        (1, "applied"),
+        (2, "applied"),
+        (2, "duplicate"),
+        (3, "applied"),
+        (4, "stale"),
+    ]
+    assert (assign["attempt"], acks[-1]["lease_id"]) == (1, assign["lease_id"])
     with schema_context("fleet"):
         task = Task.objects.get(pk=task_id)
         assert (task.state, task.attempts, task.exit_code) == (TaskState.COMPLETED, 1, 0)
@@ -62,20 +73,22 @@ def test_a_task_goes_from_assign_to_completed_with_each_report_counted_once(flee
     ("message", "fragment"),
     [
         ({"type": "teleport"}, "Unknown message type 'teleport'"),
-        ({"type": "status", "task_id": "x"}, "Malformed status message"),
-        (
-            {"type": "result", "task_id": "00000000-0000-0000-0000-000000000000", "seq": 1},
-            "is not in pool h100",
-        ),
+        ({"type": "status", "task_id": "x"}, "Malformed status: lease_id must be a non-empty string"),
+        ({"type": "log", "task_id": "x", "lease_id": "y", "seq": 0}, "seq must be a whole number"),
+        ({"type": "log", "task_id": "x", "lease_id": "y", "seq": 1, "lines": "z"}, "lines must be a list"),
+        ({"type": "result", "task_id": "x", "lease_id": "y", "seq": 1, "exit_code": "0"}, "exit_code"),
+        ({"type": "heartbeat", "held": [{"task_id": "x"}]}, "lease_id must be a non-empty string"),
+        ({"type": "heartbeat", "held": "x"}, "held must be a list"),
+        ("just text", "Each message is a JSON object"),
     ],
 )
 def test_bad_messages_get_an_error_that_names_the_problem(
-    fleet: dict[str, Any], message: dict[str, Any], fragment: str
+    fleet: dict[str, Any], message: object, fragment: str
 ) -> None:
     async def scenario() -> dict[str, Any]:
         client = agent(fleet["token"].secret)
         await client.connect()
-        await client.send_json_to({"type": "hello", "agent_id": "rack-1", "running": []})
+        await client.send_json_to({"type": "hello", "protocol": 2, "agent_id": "rack-1", "held": []})
         await client.receive_json_from(timeout=10)  # welcome
         await client.receive_json_from(timeout=10)  # the assignment
         await client.send_json_to(message)
@@ -93,7 +106,7 @@ def test_an_assignment_of_another_pool_cannot_be_acknowledged(fleet: dict[str, A
     async def scenario() -> dict[str, Any]:
         client = agent(fleet["other"].secret)  # baremetal's agent
         await client.connect()
-        await client.send_json_to({"type": "hello", "agent_id": "rack-2", "running": []})
+        await client.send_json_to({"type": "hello", "protocol": 2, "agent_id": "rack-2", "held": []})
         await client.receive_json_from(timeout=10)
         await client.send_json_to({"type": "accepted", "task_id": fleet["task"], "lease_id": "whatever"})
         reply: dict[str, Any] = await client.receive_json_from(timeout=10)
@@ -117,7 +130,7 @@ def test_agents_report_their_cpus_and_nodes_and_nonsense_is_kept_as_unknown(flee
         await client.connect()
         capacity = {"cpus": 128, "cpus_in_use": 12, "nodes": 2}
         await client.send_json_to(
-            {"type": "hello", "agent_id": "rack-cpu", "running": [], "capacity": capacity}
+            {"type": "hello", "protocol": 2, "agent_id": "rack-cpu", "held": [], "capacity": capacity}
         )
         await client.receive_json_from(timeout=10)  # welcome
         states = [await in_fleet(seen)]
@@ -126,7 +139,7 @@ def test_agents_report_their_cpus_and_nodes_and_nonsense_is_kept_as_unknown(flee
             {"cpus": 128, "cpus_in_use": 100, "nodes": 2},
             None,  # a heartbeat without figures leaves the last ones
         ):
-            beat: dict[str, Any] = {"type": "heartbeat", "running": []}
+            beat: dict[str, Any] = {"type": "heartbeat", "held": []}
             if reported is not None:
                 beat["capacity"] = reported
             await client.send_json_to(beat)
@@ -144,7 +157,7 @@ def test_a_revoked_token_is_disconnected_and_refused(fleet: dict[str, Any]) -> N
     async def scenario() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         client = agent(fleet["token"].secret)
         await client.connect()
-        await client.send_json_to({"type": "hello", "agent_id": "rack-1", "running": []})
+        await client.send_json_to({"type": "hello", "protocol": 2, "agent_id": "rack-1", "held": []})
         await client.receive_json_from(timeout=10)
         await client.receive_json_from(timeout=10)
         await in_fleet(lambda: agent_token_revoke(tenant=fleet["tenant"], token=fleet["token"].token))
@@ -157,7 +170,7 @@ def test_a_revoked_token_is_disconnected_and_refused(fleet: dict[str, Any]) -> N
         return error, closed, refused
 
     error, closed, refused = asyncio.run(scenario())
-    assert error == {"type": "error", "detail": "This agent token was revoked."}
+    assert error == {"type": "error", "detail": "This agent token was revoked.", "about": ""}
     assert closed == {"type": "websocket.close", "code": 4401}
     assert "was revoked" in refused["detail"]
     connections.close_all()
@@ -174,14 +187,21 @@ def test_unacknowledged_leases_and_silent_pools_give_their_tasks_back(fleet: dic
         assert leases_expire() == 1
         task.refresh_from_db()
         assert (task.state, task.reason_code, task.pool_id) == (TaskState.QUEUED, "lease_expired", None)
+        assert task.runs.get().outcome == "expired"
 
         run_cycle(fleet["tenant"])
         task.refresh_from_db()
+        assert len(dispatch(pool=task.pool, schema_name="fleet", agent_id="rack-1")) == 1
         Task.objects.filter(pk=task.pk).update(state=TaskState.RUNNING, attempts=1)
         Pool.objects.filter(name="h100").update(last_heartbeat_at=None)
         assert tasks_of_silent_pools(tenant=fleet["tenant"]) == 1
         task.refresh_from_db()
-        assert (task.state, task.reason_code) == (TaskState.QUEUED, "retrying")
+        assert (task.state, task.reason_code) == (TaskState.QUEUED, "run_lost")
+        assert "pool h100 went silent" in task.reason
+        assert [(run.attempt, run.outcome, run.agent_id) for run in task.runs.all()] == [
+            (1, "expired", ""),
+            (2, "lost", "rack-1"),
+        ]
     connections.close_all()
 
 
@@ -209,12 +229,15 @@ def test_agent_tokens_are_checked(world: World, db: None, presented: str, fragme
 def test_an_agent_uploads_outputs_of_its_own_pool_s_tasks_only(world: World, db: None) -> None:
     from rest_framework.test import APIClient
 
+    lease = uuid.uuid4()
     with schema_context("acme"):
         Task.objects.filter(pk=world.task_a).update(
-            state=TaskState.RUNNING, pool=Pool.objects.get(name="h100")
+            state=TaskState.RUNNING, pool=Pool.objects.get(name="h100"), lease_id=lease
         )
     agent_client = APIClient(
-        HTTP_HOST="acme.klique.test", HTTP_AUTHORIZATION=f"Bearer {world.agent_secret_a}"
+        HTTP_HOST="acme.klique.test",
+        HTTP_AUTHORIZATION=f"Bearer {world.agent_secret_a}",
+        HTTP_X_KLIQUE_LEASE=str(lease),
     )
     url = f"/agents/v1/tasks/{world.task_a}/outputs/model/weights.bin"
     created = agent_client.put(url, b"\x00\x01weights", content_type="application/octet-stream")

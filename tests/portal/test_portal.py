@@ -251,6 +251,7 @@ def test_the_dashboard_shows_cpus_and_workers_per_environment_and_follows_the_cl
     from apps.scheduling.cycle import run_cycle
     from apps.scheduling.models import ACTIVE_STATES, Task
     from apps.scheduling.services import TaskRequest, tasks_submit
+    from protocol.messages import Heartbeat
     from tenants.models import Tenant
 
     def connect() -> None:
@@ -287,7 +288,7 @@ def test_the_dashboard_shows_cpus_and_workers_per_environment_and_follows_the_cl
             tenant=tenant,
             token=token,
             agent_id="bm-host-1",
-            capacity={"cpus": 64, "cpus_in_use": 40, "nodes": 1},
+            heartbeat=Heartbeat(capacity={"cpus": 64, "cpus_in_use": 40, "nodes": 1}),
         )
         pat = User.objects.get(username="pat")
         tasks_submit(

@@ -96,8 +96,8 @@ def test_writing_one_decision_twice_places_each_task_once(world: World, db: None
     with schema_context("acme"):
         now = timezone.now()
         decision = engine.schedule(snapshot(world.tenant_a, now))
-        assert _apply(decision, now) == (1, 0)
-        assert _apply(decision, now) == (0, 0)
+        assert _apply(decision, now) == (1, 0, [])
+        assert _apply(decision, now) == (0, 0, [])
         assert TaskEvent.objects.filter(task_id=world.task_a, to_state=TaskState.PLACED).count() == 1
 
 

@@ -38,7 +38,10 @@ def test_a_failed_run_is_retried_until_its_attempts_are_spent(world: World, db: 
             transition(task, to_state=TaskState.DISPATCHING, actor="agent")
             transition(task, to_state=TaskState.RUNNING, actor="agent", attempts=attempt)
             task = task_finish(tenant=world.tenant_a, task=task, succeeded=False, exit_code=1, actor="agent")
-        assert (task.state, task.reason) == (TaskState.FAILED, "All 3 attempts failed.")
+        assert (task.state, task.reason) == (
+            TaskState.FAILED,
+            "All 3 attempts failed; the last failed with exit code 1.",
+        )
         assert task.ended_at is not None
         states = list(task.events.values_list("to_state", flat=True))
         assert states.count("failed") == 3

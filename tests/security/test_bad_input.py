@@ -209,17 +209,23 @@ def test_an_output_in_the_way_of_another_is_said_in_words(world: World) -> None:
     base = f"/agents/v1/tasks/{world.task_a}/outputs/{uuid.uuid4().hex}"
     assert agent.put(f"{base}/a", b"file", content_type="a/b").status_code == 201
     under = agent.put(f"{base}/a/b", b"x", content_type="a/b")
-    assert under.status_code == 400
+    assert under.status_code == 409  # not retried: the name clashes with what the run stored
     assert "could not be stored: a part of its path is an output file already" in under.json()["detail"]
     assert agent.put(f"{base}/c/d", b"x", content_type="a/b").status_code == 201
     over = agent.put(f"{base}/c", b"x", content_type="a/b")
-    assert over.status_code == 400
+    assert over.status_code == 409
     assert "could not be stored: a folder of that name holds other outputs" in over.json()["detail"]
 
 
 def _running_on_h100(world: World) -> APIClient:
+    """The agent of h100, uploading for bob's task as if it ran there under a lease."""
+    lease = uuid.uuid4()
     with schema_context("acme"):
         Task.objects.filter(pk=world.task_a).update(
-            state=TaskState.RUNNING, pool=Pool.objects.get(name="h100")
+            state=TaskState.RUNNING, pool=Pool.objects.get(name="h100"), lease_id=lease
         )
-    return APIClient(HTTP_HOST="acme.klique.test", HTTP_AUTHORIZATION=f"Bearer {world.agent_secret_a}")
+    return APIClient(
+        HTTP_HOST="acme.klique.test",
+        HTTP_AUTHORIZATION=f"Bearer {world.agent_secret_a}",
+        HTTP_X_KLIQUE_LEASE=str(lease),
+    )

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,17 +85,22 @@ def test_a_large_output_is_streamed_to_the_store(
     base, pid = served
 
     with schema_context("acme"):
-        first = Task.objects.filter(pk=world.task_a).values("state", "pool_id").get()
+        first = Task.objects.filter(pk=world.task_a).values("state", "pool_id", "lease_id").get()
+    lease = uuid.uuid4()
 
-    def put_on(state: str, pool: object) -> None:
+    def put_on(state: str, pool: object, lease: object) -> None:
         with schema_context("acme"):
-            Task.objects.filter(pk=world.task_a).update(state=state, pool_id=pool)
+            Task.objects.filter(pk=world.task_a).update(state=state, pool_id=pool, lease_id=lease)
             TaskOutput.objects.filter(task_id=world.task_a, name__startswith="big-").delete()
 
     h100 = committed(django_db_blocker, _h100_id)
-    committed(django_db_blocker, lambda: put_on(TaskState.RUNNING, h100))
+    committed(django_db_blocker, lambda: put_on(TaskState.RUNNING, h100, lease))
     try:
-        headers = {"Host": HOST_A, "Authorization": f"Bearer {world.agent_secret_a}"}
+        headers = {
+            "Host": HOST_A,
+            "Authorization": f"Bearer {world.agent_secret_a}",
+            "X-Klique-Lease": str(lease),
+        }
         url = f"{base}/agents/v1/tasks/{world.task_a}/outputs/big-{time.monotonic_ns()}.bin"
         megabytes = 96
 
@@ -109,7 +115,7 @@ def test_a_large_output_is_streamed_to_the_store(
             octets = {**headers, "Content-Type": "application/octet-stream"}
             answer = client.put(url, content=body(), headers=octets)
     finally:  # the world is the session's: leave its task as it was
-        committed(django_db_blocker, lambda: put_on(first["state"], first["pool_id"]))
+        committed(django_db_blocker, lambda: put_on(first["state"], first["pool_id"], first["lease_id"]))
     assert answer.status_code == 201, answer.text
     assert answer.json()["size"] == megabytes * 1024 * 1024
     assert (
