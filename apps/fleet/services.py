@@ -540,6 +540,8 @@ def report(*, tenant: Tenant, pool: Pool, agent_id: str, message: messages.Repor
     seen = TaskReport.objects.filter(task=task, lease_id=run.pk, source="agent", seq=message.seq)
     if seen.exists():
         return ack(messages.DUPLICATE)
+    if not runs.is_current(task, run) and runs.reclaimable(task, run):  # e.g. its lease expired unanswered
+        runs.run_adopt(tenant, task, run, agent_id=agent_id, ended=message.kind == TaskReport.Kind.RESULT)
     if not runs.is_current(task, run):
         if message.kind == TaskReport.Kind.RESULT and run.released_at is None:
             return ack(

@@ -477,7 +477,6 @@ def leases_expire() -> int:
             actor="scheduler",
             message="lease expired",
             pool=None,
-            lease_id=None,
             lease_expires_at=None,
             queued_at=now,
             reason_code="lease_expired",
