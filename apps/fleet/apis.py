@@ -19,10 +19,12 @@ from rest_framework.response import Response
 
 from apps.accounts.apis import TenantAPIView
 from apps.accounts.models import Role, User
+from apps.core.ids import as_uuid
 from apps.fleet import services
 from apps.fleet.models import AgentToken, TaskOutput
 from apps.resources.models import Pool
-from apps.scheduling.models import Task, TaskState
+from apps.scheduling import runs
+from apps.scheduling.models import Task, TaskRun
 from apps.scheduling.selectors import may_read_output, output_readers, tasks_visible_to
 
 if TYPE_CHECKING:
@@ -158,7 +160,11 @@ def _uploader_task(tenant: Tenant, presented: str, task_id: str, lease: str) -> 
     task = services.pool_task(task_id, token.pool)
     if task is None:
         raise services.AgentRejected(f"Task {task_id} is not in pool {token.pool.name}.")
-    if str(task.lease_id) != lease or task.state not in (TaskState.DISPATCHING, TaskState.RUNNING):
+    identifier = as_uuid(lease)
+    run = TaskRun.objects.filter(pk=identifier, task=task).first() if identifier is not None else None
+    # The task's current run, or a run given up that its agent is bringing back (uploads may come before
+    # its hello): the same lease, nothing run since.
+    if run is None or not (runs.is_current(task, run) or runs.reclaimable(task, run)):
         raise StaleUpload(
             f"Lease {lease or '(none sent)'} is not the current run of task {task_id} ({task.state}): "
             "its outputs are not kept. Send the run's lease in X-Klique-Lease."

@@ -28,7 +28,7 @@ from apps.resources.models import (
 )
 from apps.scheduling import engine
 from apps.scheduling.models import ACTIVE_STATES, Task, TaskEvent, TaskRun, TaskState
-from apps.scheduling.runs import PREEMPT_GRACE_SECONDS, run_request_stop
+from apps.scheduling.runs import LOST_REASON, PREEMPT_GRACE_SECONDS, run_request_stop
 from apps.scheduling.services import SCHEDULER, leases_expire, meter_run
 
 if TYPE_CHECKING:
@@ -274,8 +274,11 @@ def _apply(decision: engine.Decision, now: datetime) -> tuple[int, int, list[Tas
     for run in runs_ended:
         meter_run(run, ended_at=now)
 
-    waiting = Task.objects.filter(pk__in=list(decision.reasons), state=TaskState.QUEUED).only(
-        "reason_code", "reason"
+    # A run given up (its pool went silent) keeps saying so while the task waits: that is why it waits.
+    waiting = (
+        Task.objects.filter(pk__in=list(decision.reasons), state=TaskState.QUEUED)
+        .exclude(reason_code=LOST_REASON)
+        .only("reason_code", "reason")
     )
     changed = []
     for task in waiting.iterator(chunk_size=2000):

@@ -15,7 +15,7 @@ from apps.fleet.models import TaskReport
 from apps.fleet.services import agent_token_revoke, tasks_of_silent_pools
 from apps.resources.models import Pool
 from apps.scheduling.cycle import run_cycle
-from apps.scheduling.models import Task, TaskState
+from apps.scheduling.models import Task, TaskRun, TaskState
 from apps.scheduling.services import leases_expire
 from tests.fleet.conftest import agent, in_fleet
 from tests.world import World
@@ -231,8 +231,10 @@ def test_an_agent_uploads_outputs_of_its_own_pool_s_tasks_only(world: World, db:
 
     lease = uuid.uuid4()
     with schema_context("acme"):
-        Task.objects.filter(pk=world.task_a).update(
-            state=TaskState.RUNNING, pool=Pool.objects.get(name="h100"), lease_id=lease
+        h100 = Pool.objects.get(name="h100")
+        Task.objects.filter(pk=world.task_a).update(state=TaskState.RUNNING, pool=h100, lease_id=lease)
+        TaskRun.objects.create(
+            lease_id=lease, task_id=world.task_a, attempt=1, pool=h100, dispatched_at=timezone.now()
         )
     agent_client = APIClient(
         HTTP_HOST="acme.klique.test",

@@ -8,12 +8,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from django.utils import timezone
 from django_tenants.utils import schema_context
 from rest_framework.test import APIClient
 
 from apps.metering.models import LedgerEvent, Rejection
 from apps.resources.models import Pool
-from apps.scheduling.models import Task, TaskState
+from apps.scheduling.models import Task, TaskRun, TaskState
 from tests.world import World
 
 pytestmark = pytest.mark.django_db
@@ -221,8 +222,10 @@ def _running_on_h100(world: World) -> APIClient:
     """The agent of h100, uploading for bob's task as if it ran there under a lease."""
     lease = uuid.uuid4()
     with schema_context("acme"):
-        Task.objects.filter(pk=world.task_a).update(
-            state=TaskState.RUNNING, pool=Pool.objects.get(name="h100"), lease_id=lease
+        h100 = Pool.objects.get(name="h100")
+        Task.objects.filter(pk=world.task_a).update(state=TaskState.RUNNING, pool=h100, lease_id=lease)
+        TaskRun.objects.create(
+            lease_id=lease, task_id=world.task_a, attempt=1, pool=h100, dispatched_at=timezone.now()
         )
     return APIClient(
         HTTP_HOST="acme.klique.test",

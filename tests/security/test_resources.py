@@ -11,15 +11,17 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from django.test import Client
+from django.utils import timezone
 from django_tenants.utils import schema_context
 
 from apps.fleet.models import TaskOutput
 from apps.resources.models import Pool
-from apps.scheduling.models import Task, TaskState
+from apps.scheduling.models import Task, TaskRun, TaskState
 from tests.security.conftest import memory_mb
 from tests.world import HOST_A, HOST_PROVIDER, World
 
@@ -88,9 +90,17 @@ def test_a_large_output_is_streamed_to_the_store(
         first = Task.objects.filter(pk=world.task_a).values("state", "pool_id", "lease_id").get()
     lease = uuid.uuid4()
 
-    def put_on(state: str, pool: object, lease: object) -> None:
+    def put_on(state: str, pool: Any, lease: Any) -> None:
         with schema_context("acme"):
             Task.objects.filter(pk=world.task_a).update(state=state, pool_id=pool, lease_id=lease)
+            if lease is not None and not TaskRun.objects.filter(pk=lease).exists():
+                TaskRun.objects.create(
+                    lease_id=lease,
+                    task_id=world.task_a,
+                    attempt=1,
+                    pool_id=pool,
+                    dispatched_at=timezone.now(),
+                )
             TaskOutput.objects.filter(task_id=world.task_a, name__startswith="big-").delete()
 
     h100 = committed(django_db_blocker, _h100_id)
