@@ -43,7 +43,8 @@ class TextFormatter(logging.Formatter):
             for name, value in (("tenant", tenant_var.get()), ("request", request_id_var.get()))
             if value
         )
-        text = f"{record.levelname:<7} {record.name}: {record.getMessage()}"
+        at = datetime.fromtimestamp(record.created, tz=UTC).isoformat(timespec="milliseconds")
+        text = f"{at} {record.levelname:<7} {record.name}: {record.getMessage()}"
         if context:
             text = f"{text} [{context}]"
         if record.exc_info:
