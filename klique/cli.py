@@ -95,7 +95,12 @@ def _celery_argv(*arguments: str) -> list[str]:
 
 
 def _worker_argv(concurrency: int) -> list[str]:
-    return _celery_argv("worker", "--concurrency", str(concurrency), "--hostname", "klique@%h")
+    # No gossip, mingle or worker heartbeats: they are broadcasts over Redis pub/sub that Klique does not
+    # use, and a Redis restart under them can end the worker (see CELERY_WORKER_ENABLE_REMOTE_CONTROL).
+    return _celery_argv(
+        "worker", "--concurrency", str(concurrency), "--hostname", "klique@%h",
+        "--without-gossip", "--without-mingle", "--without-heartbeat",
+    )  # fmt: skip
 
 
 def _beat_argv(data_dir: Path) -> list[str]:

@@ -52,9 +52,12 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             return
         self.schema_name = self.tenant.schema_name
         await self.accept()
-        await self.channel_layer.group_add(
-            services.pool_group(self.schema_name, self.token.pool_id), self.channel_name
-        )
+        try:
+            await self.channel_layer.group_add(
+                services.pool_group(self.schema_name, self.token.pool_id), self.channel_name
+            )
+        except Exception as error:  # the channel layer (Redis) down: heartbeats still carry work and stops
+            logger.warning("agent connection without live notices: the channel layer failed (%s)", error)
 
     def _authenticate(self) -> tuple[Any, AgentToken]:
         from tenants.selectors import tenant_for_host
@@ -75,9 +78,10 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
     async def disconnect(self, code: int) -> None:
         if self.token is None or self.schema_name is None:
             return
-        await self.channel_layer.group_discard(
-            services.pool_group(self.schema_name, self.token.pool_id), self.channel_name
-        )
+        with contextlib.suppress(Exception):  # the channel layer may be down; its group entry expires
+            await self.channel_layer.group_discard(
+                services.pool_group(self.schema_name, self.token.pool_id), self.channel_name
+            )
         if self.agent_id:
             with contextlib.suppress(DatabaseError):  # the heartbeat's age says it anyway
                 await database_sync_to_async(self._in_schema)(services.agent_gone, agent_id=self.agent_id)

@@ -278,7 +278,7 @@ def tasks_of_silent_pools(*, tenant: Tenant) -> int:
     silent_pools = {pool.pk: pool.name for pool in Pool.objects.all() if not pool.is_online(now)}
     silent_agents = _silent_agents(now)
     leases = TaskRun.objects.filter(agent_id__in=silent_agents, outcome=RunOutcome.LIVE).values("pk")
-    lost = 0
+    lost: dict[str, int] = {}
     for task in Task.objects.select_for_update(skip_locked=True, of=("self",)).filter(
         Q(pool_id__in=list(silent_pools)) | Q(lease_id__in=leases), state__in=runs.LIVE_STATES
     ):
@@ -286,9 +286,13 @@ def tasks_of_silent_pools(*, tenant: Tenant) -> int:
             why = f"pool {silent_pools[task.pool_id]} went silent (no heartbeat for its timeout)"
         else:
             why = "its agent went silent (no heartbeat for the pool's timeout)"
+        pool = task.pool.name if task.pool else "?"
         runs.run_lost(tenant, task, why)
-        lost += 1
-    return lost
+        lost[pool] = lost.get(pool, 0) + 1
+    for pool, count in lost.items():  # once per loss, not once per cycle the pool stays silent
+        logger.warning("pool %s: %d runs given up, their agents silent past the timeout", pool, count)
+        publish_event(tenant=tenant, kind="pool.silent", data={"pool": pool, "runs_lost": count})
+    return sum(lost.values())
 
 
 def agent_gone(*, agent_id: str) -> None:

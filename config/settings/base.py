@@ -166,6 +166,10 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_RESULT_EXPIRES = 3600
+# Remote control rides on a Redis pub/sub (fanout) channel, and kombu's redis transport can crash the
+# whole worker ("Unrecoverable error") when Redis goes away under it; Klique sends no control commands,
+# so the worker keeps only its task queue and rides out a Redis restart by reconnecting.
+CELERY_WORKER_ENABLE_REMOTE_CONTROL = False
 # Workers log through Django's LOGGING, so their lines are JSON with the tenant a task runs for.
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BEAT_SCHEDULE_FILENAME = str(KLIQUE_DATA_DIR / "celerybeat-schedule")

@@ -402,3 +402,32 @@ def test_secrets_reach_the_task_in_its_environment_and_nothing_on_disk(tmp_path:
     for path in (tmp_path / "work").rglob("*"):
         if path.is_file():
             assert secret.encode() not in path.read_bytes(), path  # not in the spec, state or outbox
+
+
+def test_a_retry_on_the_same_agent_starts_with_an_empty_log_and_folder(tmp_path: Path) -> None:
+    """The second run of a task reads only its own output, numbers its reports from 1 in its own lease,
+    and finds nothing the first run left in the task's folder."""
+    bare = backend(tmp_path)
+    script = (
+        "import os, sys; print('left:', sorted(os.listdir('.'))); open('partial.ckpt', 'w').write('x'); "
+        "print('run', sys.argv[1]); sys.exit(int(sys.argv[2]))"
+    )
+
+    async def run(lease: str, argument: str, code: int) -> Recorder:
+        recorder = Recorder(bare.state)
+        bare.state.lease_begin("t", lease, int(argument))
+        command = [sys.executable, "-c", script, argument, str(code)]
+        await bare.start({**assignment("t", UNITS_PER_GPU, command), "lease_id": lease}, recorder)
+        await asyncio.wait_for(recorder.finished.wait(), timeout=30)
+        return recorder
+
+    first = asyncio.run(run("lease-1", "1", 3))
+    second = asyncio.run(run("lease-2", "2", 0))
+    assert first.lines()[1:] == ["run 1"]
+    listing, *rest = second.lines()
+    assert rest == ["run 2"]  # not the first run's lines again
+    assert listing.startswith("left: ")
+    assert "partial.ckpt" not in listing, listing
+    numbered = [(m["lease_id"], m["seq"]) for m in bare.state.pending()]
+    assert numbered[:3] == [("lease-1", 1), ("lease-1", 2), ("lease-1", 3)]
+    assert [n for n in numbered if n[0] == "lease-2"][:1] == [("lease-2", 1)]

@@ -25,7 +25,9 @@ from gateway.budgets import (
 from gateway.cache import async_redis, sync_redis
 
 SCHEMA = "budget_script_test"
-NOW = datetime(2026, 11, 30, 12, tzinfo=UTC)
+# Today at noon: counters expire at an absolute time (a week past their period), so a fixed date would
+# make their time to live depend on the day the suite runs.
+NOW = datetime.now(UTC).replace(hour=12, minute=0, second=0, microsecond=0)
 T = TypeVar("T")
 
 
@@ -85,7 +87,8 @@ def test_a_missing_counter_is_reported_so_it_can_start_from_the_ledger() -> None
     async def work(budgets: Budgets) -> None:
         with pytest.raises(Missing) as missing:
             await reserve(budgets, TOKENS)
-        assert missing.value.key == budget_key(SCHEMA, TOKENS, NOW) == f"kq:gw:{SCHEMA}:budget:t:2026-11-30"
+        today = NOW.date().isoformat()
+        assert missing.value.key == budget_key(SCHEMA, TOKENS, NOW) == f"kq:gw:{SCHEMA}:budget:t:{today}"
         await budgets.start(missing.value.key, 60, TOKENS, NOW)
         await budgets.start(missing.value.key, 0, TOKENS, NOW)  # a second start changes nothing
         assert await budgets.counters(missing.value.key) == (60, 0)
