@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
+import hashlib
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -29,11 +31,16 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
 FLUSH_SECONDS = 0.25
 MAX_LINE = 64 * 1024
 RANK_VARIABLES = ("SLURM_NODEID", "PBS_NODENUM", "OMPI_COMM_WORLD_NODE_RANK")
+UPLOAD_PATIENCE_SECONDS = 300.0  # how long an output upload is retried while the plane cannot take it
+# Answers that mean "not now": the plane down or restarting, its store full or not writable, a checksum
+# that did not match what arrived. Anything else is final.
+RETRIED_STATUSES = frozenset({408, 422, 425, 429, 500, 502, 503, 504, 507})
 
 
 def address(url: str) -> tuple[str, dict[str, str]]:
@@ -60,12 +67,19 @@ class Reporter:
             self.seq += 1
             self.pending.append({"type": kind, "source": self.source, "seq": self.seq, **body})
 
-    def _request(self, method: str, path: str, data: bytes, content_type: str) -> None:
+    def _request(
+        self, method: str, path: str, data: Any, content_type: str, extra: dict[str, str] | None = None
+    ) -> None:
         request = urllib.request.Request(  # noqa: S310 -- the plane's http(s) URL, from the agent
             self.base + path,
             data=data,
             method=method,
-            headers={"Authorization": f"Bearer {self.token}", "Content-Type": content_type, **self.headers},
+            headers={
+                "Authorization": f"Bearer {self.token}",
+                "Content-Type": content_type,
+                **self.headers,
+                **(extra or {}),
+            },
         )
         with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 -- the plane's http(s) URL
             response.read()
@@ -99,17 +113,46 @@ class Reporter:
             del self.pending[: len(batch)]
         return not self.pending
 
-    def upload(self, name: str, path: Path) -> str | None:
-        try:
-            self._request(
-                "PUT",
-                f"/agents/v1/tasks/{self.task_id}/outputs/{quote(name)}",
-                path.read_bytes(),
-                "application/octet-stream",
-            )
-        except (OSError, urllib.error.HTTPError) as error:
-            return f"klique: output {name} was not uploaded: {error}"
-        return None
+    def upload(self, name: str, path: Path, patience: float = UPLOAD_PATIENCE_SECONDS) -> str | None:
+        """PUT one output, streamed from disk with its SHA-256; retried with backoff while the plane
+        cannot take it (down, restarting, its store full or not writable) for up to `patience` seconds.
+        None when stored, else what went wrong, in words."""
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            while chunk := handle.read(1024 * 1024):
+                digest.update(chunk)
+        deadline, delay = time.monotonic() + patience, 0.5
+        while True:
+            try:
+                with open(path, "rb") as handle:
+                    self._request(
+                        "PUT",
+                        f"/agents/v1/tasks/{self.task_id}/outputs/{quote(name)}",
+                        handle,
+                        "application/octet-stream",
+                        {"Content-Length": str(path.stat().st_size), "X-Klique-Sha256": digest.hexdigest()},
+                    )
+                return None
+            except urllib.error.HTTPError as error:
+                problem = f"the plane answered {error.code}: {_detail(error)}"
+                if error.code not in RETRIED_STATUSES:
+                    return f"klique: output {name} was not stored: {problem}"
+            except OSError as error:
+                problem = f"the plane cannot be reached ({error})"
+            if time.monotonic() > deadline:
+                return f"klique: output {name} was not stored: {problem}; gave up after {patience:.0f} s"
+            time.sleep(random.uniform(0, delay))  # noqa: S311 -- jitter, not secrecy
+            delay = min(15.0, delay * 2)
+
+
+def _detail(error: urllib.error.HTTPError) -> str:
+    """The plane's JSON detail, or the start of whatever else it answered (a proxy's HTML page)."""
+    text = error.read().decode(errors="replace")
+    try:
+        detail = json.loads(text).get("detail")
+    except (ValueError, AttributeError):
+        detail = None
+    return detail if isinstance(detail, str) and detail else " ".join(text.split())[:200] or str(error.reason)
 
 
 class Metrics:

@@ -28,6 +28,8 @@ class PlaneStandIn:
     outputs: dict[str, bytes] = field(default_factory=dict)
     tokens: set[str] = field(default_factory=set)
     refuse: int = 0  # answer this many posts with 503 first, as a plane that is restarting would
+    full: int = 0  # answer this many uploads with 507 first, as a plane whose store is full would
+    digests: list[str] = field(default_factory=list)  # the X-Klique-Sha256 of each upload
 
     def metrics(self, task_id: str) -> list[dict[str, Any]]:
         return [r for r in self.reports if r["task_id"] == task_id and r["type"] == "metric"]
@@ -61,7 +63,15 @@ def plane() -> Iterator[PlaneStandIn]:
 
         def do_PUT(self) -> None:
             name = self.path.split("/outputs/", 1)[1]
-            recorder.outputs[f"{self._task()}/{name}"] = self.rfile.read(int(self.headers["Content-Length"]))
+            content = self.rfile.read(int(self.headers["Content-Length"]))
+            recorder.digests.append(self.headers.get("X-Klique-Sha256", ""))
+            if recorder.full > 0:
+                recorder.full -= 1
+                self._answer(
+                    507, {"detail": f"Output {name} could not be stored: the plane's file store is full."}
+                )
+                return
+            recorder.outputs[f"{self._task()}/{name}"] = content
             self._answer(201, {"name": name})
 
         def _answer(self, status: int, body: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@ system's Python, posting to a stand-in for the plane's endpoints."""
 
 from __future__ import annotations
 
+import hashlib
 import signal
 import subprocess
 import time
@@ -56,6 +57,7 @@ def test_output_metrics_outputs_and_the_exit_code_reach_the_plane_through_its_re
     fake_smi.write_text("#!/bin/sh\necho '0, 87, 40000, 81559'\n")
     fake_smi.chmod(0o755)
     plane.refuse = 3  # the plane restarts while the task runs: nothing may be lost or doubled
+    plane.full = 2  # and its file store is full for the first two tries of the output
     process = reporter(plane, tmp_path, "bash", "-c", WORK, PATH=f"{fake_smi.parent}:/usr/bin:/bin")
     printed, _ = process.communicate(timeout=60)
     assert process.returncode == 4
@@ -74,7 +76,8 @@ def test_output_metrics_outputs_and_the_exit_code_reach_the_plane_through_its_re
     numbers = [report["seq"] for report in plane.reports]
     assert numbers == sorted(set(numbers))  # each report once, in order
     assert {report["source"] for report in plane.reports} == {"node-0"}
-    assert plane.outputs == {f"{TASK}/result.txt": b"done\n"}
+    assert plane.outputs == {f"{TASK}/result.txt": b"done\n"}  # stored on the third try
+    assert plane.digests == [hashlib.sha256(b"done\n").hexdigest()] * 3
     assert (tmp_path / "exit-code").read_text() == "4"
 
 
