@@ -187,7 +187,8 @@ class Agent:
         await socket_.send(json.dumps(hello.as_json()))
         for pending in self.state.pending():  # replay what the plane has not answered
             await socket_.send(json.dumps(pending))
-        heartbeat = asyncio.create_task(self._heartbeats(socket_))
+        welcomed = asyncio.Event()
+        heartbeat = asyncio.create_task(self._heartbeats(socket_, welcomed))
         stop = asyncio.create_task(self.stopping.wait())
         try:
             async for raw in socket_:
@@ -196,9 +197,11 @@ class Agent:
                 except (ValueError, messages.ProtocolError) as error:
                     logger.warning("the plane sent a message this agent cannot read: %s", error)
                     continue
-                if isinstance(message, messages.Welcome) and backoff is not None:
-                    backoff.reset()
                 await self._on_message(message)
+                if isinstance(message, messages.Welcome):
+                    welcomed.set()
+                    if backoff is not None:
+                        backoff.reset()
                 if stop.done():
                     break
         finally:
@@ -218,7 +221,8 @@ class Agent:
     def holding(self) -> list[str]:
         return sorted({run.task_id for run in self.held()})
 
-    async def _heartbeats(self, socket_: Any) -> None:
+    async def _heartbeats(self, socket_: Any, welcomed: asyncio.Event) -> None:
+        await welcomed.wait()  # the welcome says how often: a pool with a short timeout needs them often
         while True:
             await asyncio.sleep(self.heartbeat_seconds)
             heartbeat = messages.Heartbeat(

@@ -234,7 +234,18 @@ def agent_hello(*, tenant: Tenant, token: AgentToken, hello: messages.Hello) -> 
             keep.append(holding)
         elif isinstance(verdict, messages.Stop):
             stop.append(verdict)
-    return messages.Welcome(HEARTBEAT_SECONDS, LEASE_SECONDS, tuple(keep), tuple(stop))
+    return messages.Welcome(heartbeat_seconds(pool), LEASE_SECONDS, tuple(keep), tuple(stop))
+
+
+def _alive(tenant: Tenant, pool: Pool, agent_id: str) -> None:
+    Agent.objects.filter(pk=agent_id).update(last_heartbeat_at=timezone.now(), connected=True)
+    pool_heartbeat(tenant=tenant, pool=Pool.objects.get(pk=pool.pk))
+
+
+def heartbeat_seconds(pool: Pool) -> float:
+    """How often the pool's agents heartbeat: every HEARTBEAT_SECONDS, or thrice within a shorter
+    heartbeat timeout, so that a live agent never looks silent between two heartbeats."""
+    return max(1.0, min(float(HEARTBEAT_SECONDS), pool.heartbeat_timeout_seconds / 3))
 
 
 def _held_elsewhere(
@@ -467,6 +478,7 @@ def lease_accepted(
             return None
         if runs.reclaimable(task, run):
             runs.run_adopt(tenant, task, run, agent_id=agent_id, ended=False)
+            _alive(tenant, pool, agent_id)
             return None
     raise StaleLease(
         f"No lease {accepted.lease_id} on task {accepted.task_id} in pool {pool.name} is live; it may have "
@@ -546,6 +558,7 @@ def report(*, tenant: Tenant, pool: Pool, agent_id: str, message: messages.Repor
         return ack(messages.DUPLICATE)
     if not runs.is_current(task, run) and runs.reclaimable(task, run):  # e.g. its lease expired unanswered
         runs.run_adopt(tenant, task, run, agent_id=agent_id, ended=message.kind == TaskReport.Kind.RESULT)
+        _alive(tenant, pool, agent_id)  # what it reports proves it is there: not lost again next cycle
     if not runs.is_current(task, run):
         if message.kind == TaskReport.Kind.RESULT and run.released_at is None:
             return ack(

@@ -123,9 +123,20 @@ def test_an_abort_during_a_redis_outage_is_honoured_and_a_follower_misses_nothin
         time.sleep(2)
         redis.start()
 
-        final = wait(
-            "the second task to complete", lambda: (s := state(demo, second))["state"] == "completed" and s
-        )
+        try:
+            final = wait(
+                "the second task to complete",
+                lambda: (s := state(demo, second))["state"] == "completed" and s,
+            )
+        except AssertionError:
+            printed = []
+            while not running._queue.empty():
+                printed.append(running._queue.get_nowait())
+            seen = {
+                "second": state(demo, second),
+                "history": demo.call("GET", f"/api/v1/tasks/{second}/history/"),
+            }
+            raise AssertionError(f"{seen}\n{''.join(printed[-80:])}") from None
         assert (final["attempts"], final["exit_code"]) == (1, 0), final
         history = demo.call("GET", f"/api/v1/tasks/{second}/history/")
         assert [event["to_state"] for event in history].count("dispatching") == 1, history  # never refused
