@@ -235,6 +235,9 @@ class Agent:
     ) -> None:
         if isinstance(message, messages.Welcome):
             self.heartbeat_seconds = message.heartbeat_seconds or 10.0
+            for kept in message.keep:  # a run started before this agent knew leases learns its own
+                if not self.state.lease(kept.task_id) and kept.lease_id:
+                    self.state.lease_begin(kept.task_id, kept.lease_id, 1)
             for stop in message.stop:
                 await self._stop(stop)
         elif isinstance(message, messages.Assign):

@@ -62,13 +62,15 @@ class State:
             """
         )
 
-        # An outbox of an agent from before leases: its reports name no run, and the plane answers them stale.
+        # The outbox of an agent from before leases: its reports name no run (lease ""), and numbering goes
+        # on from where it was; the plane puts them in the task's current run if this agent holds it.
         if self.db.execute("SELECT 1 FROM sqlite_master WHERE name = 'outbox'").fetchone():
             self.db.executescript(
                 """
                 INSERT OR IGNORE INTO reports SELECT task_id, '', seq, message FROM outbox;
+                INSERT OR IGNORE INTO run_sequences SELECT task_id, '', last FROM sequences;
                 DROP TABLE outbox;
-                DROP TABLE IF EXISTS sequences;
+                DROP TABLE sequences;
                 """
             )
 

@@ -44,6 +44,18 @@ def _text(content: Mapping[str, Any], key: str, *, required: bool = True, limit:
         return ""
     if not isinstance(value, str) or (required and not value):
         raise ProtocolError(f"{key} must be a non-empty string.")
+    return _bounded(key, value, limit)
+
+
+def _lease(content: Mapping[str, Any]) -> str:
+    """A lease id: "" only for a run its agent started before it spoke of leases (the plane maps it)."""
+    value = content.get("lease_id")
+    if not isinstance(value, str):
+        raise ProtocolError("lease_id must be a string: the lease the run was handed out under.")
+    return _bounded("lease_id", value, MAX_ID)
+
+
+def _bounded(key: str, value: str, limit: int) -> str:
     if len(value) > limit or "\x00" in value:
         raise ProtocolError(f"{key} must be at most {limit} characters, without NUL.")
     return value
@@ -86,7 +98,9 @@ def _held(content: Mapping[str, Any], key: str) -> tuple[Held, ...]:
 
 @dataclass(frozen=True, slots=True)
 class Held:
-    """A run an agent holds: still running, or ended with reports the plane has not acknowledged."""
+    """A run an agent holds: still running, or ended with reports the plane has not acknowledged. Its
+    lease is "" where the agent does not know it (a run started before the agent spoke of leases): the
+    plane's welcome names it."""
 
     task_id: str
     lease_id: str
@@ -96,7 +110,7 @@ class Held:
     def parse(cls, item: object) -> Held:
         if not isinstance(item, dict):
             raise ProtocolError("Each held run is an object {task_id, lease_id, ended}.")
-        return cls(_text(item, "task_id"), _text(item, "lease_id"), item.get("ended") is True)
+        return cls(_text(item, "task_id"), _lease(item), item.get("ended") is True)
 
     def as_json(self) -> dict[str, Any]:
         return {"task_id": self.task_id, "lease_id": self.lease_id, "ended": self.ended}
@@ -187,7 +201,7 @@ class Report:
 
 
 def _report(kind: str, content: Mapping[str, Any]) -> Report:
-    task_id, lease_id = _text(content, "task_id"), _text(content, "lease_id")
+    task_id, lease_id = _text(content, "task_id"), _lease(content)
     seq = _whole(content, "seq", low=1, high=MAX_SEQ)
     body = {key: value for key, value in content.items() if key not in ("type", "task_id", "lease_id", "seq")}
     if kind == "log":
@@ -357,7 +371,7 @@ def parse_from_plane(content: object) -> Welcome | Assign | Ack | Stop | Error:
         detail = content.get("detail")
         return Ack(
             _text(content, "task_id"),
-            _text(content, "lease_id"),
+            _lease(content),
             _whole(content, "seq", low=1, high=MAX_SEQ),
             verdict,
             detail if isinstance(detail, str) else "",
@@ -376,6 +390,4 @@ def _stop(kind: object, content: Mapping[str, Any]) -> Stop:
     if kind not in STOP_KINDS:
         raise ProtocolError("A stop is an abort or a preempt.")
     assert isinstance(kind, str)
-    return Stop(
-        kind, _text(content, "task_id"), _text(content, "lease_id"), _seconds(content, "grace_seconds", 0.0)
-    )
+    return Stop(kind, _text(content, "task_id"), _lease(content), _seconds(content, "grace_seconds", 0.0))

@@ -221,8 +221,10 @@ def agent_hello(*, tenant: Tenant, token: AgentToken, hello: messages.Hello) -> 
         if run is not None and run.agent_id not in ("", agent_id):
             continue  # another agent's run
         key = (str(task.pk), str(task.lease_id))
-        if key in held:
-            keep.append(held.pop(key))
+        unnamed = (str(task.pk), "")  # held by an agent that predates leases: this is its run
+        if key in held or (unnamed in held and run is not None):
+            kept = held.pop(key, None) or held.pop(unnamed)
+            keep.append(messages.Held(kept.task_id, str(task.lease_id), kept.ended))
             if run is not None and run.agent_id != agent_id:
                 TaskRun.objects.filter(pk=run.pk).update(agent_id=agent_id)
         else:
@@ -456,6 +458,15 @@ def pool_task(task_id: str, pool: Pool) -> Task | None:
     return Task.objects.select_for_update(of=("self",)).filter(pk=found).first() if found else None
 
 
+def _unnamed_run(task: Task | None, agent_id: str) -> TaskRun | None:
+    """The run a report naming no lease is about: one an agent started before it spoke of leases (an
+    upgrade while tasks ran), which is the task's live run on this agent, or nothing."""
+    run = runs.current_run(task) if task is not None else None
+    if task is None or run is None or not runs.is_current(task, run) or run.agent_id not in ("", agent_id):
+        return None
+    return run
+
+
 def _run_of(task: Task | None, lease_id: str) -> TaskRun | None:
     lease = as_uuid(lease_id)
     if task is None or lease is None:
@@ -547,7 +558,7 @@ def report(*, tenant: Tenant, pool: Pool, agent_id: str, message: messages.Repor
     lost and run again, aborted). A result of a run that is not the task's is recorded beside it (a
     stop it confirms, a duplicate run), never taken as the task's."""
     task = pool_task(message.task_id, pool)
-    run = _run_of(task, message.lease_id)
+    run = _run_of(task, message.lease_id) if message.lease_id else _unnamed_run(task, agent_id)
     ack = partial(messages.Ack, message.task_id, message.lease_id, message.seq)
     if task is None or run is None:
         return ack(

@@ -431,3 +431,16 @@ def test_a_retry_on_the_same_agent_starts_with_an_empty_log_and_folder(tmp_path:
     numbered = [(m["lease_id"], m["seq"]) for m in bare.state.pending()]
     assert numbered[:3] == [("lease-1", 1), ("lease-1", 2), ("lease-1", 3)]
     assert [n for n in numbered if n[0] == "lease-2"][:1] == [("lease-2", 1)]
+
+
+def test_a_run_without_a_lease_learns_it_from_the_welcome(tmp_path: Path) -> None:
+    bare = backend(tmp_path)
+    agent = Agent(url="http://acme.localhost:8000", token="kqa_x_y", backend=bare, agent_id="a")
+    welcome = messages.Welcome(2.0, 30.0, keep=(messages.Held("t", "lease-9"), messages.Held("u", "lease-3")))
+    bare.state.lease_begin("u", "lease-2", 2)  # a lease it knows is its own, whatever the welcome says
+    asyncio.run(agent._on_message(welcome))
+    assert (bare.state.lease("t"), bare.state.lease("u"), agent.heartbeat_seconds) == (
+        "lease-9",
+        "lease-2",
+        2.0,
+    )

@@ -4,6 +4,7 @@ database is back, the task ran once, and the agent backed off rather than hammer
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -78,6 +79,7 @@ def postgres() -> Iterator[Postgres]:
         server.start()
         yield server
         server.stop()
+        logging.getLogger("pgserver").disabled = True  # its exit hook logs after pytest closed the stream
 
 
 def test_a_postgres_restart_while_a_task_ends_loses_and_doubles_nothing(

@@ -345,3 +345,43 @@ def test_an_agent_of_an_older_protocol_is_told_what_to_install(fleet: dict[str, 
     reply = asyncio.run(scenario())
     assert reply["type"] == "error"
     assert "install the klique-agent" in reply["detail"]
+
+
+def test_an_agent_upgraded_while_its_run_goes_on_learns_the_runs_lease_and_loses_nothing(
+    fleet: dict[str, Any],
+) -> None:
+    """An agent from before leases holds a run it cannot name: its hello lists it with lease "", the
+    welcome names the lease, and its reports without one go to that run, once."""
+
+    async def scenario() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        client = agent(fleet["token"].secret)
+        (assign,) = await start(client)
+        await client.disconnect()
+        again = agent(fleet["token"].secret)
+        assert (await again.connect())[0]
+        await again.send_json_to(hello(held=[{"task_id": assign["task_id"], "lease_id": ""}]))
+        welcome = await receive(again, "welcome")
+        acks = []
+        for seq in (2, 2):
+            unnamed = {
+                "type": "log",
+                "task_id": assign["task_id"],
+                "lease_id": "",
+                "seq": seq,
+                "lines": ["x"],
+            }
+            await again.send_json_to(unnamed)
+            acks.append(await receive(again, "ack"))
+        await again.disconnect()
+        return welcome, [assign, *acks]
+
+    welcome, (assign, applied, duplicate) = asyncio.run(scenario())
+    assert welcome["keep"] == [{"task_id": assign["task_id"], "lease_id": assign["lease_id"], "ended": False}]
+    assert welcome["stop"] == []
+    assert (applied["verdict"], duplicate["verdict"]) == ("applied", "duplicate")
+    task, _, _ = rows(fleet["task"])
+    assert task.state == TaskState.RUNNING
+    with schema_context("fleet"):
+        kept = TaskReport.objects.filter(task_id=fleet["task"], kind="log").values_list("lease_id", flat=True)
+        assert [str(lease) for lease in kept] == [assign["lease_id"]]
+    connections.close_all()

@@ -73,11 +73,11 @@ def test_a_task_goes_from_assign_to_completed_with_each_report_counted_once(flee
     ("message", "fragment"),
     [
         ({"type": "teleport"}, "Unknown message type 'teleport'"),
-        ({"type": "status", "task_id": "x"}, "Malformed status: lease_id must be a non-empty string"),
+        ({"type": "status", "task_id": "x"}, "Malformed status: lease_id must be a string"),
         ({"type": "log", "task_id": "x", "lease_id": "y", "seq": 0}, "seq must be a whole number"),
         ({"type": "log", "task_id": "x", "lease_id": "y", "seq": 1, "lines": "z"}, "lines must be a list"),
         ({"type": "result", "task_id": "x", "lease_id": "y", "seq": 1, "exit_code": "0"}, "exit_code"),
-        ({"type": "heartbeat", "held": [{"task_id": "x"}]}, "lease_id must be a non-empty string"),
+        ({"type": "heartbeat", "held": [{"task_id": "x"}]}, "lease_id must be a string"),
         ({"type": "heartbeat", "held": "x"}, "held must be a list"),
         ("just text", "Each message is a JSON object"),
     ],
