@@ -127,6 +127,7 @@ def test_an_abort_during_a_redis_outage_is_honoured_and_a_follower_misses_nothin
             final = wait(
                 "the second task to complete",
                 lambda: (s := state(demo, second))["state"] == "completed" and s,
+                150,  # the worker's reconnect backoff after the outage comes first
             )
         except AssertionError:
             printed = []
