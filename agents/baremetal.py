@@ -26,8 +26,8 @@ from typing import Any
 from agents.backend import Refused, Report, Upload
 from agents.state import RunRecord, State
 from protocol import environment as task_environment
+from protocol.units import UNITS_PER_GPU
 
-UNITS_PER_GPU = 840  # the control plane's unit: 1/840 of a GPU
 MAX_LINE = 64 * 1024  # longer lines go out in pieces of this many characters, never dropped
 POLL_SECONDS = 0.2
 

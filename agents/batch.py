@@ -41,7 +41,6 @@ from jinja2.sandbox import SandboxedEnvironment
 from protocol import environment as task_environment
 
 SCHEDULERS = ("slurm", "pbs", "lsf")
-UNITS_PER_GPU = 840
 
 SAFE = re.compile(r"[A-Za-z0-9_/][A-Za-z0-9_.,:=+@%/-]{0,199}")  # never a leading "-": no options
 OPTION = re.compile(r"-{1,2}[A-Za-z][A-Za-z0-9-]{0,40}")

@@ -31,7 +31,6 @@ import agents.node
 from agents.backend import Refused, Report, Upload
 from agents.batch import (
     DEFAULT_TEMPLATES,
-    UNITS_PER_GPU,
     Quoted,
     TemplateInvalid,
     Unsafe,
@@ -46,6 +45,7 @@ from agents.batch import (
 )
 from agents.state import JobRecord, State
 from protocol import environment as task_environment
+from protocol.units import UNITS_PER_GPU
 
 logger = logging.getLogger("klique.agent.hpc")
 

@@ -16,8 +16,8 @@ from apps.accounts.apis import TenantAPIView
 from apps.accounts.models import Role
 from apps.core.errors import InvalidInput
 from apps.metering import exports, ledger, services
-from apps.metering.ledger import UNITS_PER_GPU
 from apps.metering.models import LedgerEvent, Period, Rejection, Rollup
+from protocol.units import UNITS_PER_GPU
 
 SIX = Decimal("0.000001")
 

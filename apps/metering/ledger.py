@@ -33,8 +33,8 @@ from apps.accounts.models import Project, User
 from apps.core.ids import as_uuid
 from apps.metering.models import Kind, Period, PriceBook, Rejection
 from apps.resources.models import Pool
+from protocol.units import UNITS_PER_GPU
 
-UNITS_PER_GPU = 840
 MS_PER_HOUR = 3_600_000
 MS_PER_MONTH = 30 * 24 * MS_PER_HOUR  # a GB-month is 30 days
 NANO = 10**9

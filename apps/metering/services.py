@@ -15,6 +15,7 @@ from apps.accounts.models import Role, User
 from apps.core.errors import InvalidInput
 from apps.metering.ledger import Event, Report, ingest
 from apps.metering.models import Kind, LedgerEvent, Period, PriceBook, Rejection
+from protocol.units import UNITS_PER_GPU
 
 
 def run_segment(
@@ -45,7 +46,7 @@ def run_segment(
         group=group,
         pool=pool,
         compute_resource=compute_resource,
-        gpus=Fraction(units, 840),
+        gpus=Fraction(units, UNITS_PER_GPU),
         source="scheduler",
     )
     report = ingest([event], now=max(ended_at, timezone.now()))

@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
-from agents.baremetal import MAX_LINE, UNITS_PER_GPU, BareMetal, Refused, split_lines
+from agents.baremetal import MAX_LINE, BareMetal, Refused, split_lines
 from agents.main import Agent, Backoff, websocket_address
 from agents.state import State
 from protocol import messages
+from protocol.units import UNITS_PER_GPU
 
 Reports = list[tuple[str, dict[str, Any]]]
 

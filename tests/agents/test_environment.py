@@ -10,8 +10,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from agents.baremetal import UNITS_PER_GPU
 from agents.environment import BUILD_FAILED, container_engine
+from protocol.units import UNITS_PER_GPU
 from tests.agents.test_baremetal import Recorder, backend
 
 

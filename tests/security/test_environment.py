@@ -16,12 +16,13 @@ from django_tenants.utils import schema_context
 from rest_framework.test import APIClient
 
 from agents.backend import Refused
-from agents.baremetal import UNITS_PER_GPU, BareMetal
+from agents.baremetal import BareMetal
 from agents.hpc import SYSTEM_PATH, Batch, Completed, Settings, Slurm, agent_environment, execute
 from agents.state import State
 from apps.accounts.models import User
 from apps.vault.models import Secret
 from protocol import environment as rule
+from protocol.units import UNITS_PER_GPU
 from tests.world import World
 
 # Loader, shell, interpreter, identity and placement variables, in several spellings.

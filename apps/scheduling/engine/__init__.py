@@ -1,5 +1,7 @@
 """The pure scheduling engine: a snapshot of one tenant in, decisions out. No Django, no I/O."""
 
+from protocol.units import UNITS_PER_GPU
+
 from .cycle import schedule, task_order
 from .model import (
     Allocation,
@@ -15,7 +17,7 @@ from .model import (
     Snapshot,
     Task,
 )
-from .units import UNITS_PER_GPU, SizeError, describe, gpus, mig_fraction, units
+from .units import SizeError, describe, gpus, mig_fraction, units
 
 __all__ = [
     "UNITS_PER_GPU",

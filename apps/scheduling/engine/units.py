@@ -1,7 +1,5 @@
-"""Exact GPU accounting: every size and capacity is an integer count of 1/840 of a GPU.
-
-840 is the least common multiple of 1..8, so halves, thirds, quarters, fifths, sixths, sevenths
-(MIG slices of a 7-slice GPU), eighths and tenths are all whole numbers of units: no float ever drifts.
+"""Exact GPU accounting: every size and capacity is an integer count of 1/840 of a GPU (the unit itself
+is protocol.units', which the agents share).
 """
 
 from __future__ import annotations
@@ -10,7 +8,8 @@ import re
 from fractions import Fraction
 from functools import lru_cache
 
-UNITS_PER_GPU = 840
+from protocol.units import UNITS_PER_GPU
+
 MAX_GPUS = 1_000_000  # more than any cluster holds: a size above it is a typo (or an attack on the columns)
 
 # Compute slices per GPU for MIG, by GPU class; 7 where the class is not listed (A100, H100, H200, B200).
