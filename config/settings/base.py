@@ -131,7 +131,10 @@ def database_settings(url: str, *, pool_size: int) -> dict[str, object]:
     database["ATOMIC_REQUESTS"] = True
     if pool_size:
         database["CONN_MAX_AGE"] = 0
-        database["CONN_HEALTH_CHECKS"] = False
+        # With a pool, Django's health checks are the pool's: each connection is checked (an empty query)
+        # as it leaves the pool, so after a PostgreSQL restart a broken one is replaced there instead of
+        # failing the request that drew it.
+        database["CONN_HEALTH_CHECKS"] = True
         options = dict(database.get("OPTIONS") or {})  # type: ignore[call-overload]
         options["pool"] = {"min_size": 1, "max_size": pool_size, "timeout": 10}
         database["OPTIONS"] = options

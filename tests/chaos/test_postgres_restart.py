@@ -1,6 +1,7 @@
 """PostgreSQL killed with SIGKILL by PID under a running `klique up` while a task writes its output and
 ends, then started again on its data: the task's result, every log line and its output arrive once the
-database is back, the task ran once, and the agent backed off rather than hammering the plane."""
+database is back, the task ran once, the agent did not hammer the plane, and no request fails on a
+connection the restart broke."""
 
 from __future__ import annotations
 
@@ -61,15 +62,6 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-def answered(demo: Demo, task_id: str) -> dict[str, Any] | None:
-    """The task, or None while the web's first requests after the restart still meet broken connections
-    (each such request is a 500 that changed nothing)."""
-    try:
-        return state(demo, task_id)
-    except AssertionError:
-        return None
-
-
 @pytest.fixture
 def postgres() -> Iterator[Postgres]:
     import tempfile
@@ -103,19 +95,22 @@ def test_a_postgres_restart_while_a_task_ends_loses_and_doubles_nothing(
         wait("the task to end while the database is down", lambda: "end pg" in ledger.read_text(), 30)
         time.sleep(3)  # its result, last lines and output wait: the plane cannot take them
         postgres.start()
+        # Every pooled connection of the web was broken by the restart; each is checked as it leaves the
+        # pool and replaced there, so no request fails for it.
+        for _ in range(15):
+            state(demo, task_id)
 
-        final = wait(
-            "completed", lambda: (s := answered(demo, task_id)) and s["state"] == "completed" and s, 120
-        )
+        final = wait("completed", lambda: (s := state(demo, task_id))["state"] == "completed" and s, 120)
         assert (final["attempts"], final["exit_code"]) == (1, 0), final
         assert demo.logged(task_id) == [f"pg step {i}" for i in range(8)]
         outputs = demo.call("GET", f"/api/v1/tasks/{task_id}/outputs/")
         assert [(output["name"], output["size"]) for output in outputs] == [("result.txt", len("pg done\n"))]
         assert ledger.read_text().splitlines() == ["start pg", "end pg"]
         wait("the agent's outbox to empty", lambda: outbox(work_dir) == 0, 30)
-        # While the database was down the agent backed off: a handful of attempts, not one every second.
+        # While the database was down the agent's messages waited for it (the web's pool waits up to 10 s
+        # for a connection) or it backed off: a handful of reconnects at most, not one every second.
         attempts = agent_log.read_text().count("reconnecting in")
-        assert 1 <= attempts <= 12, agent_log.read_text()[-3000:]
+        assert attempts <= 12, agent_log.read_text()[-3000:]
     finally:
         if agent is not None and agent.poll() is None:
             agent.terminate()
