@@ -209,6 +209,9 @@ class JobStatus:
     gpus: str = ""
 
 
+UNSETTLED_LOOKS = 5  # polls a failed job's exit code may take to reach Slurm's accounting
+
+
 def _exit_code(text: str) -> int | None:
     """Slurm's "code:signal" (and LSF's plain code): a signal reads as its negative, as for bare metal."""
     code, _, signal_ = text.partition(":")
@@ -224,6 +227,10 @@ class Slurm:
     script_on_stdin = False
     PENDING = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "RESV_DEL_HOLD", "SUSPENDED"})
     RUNNING = frozenset({"RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING", "RESIZING"})
+    FAILED = frozenset({"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"})
+
+    def __init__(self) -> None:
+        self._unsettled: dict[str, int] = {}  # job -> looks at a failure that sacct gave exit 0
 
     def submit(self, script: Path, request: dict[str, Any]) -> list[str]:
         return ["sbatch", "--parsable", str(script)]
@@ -278,10 +285,19 @@ class Slurm:
                 gpus = next(
                     (item.split("=")[1] for item in tres.split(",") if item.startswith("gres/gpu=")), ""
                 )
+                exit_code = _exit_code(code)
+                if raw.split()[:1] and raw.split()[0] in self.FAILED and exit_code == 0:
+                    # slurmdbd can record the failure before its exit code: a failed job never reads as
+                    # exit 0; look again next time, and after a few looks report the code as unknown.
+                    seen = self._unsettled[job] = self._unsettled.get(job, 0) + 1
+                    if seen <= UNSETTLED_LOOKS:
+                        continue
+                    exit_code = None
+                self._unsettled.pop(job, None)
                 found[job] = JobStatus(
                     self._word(raw),
                     raw.split()[0] if raw.strip() else "",
-                    exit_code=_exit_code(code),
+                    exit_code=exit_code,
                     elapsed_seconds=int(elapsed) if elapsed.isdigit() else None,
                     gpus=gpus,
                 )
