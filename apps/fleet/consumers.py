@@ -13,7 +13,7 @@ from django_tenants.utils import schema_context
 
 from apps.core.consumers import header
 from apps.core.errors import InvalidInput, NotFound
-from apps.fleet import services
+from apps.fleet import notify, services
 from apps.fleet.models import AgentToken
 from protocol import messages
 
@@ -54,7 +54,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         await self.accept()
         try:
             await self.channel_layer.group_add(
-                services.pool_group(self.schema_name, self.token.pool_id), self.channel_name
+                notify.pool_group(self.schema_name, self.token.pool_id), self.channel_name
             )
         except Exception as error:  # the channel layer (Redis) down: heartbeats still carry work and stops
             logger.warning("agent connection without live notices: the channel layer failed (%s)", error)
@@ -80,7 +80,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             return
         with contextlib.suppress(Exception):  # the channel layer may be down; its group entry expires
             await self.channel_layer.group_discard(
-                services.pool_group(self.schema_name, self.token.pool_id), self.channel_name
+                notify.pool_group(self.schema_name, self.token.pool_id), self.channel_name
             )
         if self.agent_id:
             with contextlib.suppress(DatabaseError):  # the heartbeat's age says it anyway

@@ -52,12 +52,13 @@ from django.utils import timezone
 from apps.accounts.tokens import hash_token
 from apps.audit.services import record
 from apps.core.errors import InvalidInput, NotFound
-from apps.core.events import publish_event, publish_log, send_to_group
+from apps.core.events import publish_event, publish_log
 from apps.core.ids import as_uuid
+from apps.fleet import notify
 from apps.fleet.models import Agent, AgentToken, TaskOutput, TaskReport
 from apps.resources.models import SCALES_FROM_ZERO, Pool
 from apps.resources.services import pool_heartbeat
-from apps.scheduling import runs
+from apps.scheduling import runs, wake
 from apps.scheduling.engine import UNITS_PER_GPU
 from apps.scheduling.models import ACTIVE_STATES, ENDED_STATES, RunOutcome, Task, TaskRun, TaskState
 from apps.scheduling.services import task_finish, transition
@@ -84,18 +85,6 @@ class AgentRejected(Exception):
     """An agent's token or message cannot be accepted; the message says why."""
 
 
-def pool_group(schema_name: str, pool_id: object) -> str:
-    return f"agents.{schema_name}.{pool_id}"
-
-
-def notify_pool(*, tenant: Tenant, pool_id: object, message: dict[str, Any]) -> None:
-    """Send `message` to the pool's connected agents once the current transaction commits."""
-
-    group = pool_group(tenant.schema_name, pool_id)
-    notice = {"type": "plane.message", "message": message}
-    transaction.on_commit(lambda: send_to_group(group, notice, what=f"a {message.get('type')} notice"))
-
-
 @dataclass(frozen=True)
 class IssuedAgentToken:
     token: AgentToken
@@ -117,7 +106,7 @@ def agent_token_revoke(*, tenant: Tenant, token: AgentToken) -> AgentToken:
     if token.revoked_at is None:
         token.revoked_at = timezone.now()
         token.save(update_fields=["revoked_at"])
-        notify_pool(
+        notify.notify_pool(
             tenant=tenant, pool_id=token.pool_id, message={"type": "revoked", "token_id": str(token.pk)}
         )
     return token
@@ -512,8 +501,6 @@ def lease_rejected(*, tenant: Tenant, pool: Pool, rejected: messages.Rejected) -
     on the cluster, a value no batch script may hold, a partition the cluster lacks): then it fails, with
     the agent's reason, rather than being placed and refused forever. A refusal of a lease that is not
     live changes nothing."""
-    from apps.scheduling.tasks import request_cycle
-
     task = pool_task(rejected.task_id, pool)
     run = _run_of(task, rejected.lease_id)
     if task is None or run is None or not runs.is_current(task, run):
@@ -535,7 +522,7 @@ def lease_rejected(*, tenant: Tenant, pool: Pool, rejected: messages.Rejected) -
             reason=f"The agent of pool {pool.name} refused it: {reason}",
         )
         publish_log(tenant=tenant, task_id=str(task.pk), chunk={"type": "end", "state": task.state})
-        request_cycle(tenant)
+        wake.request_cycle(tenant)
         return
     transition(
         task,

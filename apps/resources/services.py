@@ -30,6 +30,7 @@ from apps.resources.models import (
     TaskSharing,
 )
 from apps.resources.simulation import Comparison, compare, jobs_from_csv, jobs_from_history
+from apps.scheduling import wake
 from apps.scheduling.engine import UNITS_PER_GPU, SizeError, units
 
 if TYPE_CHECKING:
@@ -276,9 +277,7 @@ def draft_provision(*, tenant: Tenant, user: User) -> Provisioned:
     draft.provisioned_by = user
     draft.save(update_fields=["provisioned_at", "provisioned_by"])
     publish_event(tenant=tenant, kind="configuration.provisioned", data={"by": user.username})
-    from apps.scheduling.tasks import request_cycle
-
-    request_cycle(tenant)
+    wake.request_cycle(tenant)
     return Provisioned(report=report, created=created, deleted=deleted, ended_tasks=ended)
 
 
@@ -286,15 +285,13 @@ def pool_heartbeat(*, tenant: Tenant, pool: Pool) -> Pool:
     """Record that the pool's agent is alive (the agents' connection calls this). A pool that comes back
     online is an event for the scheduler: its capacity is usable again. A pool whose heartbeats stop is
     noticed by beat's periodic cycle, which reads online-ness from the heartbeat's age."""
-    from apps.scheduling.tasks import request_cycle
-
     now = timezone.now()
     was_online = pool.is_online(now)
     pool.last_heartbeat_at = now
     pool.save(update_fields=["last_heartbeat_at"])
     if not was_online:
         publish_event(tenant=tenant, kind="pool.online", data={"pool": pool.name})
-        request_cycle(tenant)
+        wake.request_cycle(tenant)
     return pool
 
 

@@ -18,6 +18,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from apps.core.events import publish_event
+from apps.fleet import notify
 from apps.resources.models import (
     MIG_METHODS,
     ComputeResource,
@@ -179,12 +180,10 @@ def _tell_agents(tenant: Tenant, decision: engine.Decision, stopped: list[TaskRu
     """After commit: wake the agents of pools that got work, and stop preempted runs (with a grace period
     so they can checkpoint). The stops are desired state on the runs: a heartbeat that still lists one
     is answered with it again."""
-    from apps.fleet.services import notify_pool
-
     for pool in sorted({placement.pool for placement in decision.placements}):
-        notify_pool(tenant=tenant, pool_id=pool, message={"type": "dispatch"})
+        notify.notify_pool(tenant=tenant, pool_id=pool, message={"type": "dispatch"})
     for run in stopped:
-        notify_pool(
+        notify.notify_pool(
             tenant=tenant,
             pool_id=run.pool_id,
             message={"type": "preempt", "task_id": str(run.task_id), "lease_id": str(run.pk),

@@ -19,7 +19,9 @@ from apps.accounts.models import ApiToken, Project, User
 from apps.core.errors import InvalidInput
 from apps.core.events import publish_event, publish_here
 from apps.core.ids import as_uuid
+from apps.fleet import notify
 from apps.resources.models import ComputeResource, TaskSharing
+from apps.scheduling import wake
 from apps.scheduling.engine import UNITS_PER_GPU, SizeError, describe, units
 from apps.scheduling.models import ENDED_STATES, RunOutcome, Task, TaskEvent, TaskRun, TaskState
 from apps.scheduling.selectors import compute_resources_for
@@ -312,8 +314,6 @@ def tasks_submit(
     Submitted with an AI agent's delegated token, the tasks are the user's (their policies, their
     project) and say which agent submitted them; the token's own GPU quota caps what its unfinished
     tasks hold at once."""
-    from apps.scheduling.tasks import request_cycle
-
     now = timezone.now()
     tasks = []
     for index, request in enumerate(requests):
@@ -340,7 +340,7 @@ def tasks_submit(
         for task in tasks
     )
     publish_event(tenant=tenant, kind="tasks.submitted", data={"ids": [str(task.pk) for task in tasks]})
-    request_cycle(tenant)
+    wake.request_cycle(tenant)
     return tasks
 
 
@@ -365,19 +365,16 @@ def _within_quota(token: ApiToken, tasks: list[Task]) -> None:
 @transaction.atomic
 def task_cancel(*, tenant: Tenant, user: User, task: Task) -> Task:
     """Abort a task that has not ended. Its submitter, and any tenant admin, may cancel it."""
-    from apps.scheduling.tasks import request_cycle
-
     task = Task.objects.select_for_update().get(pk=task.pk)
     if task.state in ENDED_STATES:
         raise InvalidInput(f"Task {task.pk} already ended ({task.state}); there is nothing to cancel.")
     if task.state in (TaskState.DISPATCHING, TaskState.RUNNING) and task.pool_id is not None:
-        from apps.fleet.services import notify_pool
         from apps.scheduling.runs import run_request_stop
 
         # Desired state: the run is asked to stop now, and again at each heartbeat that still lists it.
         run = run_request_stop(task, kind="abort")
         lease = str(run.pk) if run is not None else str(task.lease_id or "")
-        notify_pool(
+        notify.notify_pool(
             tenant=tenant,
             pool_id=task.pool_id,
             message={"type": "abort", "task_id": str(task.pk), "lease_id": lease, "grace_seconds": 0},
@@ -391,7 +388,7 @@ def task_cancel(*, tenant: Tenant, user: User, task: Task) -> Task:
         reason=f"Cancelled by {user.username}.",
     )
     publish_event(tenant=tenant, kind="task.cancelled", data={"id": str(task.pk)})
-    request_cycle(tenant)
+    wake.request_cycle(tenant)
     return task
 
 
@@ -401,8 +398,6 @@ def task_finish(
 ) -> Task:
     """Record a run's end. A failed run is queued again while attempts remain (retry policy). `lost` says
     why a run that never reported its end was given up (its pool went silent): the task's reason keeps it."""
-    from apps.scheduling.tasks import request_cycle
-
     task = Task.objects.select_for_update().get(pk=task.pk)
     how = f"was lost ({lost})" if lost else f"failed with exit code {exit_code}"
     if succeeded:
@@ -437,7 +432,7 @@ def task_finish(
             reason_code="run_lost" if lost else "failed",
             reason=f"All {task.max_attempts} attempts failed; the last {how}.",
         )
-    request_cycle(tenant)
+    wake.request_cycle(tenant)
     return task
 
 

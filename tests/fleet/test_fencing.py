@@ -17,7 +17,7 @@ from django.utils import timezone
 from django_tenants.utils import schema_context
 
 from apps.accounts.models import User
-from apps.fleet import services
+from apps.fleet import notify, services
 from apps.fleet.models import Agent, TaskReport
 from apps.resources.models import Pool
 from apps.scheduling.cycle import run_cycle, snapshot
@@ -286,7 +286,7 @@ def test_an_abort_is_asked_for_until_the_agent_lets_the_run_go_and_its_gpus_wait
         (assign,) = await start(client)
 
         def cancel() -> None:
-            with mock.patch.object(services, "notify_pool"):  # the live notice never arrives
+            with mock.patch.object(notify, "notify_pool"):  # the live notice never arrives
                 fay = User.objects.get(username="fay")
                 task_cancel(tenant=fleet["tenant"], user=fay, task=Task.objects.get(pk=assign["task_id"]))
 

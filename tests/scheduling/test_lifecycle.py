@@ -14,8 +14,10 @@ from rest_framework.test import APIClient
 from apps.core.errors import InvalidInput
 from apps.resources.models import Pool
 from apps.scheduling import tasks as scheduling_tasks
+from apps.scheduling import wake
 from apps.scheduling.models import Task, TaskState
 from apps.scheduling.services import task_finish, transition
+from config.celery import app as celery_app
 from tests.world import World
 
 
@@ -70,16 +72,15 @@ def test_submitting_asks_for_one_debounced_cycle(
 ) -> None:
     sent: list[tuple[object, ...]] = []
     monkeypatch.setattr(
-        scheduling_tasks.scheduling_cycle,
-        "apply_async",
-        lambda args, countdown: sent.append((*args, countdown)),
+        celery_app, "send_task", lambda name, args, countdown: sent.append((name, *args, countdown))
     )
     client = redis.Redis.from_url(settings.REDIS_URL)
     client.delete("klique:cycle-requested:acme")
     with django_capture_on_commit_callbacks(execute=True):
         for _ in range(3):
             api("bob").post("/api/v1/tasks/", {"compute_resource": "Research: 4 GPUs"}, format="json")
-    assert sent == [("acme", settings.KLIQUE_CYCLE_DEBOUNCE_SECONDS)]
+    assert sent == [(wake.CYCLE_TASK, "acme", settings.KLIQUE_CYCLE_DEBOUNCE_SECONDS)]
+    assert scheduling_tasks.scheduling_cycle.name == wake.CYCLE_TASK in celery_app.tasks  # sent by name, to it
     assert 0 < client.pttl("klique:cycle-requested:acme") <= settings.KLIQUE_CYCLE_DEBOUNCE_SECONDS * 1000
     client.delete("klique:cycle-requested:acme")
 
@@ -92,13 +93,11 @@ def test_a_cycle_that_finds_the_lock_taken_asks_for_another(
     sent: list[tuple[object, ...]] = []
     monkeypatch.setattr(scheduling_tasks, "run_cycle", lambda tenant: CycleResult(ran=False))
     monkeypatch.setattr(
-        scheduling_tasks.scheduling_cycle,
-        "apply_async",
-        lambda args, countdown: sent.append((*args, countdown)),
+        celery_app, "send_task", lambda name, args, countdown: sent.append((name, *args, countdown))
     )
     result = scheduling_tasks.scheduling_cycle.apply(args=("acme",)).get()
     assert result["ran"] is False
-    assert sent == [("acme", settings.KLIQUE_CYCLE_DEBOUNCE_SECONDS)]
+    assert sent == [(wake.CYCLE_TASK, "acme", settings.KLIQUE_CYCLE_DEBOUNCE_SECONDS)]
 
 
 def test_the_celery_task_runs_a_cycle_in_the_schema_it_names(world: World, db: None) -> None:
@@ -117,7 +116,7 @@ def test_a_pool_coming_back_online_asks_for_a_cycle(
     from apps.resources.services import pool_heartbeat
 
     asked: list[str] = []
-    monkeypatch.setattr(scheduling_tasks, "request_cycle", lambda tenant: asked.append(tenant.schema_name))
+    monkeypatch.setattr(wake, "request_cycle", lambda tenant: asked.append(tenant.schema_name))
     with schema_context("acme"):
         pool = Pool.objects.get(name="h100")
         pool_heartbeat(tenant=world.tenant_a, pool=pool)  # already online: nothing to do

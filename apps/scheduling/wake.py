@@ -1,0 +1,51 @@
+"""Asking for a scheduling cycle: the one thing the rest of Klique needs of the cycle.
+
+The request sends the Celery task by its name, so that what asks (a submit, an agent's report, a pool
+coming back) never imports the cycle itself."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import redis
+from celery import current_app
+from django.conf import settings
+from django.db import transaction
+
+if TYPE_CHECKING:
+    from tenants.models import Tenant
+
+logger = logging.getLogger(__name__)
+
+CYCLE_TASK = "scheduling.run_cycle"  # apps.scheduling.tasks.scheduling_cycle
+_redis: redis.Redis | None = None
+
+
+def _client() -> redis.Redis:
+    global _redis  # noqa: PLW0603 -- one connection pool per process
+    if _redis is None:
+        _redis = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=1, socket_connect_timeout=1)
+    return _redis
+
+
+def send_cycle(schema_name: str, *, countdown: float) -> None:
+    """Queue a cycle for the tenant in `countdown` seconds."""
+    current_app.send_task(CYCLE_TASK, args=(schema_name,), countdown=countdown)
+
+
+def request_cycle(tenant: Tenant) -> None:
+    """Ask for a cycle once the current transaction commits; events within the debounce window share one."""
+    delay = settings.KLIQUE_CYCLE_DEBOUNCE_SECONDS
+
+    def send() -> None:
+        key = f"klique:cycle-requested:{tenant.schema_name}"
+        try:
+            if not _client().set(key, 1, nx=True, px=int(delay * 1000)):
+                return  # a cycle is already on its way and will see this change
+            send_cycle(tenant.schema_name, countdown=delay)
+        except Exception:
+            # Beat's periodic cycle picks the change up; the submit itself is committed.
+            logger.warning("could not request a scheduling cycle", exc_info=True)
+
+    transaction.on_commit(send)
