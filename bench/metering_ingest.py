@@ -71,7 +71,7 @@ def measure(count: int, schema: str) -> int:
         )
     with schema_context(schema):
         PriceBook.objects.update_or_create(pk=1, defaults={"gpu_hour": {"H100": "2.50", "*": "1.00"}})
-        directory = Directory(now)
+        directory = Directory(now, events)
         rows = [_row(event, directory) for event in events]
         from apps.metering.ledger import COLUMNS
 

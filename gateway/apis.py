@@ -16,7 +16,7 @@ from rest_framework.response import Response
 from apps.accounts.apis import TenantAPIView
 from apps.accounts.models import ProjectMembership, Role, User
 from apps.core.schema import AmountField, DocumentField
-from gateway import services
+from gateway import services, wallets
 from gateway.budgets import usd
 from gateway.models import Budget, Usage
 
@@ -69,10 +69,10 @@ class BudgetOut(serializers.ModelSerializer[Budget]):
         fields = ["id", "name", "scope", "project", "user", "unit", "limit", "period", "spent", "created_at"]
 
     def get_name(self, budget: Budget) -> str:
-        return services.budget_label(budget)
+        return wallets.budget_label(budget)
 
     def get_spent(self, budget: Budget) -> str:
-        spent = services.ledger_spent(services.enforced(budget), now=datetime.now(UTC))
+        spent = wallets.ledger_spent(wallets.enforced(budget), now=datetime.now(UTC))
         return str(spent) if budget.unit == Budget.Unit.TOKENS else str(usd(spent))
 
 

@@ -2,7 +2,10 @@
 
 The gateway caches who a token is (its user, role, project and budgets) and the tenant's configuration;
 its reserve script refuses to run on a cached copy older than the epoch, so revoking a token, removing a
-member or lowering a budget takes effect on the next call in every gateway process."""
+member or lowering a budget takes effect on the next call in every gateway process.
+
+Metered GPU time that costs something (apps.metering.signals.cost_recorded) is added to the live counters
+of the wallets it draws from."""
 
 from __future__ import annotations
 
@@ -12,15 +15,16 @@ from django.db import connection, transaction
 from django.db.models.signals import post_delete, post_save
 
 from apps.accounts.models import ApiToken, ProjectMembership, User
+from apps.metering.signals import cost_recorded
 from apps.vault.models import Secret
+from gateway.budgets import epoch_key
+from gateway.cache import sync_redis
 from gateway.models import Budget, GatewaySettings
+from gateway.wallets import charge
 from tenants.models import Tenant
 
 
 def bump(schema: str) -> None:
-    from gateway.budgets import epoch_key
-    from gateway.cache import sync_redis
-
     sync_redis().incr(epoch_key(schema))
 
 
@@ -39,3 +43,12 @@ for model in (ApiToken, User, ProjectMembership, Budget, GatewaySettings, Secret
     post_save.connect(_changed, sender=model, dispatch_uid=f"gateway-epoch-save-{model.__name__}")
     post_delete.connect(_changed, sender=model, dispatch_uid=f"gateway-epoch-delete-{model.__name__}")
 post_save.connect(_tenant_changed, sender=Tenant, dispatch_uid="gateway-epoch-tenant")
+
+
+def _cost_recorded(
+    sender: Any, *, user_id: str, project_id: str | None, cost_nano_usd: int, at: Any, **kwargs: Any
+) -> None:
+    charge(user_id=user_id, project_id=project_id, cost_nano_usd=cost_nano_usd, at=at)
+
+
+cost_recorded.connect(_cost_recorded, dispatch_uid="gateway-wallet-charge")

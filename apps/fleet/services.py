@@ -56,12 +56,12 @@ from apps.core.events import publish_event, publish_log
 from apps.core.ids import as_uuid
 from apps.fleet import notify
 from apps.fleet.models import Agent, AgentToken, TaskOutput, TaskReport
-from apps.resources.models import SCALES_FROM_ZERO, Pool
+from apps.resources.models import Pool
 from apps.resources.services import pool_heartbeat
-from apps.scheduling import runs, wake
+from apps.scheduling import lifecycle, runs, wake
 from apps.scheduling.engine import UNITS_PER_GPU
+from apps.scheduling.lifecycle import task_finish, transition
 from apps.scheduling.models import ACTIVE_STATES, ENDED_STATES, RunOutcome, Task, TaskRun, TaskState
-from apps.scheduling.services import task_finish, transition
 from apps.vault.services import mask, secret_names_quietly, secret_values_for, secret_values_to_mask
 from protocol import messages
 
@@ -217,7 +217,7 @@ def agent_hello(*, tenant: Tenant, token: AgentToken, hello: messages.Hello) -> 
             if run is not None and run.agent_id != agent_id:
                 TaskRun.objects.filter(pk=run.pk).update(agent_id=agent_id)
         else:
-            runs.run_lost(tenant, task, f"agent {agent_id} came back without it")
+            lifecycle.run_lost(tenant, task, f"agent {agent_id} came back without it")
     stop = []
     for holding in held.values():
         verdict = _held_elsewhere(tenant, pool, agent_id, holding)
@@ -251,50 +251,11 @@ def _held_elsewhere(
     if task is None or run is None:
         return None if holding.ended else stop
     if runs.reclaimable(task, run):
-        runs.run_adopt(tenant, task, run, agent_id=agent_id, ended=holding.ended)
+        lifecycle.run_adopt(tenant, task, run, agent_id=agent_id, ended=holding.ended)
         return True
     if holding.ended:
         return None  # its result will be recorded beside the task
     return messages.Stop(run.stop or "abort", holding.task_id, holding.lease_id, run.stop_grace_seconds)
-
-
-def _silent_agents(now: Any) -> list[str]:
-    """Agents whose last heartbeat is older than their pool's timeout (their pool may be online still,
-    through another agent)."""
-    return [
-        agent.pk
-        for agent in Agent.objects.select_related("pool")
-        if agent.last_heartbeat_at is not None
-        and (now - agent.last_heartbeat_at).total_seconds() > agent.pool.heartbeat_timeout_seconds
-        and agent.pool.environment not in SCALES_FROM_ZERO  # as its pool: never silent
-    ]
-
-
-@transaction.atomic
-def tasks_of_silent_pools(*, tenant: Tenant) -> int:
-    """Runs dispatched to or running in a pool whose agents all stopped heartbeating beyond the pool's
-    timeout, or on an agent that did, are lost: a dispatch goes back to the queue, a run counts as a
-    failed attempt. Each is kept, to be adopted if its agent comes back with it before the task runs
-    again. Returns how many."""
-    now = timezone.now()
-    silent_pools = {pool.pk: pool.name for pool in Pool.objects.all() if not pool.is_online(now)}
-    silent_agents = _silent_agents(now)
-    leases = TaskRun.objects.filter(agent_id__in=silent_agents, outcome=RunOutcome.LIVE).values("pk")
-    lost: dict[str, int] = {}
-    for task in Task.objects.select_for_update(skip_locked=True, of=("self",)).filter(
-        Q(pool_id__in=list(silent_pools)) | Q(lease_id__in=leases), state__in=runs.LIVE_STATES
-    ):
-        if task.pool_id in silent_pools:
-            why = f"pool {silent_pools[task.pool_id]} went silent (no heartbeat for its timeout)"
-        else:
-            why = "its agent went silent (no heartbeat for the pool's timeout)"
-        pool = task.pool.name if task.pool else "?"
-        runs.run_lost(tenant, task, why)
-        lost[pool] = lost.get(pool, 0) + 1
-    for pool, count in lost.items():  # once per loss, not once per cycle the pool stays silent
-        logger.warning("pool %s: %d runs given up, their agents silent past the timeout", pool, count)
-        publish_event(tenant=tenant, kind="pool.silent", data={"pool": pool, "runs_lost": count})
-    return sum(lost.values())
 
 
 def agent_gone(*, agent_id: str) -> None:
@@ -477,7 +438,7 @@ def lease_accepted(
             Task.objects.filter(pk=task.pk).update(lease_expires_at=None)
             return None
         if runs.reclaimable(task, run):
-            runs.run_adopt(tenant, task, run, agent_id=agent_id, ended=False)
+            lifecycle.run_adopt(tenant, task, run, agent_id=agent_id, ended=False)
             _alive(tenant, pool, agent_id)
             return None
     raise StaleLease(
@@ -555,7 +516,8 @@ def report(*, tenant: Tenant, pool: Pool, agent_id: str, message: messages.Repor
     if seen.exists():
         return ack(messages.DUPLICATE)
     if not runs.is_current(task, run) and runs.reclaimable(task, run):  # e.g. its lease expired unanswered
-        runs.run_adopt(tenant, task, run, agent_id=agent_id, ended=message.kind == TaskReport.Kind.RESULT)
+        ended = message.kind == TaskReport.Kind.RESULT
+        lifecycle.run_adopt(tenant, task, run, agent_id=agent_id, ended=ended)
         _alive(tenant, pool, agent_id)  # what it reports proves it is there: not lost again next cycle
     if not runs.is_current(task, run):
         if message.kind == TaskReport.Kind.RESULT and run.released_at is None:

@@ -15,7 +15,7 @@ from rest_framework.response import Response
 from apps.accounts.apis import TenantAPIView
 from apps.accounts.models import Role
 from apps.core.errors import InvalidInput
-from apps.metering import exports, ledger, services
+from apps.metering import exports, ledger, selectors, services
 from apps.metering.models import LedgerEvent, Period, Rejection, Rollup
 from protocol.units import UNITS_PER_GPU
 
@@ -65,8 +65,8 @@ class UsageListView(TenantAPIView):
         summary="Ledger events (yours; admins everyone's): filter by kind, user, project, pool, since, until",
     )
     def get(self, request: Request) -> Response:
-        events = services.usage_filtered(
-            services.usage_for(self.user), request.query_params.dict(), time_field="started_at"
+        events = selectors.usage_filtered(
+            selectors.usage_for(self.user), request.query_params.dict(), time_field="started_at"
         )
         return self.page(events.order_by("-started_at"), EventOut)
 
@@ -90,10 +90,10 @@ class UsageSummaryView(TenantAPIView):
         if not self.user.has_role(Role.ADMIN):
             rollups = rollups.filter(user_id=self.user.pk)
         bounds = {key: str(query[key]) for key in ("kind", "since", "until") if query.get(key)}
-        rollups = services.usage_filtered(rollups, bounds, time_field="bucket")
+        rollups = selectors.usage_filtered(rollups, bounds, time_field="bucket")
         column = SUMMARY_KEYS[by]
         rows = rollups.values(column).annotate(events=Sum("events"), **ledger.amount_sums())
-        names = services.names(column)
+        names = selectors.names(column)
         result = [
             {
                 by: names.get(str(row[column]), str(row[column] or ""))
@@ -145,7 +145,7 @@ class RejectionListView(TenantAPIView):
 
     @extend_schema(responses=RejectionOut(many=True), summary="Events the ledger refused, and why (admin)")
     def get(self, request: Request) -> Response:
-        return self.page(services.rejections(), RejectionOut)
+        return self.page(selectors.rejections(), RejectionOut)
 
 
 class PriceBookIO(serializers.Serializer[Any]):
@@ -159,7 +159,7 @@ class PriceBookIO(serializers.Serializer[Any]):
 class PriceBookView(TenantAPIView):
     @extend_schema(responses=PriceBookIO, summary="The tenant's prices")
     def get(self, request: Request) -> Response:
-        book = services.price_book()
+        book = selectors.price_book()
         return Response(
             {"gpu_hour": book.gpu_hour, "tokens_million": book.tokens_million, "gb_month": str(book.gb_month)}
         )
@@ -188,7 +188,7 @@ class PeriodOut(serializers.ModelSerializer[Period]):
 class PeriodListView(TenantAPIView):
     @extend_schema(responses=PeriodOut(many=True), summary="Billing months, open or closed")
     def get(self, request: Request) -> Response:
-        return self.page(services.periods(), PeriodOut)
+        return self.page(selectors.periods(), PeriodOut)
 
 
 class PeriodCloseView(TenantAPIView):

@@ -26,7 +26,7 @@ from typing import Any
 
 import psycopg
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Sum
+from django.db.models import Q, Sum
 from django.utils import timezone
 
 from apps.accounts.models import Project, User
@@ -134,11 +134,22 @@ class Event:
         )
 
 
+@dataclass(frozen=True)
+class Cost:
+    """What one appended event cost, and whom: for the wallets it draws from."""
+
+    user_id: str
+    project_id: str | None
+    cost_nano_usd: int
+    ended_at: datetime
+
+
 @dataclass
 class Report:
     accepted: int = 0  # appended now
     duplicates: int = 0  # seen before, same content: nothing changed
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (event id, why)
+    costs: list[Cost] = field(default_factory=list)  # of the events appended now, those that cost anything
 
 
 class Invalid(ValueError):
@@ -170,17 +181,23 @@ def _rounded(value: Fraction) -> int:
 
 
 class Directory:
-    """The tenant's users, projects, pools, periods and prices, read once per batch."""
+    """The users, projects and pools a batch of events names (by name or id), its periods and prices, read
+    once per batch: only what the batch refers to, not every user and project of the tenant."""
 
-    def __init__(self, now: datetime) -> None:
+    def __init__(self, now: datetime, events: list[Event]) -> None:
         self.now = now
         self.users: dict[str, tuple[str, str]] = {}
-        for pk, username in User.objects.values_list("pk", "username"):
+        named = _named({event.user for event in events}, "username")
+        for pk, username in User.objects.filter(named).values_list("pk", "username"):
             self.users[username] = self.users[str(pk)] = (str(pk), username)
         self.projects: dict[str, tuple[str, str, str]] = {}
-        for pk, name, center in Project.objects.values_list("pk", "name", "cost_center"):
+        named = _named({event.project for event in events if event.project}, "name")
+        for pk, name, center in Project.objects.filter(named).values_list("pk", "name", "cost_center"):
             self.projects[name] = self.projects[str(pk)] = (str(pk), name, center)
-        self.pools = dict(Pool.objects.values_list("name", "gpu_class"))
+        self.pools: dict[str, tuple[str, str]] = {}  # name or id -> (name, GPU class)
+        named = _named({event.pool for event in events if event.kind == Kind.GPU}, "name")
+        for pk, name, gpu_class in Pool.objects.filter(named).values_list("pk", "name", "gpu_class"):
+            self.pools[name] = self.pools[str(pk)] = (name, gpu_class)
         self.closed = set(Period.objects.filter(closed_at__isnull=False).values_list("start", flat=True))
         prices = PriceBook.objects.filter(pk=1).first() or PriceBook()
         # nano-USD per unit-millisecond, as a fraction: a GPU-hour is 840 units x 3,600,000 ms
@@ -241,6 +258,15 @@ MAX_AMOUNT = 10**15  # tokens, bytes or nano-USD in one event: far above any rea
 MAX_COST = 2**62  # nano-USD in one ledger row (its column is a 64-bit integer)
 
 
+def _named(references: set[str], name_field: str) -> Q:
+    """Rows named by any of `references`, each a name or an id; no row for no reference."""
+    texts = {reference for reference in references if isinstance(reference, str) and reference}
+    ids = {identifier for identifier in (as_uuid(text) for text in texts) if identifier is not None}
+    if not texts:
+        return Q(pk__in=[])
+    return Q(**{f"{name_field}__in": texts}) | Q(pk__in=ids)
+
+
 def _check_sizes(event: Event) -> None:
     """Text and amounts within what a ledger row holds, or Invalid naming the field."""
     texts = (("model", 100), ("group", 100), ("pool", 100), ("compute_resource", 200), ("source", 20))
@@ -278,10 +304,11 @@ def _row(event: Event, directory: Directory) -> tuple[Any, ...]:
     project_id, project_name, cost_center = directory.project(event.project)
     milliseconds = (ended - event.started_at) // ONE_MS
     units = gpu_class = None
+    pool = event.pool
     if event.kind == Kind.GPU:
         if event.pool not in directory.pools:
             raise Invalid(f"no pool {event.pool!r} in this tenant")
-        units, gpu_class = units_of(event.gpus), directory.pools[event.pool]
+        units, (pool, gpu_class) = units_of(event.gpus), directory.pools[event.pool]
     unit_ms = (units or 0) * milliseconds
     byte_ms = event.bytes * milliseconds if event.kind == Kind.STORAGE else 0
     cost = directory.cost(event, gpu_class or "", unit_ms, byte_ms)
@@ -292,7 +319,7 @@ def _row(event: Event, directory: Directory) -> tuple[Any, ...]:
     # say the same. Instants as microseconds since 1970 UTC, so one instant in two time zones is the same.
     said = (
         event.kind, (event.started_at - EPOCH) // ONE_US, (ended - EPOCH) // ONE_US, user_id, project_id,
-        event.group, event.pool, event.compute_resource, units, event.model, event.tokens_in,
+        event.group, pool, event.compute_resource, units, event.model, event.tokens_in,
         event.tokens_out, byte_ms,
     )  # fmt: skip
     return (
@@ -309,7 +336,7 @@ def _row(event: Event, directory: Directory) -> tuple[Any, ...]:
         project_name,
         cost_center,
         event.group,
-        event.pool,
+        pool,
         gpu_class or "",
         event.compute_resource,
         units or 0,
@@ -363,7 +390,8 @@ CONFLICT = "an event with this id was recorded with other content"
 
 def ingest(events: Iterable[Event], *, now: datetime | None = None) -> Report:
     """Append `events` to the current tenant's ledger (see the module's docstring)."""
-    directory = Directory(now or timezone.now())
+    events = list(events)
+    directory = Directory(now or timezone.now(), events)
     report = Report()
     rows: list[tuple[Any, ...]] = []
     payloads: dict[str, Event] = {}
@@ -379,6 +407,11 @@ def ingest(events: Iterable[Event], *, now: datetime | None = None) -> Report:
         if rows:
             appended = _append(rows, report)
             report.accepted = len(appended)
+            report.costs = [
+                Cost(str(row[_USER_ID]), row[_PROJECT_ID], row[_COST], row[_ENDED_AT])
+                for row in appended
+                if row[_COST] > 0
+            ]
             _roll(appended)
         Rejection.objects.bulk_create(
             [
@@ -438,6 +471,7 @@ _KEY_OF = itemgetter(
 )
 _MEASURES_OF = itemgetter(*(COLUMNS.index(name) for name in _MEASURES[1:]))
 _ENDED_AT = COLUMNS.index("ended_at")
+_USER_ID, _PROJECT_ID, _COST = (COLUMNS.index(name) for name in ("user_id", "project_id", "cost_nano_usd"))
 
 
 def _roll(rows: list[tuple[Any, ...]]) -> None:

@@ -1,5 +1,5 @@
-"""The ledger's writers for the rest of Klique: run segments from the scheduler, gateway calls, storage;
-and what the API reads: usage, summaries, the price book."""
+"""The ledger's writers for the rest of Klique: gateway calls and storage (run segments: runs.py), imports,
+the price book and closing a period. What is read is in selectors.py."""
 
 from __future__ import annotations
 
@@ -8,84 +8,11 @@ from decimal import Decimal
 from typing import Any
 
 from django.db import transaction
-from django.db.models import QuerySet
 from django.utils import timezone
 
-from apps.accounts.models import Role, User
 from apps.core.errors import InvalidInput
 from apps.metering.ledger import Event, Report, ingest
 from apps.metering.models import Kind, LedgerEvent, Period, PriceBook, Rejection
-from protocol.units import UNITS_PER_GPU
-
-
-def run_segment(
-    *,
-    task_id: str,
-    started_at: datetime,
-    ended_at: datetime,
-    username: str,
-    project: str,
-    group: str,
-    pool: str,
-    compute_resource: str,
-    units: int,
-) -> Report:
-    """Meter one segment of a task's run: its GPUs from started_at to ended_at. A run is metered hour by
-    hour while it runs and the rest when it stops (completed, failed, aborted or preempted), in the
-    transaction that stops it; a preempted run's next run starts segments of its own. The segment's
-    start names it, so writing one twice counts once."""
-    from fractions import Fraction
-
-    event = Event(
-        event_id=_segment_prefix(task_id) + started_at.isoformat(),
-        kind=Kind.GPU,
-        started_at=started_at,
-        ended_at=max(ended_at, started_at),
-        user=username,
-        project=project,
-        group=group,
-        pool=pool,
-        compute_resource=compute_resource,
-        gpus=Fraction(units, UNITS_PER_GPU),
-        source="scheduler",
-    )
-    report = ingest([event], now=max(ended_at, timezone.now()))
-    if report.accepted:
-        from gateway.services import charge
-
-        row = LedgerEvent.objects.get(event_id=event.event_id)
-        charge(user_id=str(row.user_id), project_id=str(row.project_id) if row.project_id else None,
-               cost_nano_usd=row.cost_nano_usd, at=row.ended_at)  # fmt: skip
-    return report
-
-
-def _segment_prefix(task_id: object) -> str:
-    """A task's GPU segments are named gpu:<task id>:<the segment's start>."""
-    return f"gpu:{task_id}:"
-
-
-def task_gpu_usage(*, task_id: Any, user_id: Any, since: datetime) -> dict[str, Any] | None:
-    """The GPU time (units x milliseconds) and cost (nano-USD) the ledger holds for a task's runs, or None
-    before any. Read through the ledger's (user, started_at) index: the submitter's events since the task
-    was submitted, not the whole ledger."""
-    from apps.metering.ledger import amount_sums
-
-    sums = LedgerEvent.objects.filter(
-        user_id=user_id, started_at__gte=since, kind=Kind.GPU, event_id__startswith=_segment_prefix(task_id)
-    ).aggregate(**amount_sums())
-    return None if sums["gpu_unit_ms"] is None else sums
-
-
-def compute_cost(*, since: datetime, project_id: Any = None, user_id: Any = None) -> int:
-    """The GPU and storage cost (nano-USD) metered since `since` for a project, a user, or everyone."""
-    from django.db.models import Sum
-
-    events = LedgerEvent.objects.filter(kind__in=(Kind.GPU, Kind.STORAGE), ended_at__gte=since)
-    if project_id is not None:
-        events = events.filter(project_id=project_id)
-    if user_id is not None:
-        events = events.filter(user_id=user_id)
-    return int(events.aggregate(cost=Sum("cost_nano_usd"))["cost"] or 0)
 
 
 def gateway_calls() -> Report:
@@ -146,34 +73,6 @@ def storage(*, now: datetime | None = None, hours: int = 3) -> Report:
                 )
             )
     return ingest(events, now=now) if events else Report()
-
-
-def usage_for(user: User) -> QuerySet[LedgerEvent]:
-    """The ledger events a user may read: everyone's for admins, their own otherwise."""
-    events = LedgerEvent.objects.all()
-    return events if user.has_role(Role.ADMIN) else events.filter(user_id=user.pk)
-
-
-def usage_filtered(events: QuerySet[Any], query: dict[str, str], *, time_field: str) -> QuerySet[Any]:
-    """`events` narrowed by the usage API's filters (kind, user, project, pool, since, until)."""
-    filters = {"kind": "kind", "user": "username", "project": "project_name", "pool": "pool"}
-    for parameter, column in filters.items():
-        if query.get(parameter) and (parameter != "user" or time_field == "started_at"):
-            events = events.filter(**{column: query[parameter]})
-    for bound, lookup in (("since", "gte"), ("until", "lt")):
-        if query.get(bound):
-            try:
-                moment = datetime.fromisoformat(query[bound])
-            except ValueError:
-                raise InvalidInput(
-                    f"{bound}: an ISO 8601 time, as 2026-11-01T00:00:00Z.", field=bound
-                ) from None
-            events = events.filter(**{f"{time_field}__{lookup}": moment})
-    return events
-
-
-def price_book() -> PriceBook:
-    return PriceBook.objects.filter(pk=1).first() or PriceBook(pk=1)
 
 
 MAX_PRICE = Decimal(1_000_000)  # USD per unit: more is a typo, and would overflow what it prices
@@ -249,21 +148,6 @@ def import_events(items: list[Any]) -> Report:
     return report
 
 
-def rejections() -> QuerySet[Rejection]:
-    return Rejection.objects.all()
-
-
-def names(column: str) -> dict[str, str]:
-    """Names for the ids a summary groups by (projects and users), so it reads as people do."""
-    from apps.accounts.models import Project
-
-    if column == "project_id":
-        return {str(pk): name for pk, name in Project.objects.values_list("pk", "name")}
-    if column == "user_id":
-        return {str(pk): name for pk, name in User.objects.values_list("pk", "username")}
-    return {}
-
-
 def period_of(text: str) -> date:
     """A period named as 2026-11."""
     try:
@@ -283,7 +167,3 @@ def period_close(*, start: date) -> Period:
     period.closed_at = timezone.now()
     period.save(update_fields=["closed_at"])
     return period
-
-
-def periods() -> QuerySet[Period]:
-    return Period.objects.all()

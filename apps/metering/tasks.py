@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from apps.core.tenancy import tenant_task
-from apps.metering import services
+from apps.metering import runs, services
 from tenants.models import Tenant
 
 
@@ -22,6 +22,4 @@ def storage(tenant: Tenant) -> int:
 @tenant_task("metering.running_gpus")
 def running_gpus(tenant: Tenant) -> int:
     """Running tasks' GPU time up to the last whole hour, into the ledger; how many segments were new."""
-    from apps.scheduling.services import meter_running
-
-    return meter_running()
+    return runs.meter_running()

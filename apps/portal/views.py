@@ -153,7 +153,7 @@ def _metered(task: Any) -> dict[str, Any] | None:
     """The GPU time and cost the ledger holds for the task's runs (a running run's is metered hour by
     hour), or None before any."""
     from apps.metering.ledger import gpu_hours, usd
-    from apps.metering.services import task_gpu_usage
+    from apps.metering.selectors import task_gpu_usage
 
     sums = task_gpu_usage(task_id=task.pk, user_id=task.submitter_id, since=task.submitted_at)
     return (

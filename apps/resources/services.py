@@ -32,6 +32,8 @@ from apps.resources.models import (
 from apps.resources.simulation import Comparison, compare, jobs_from_csv, jobs_from_history
 from apps.scheduling import wake
 from apps.scheduling.engine import UNITS_PER_GPU, SizeError, units
+from apps.scheduling.lifecycle import tasks_end_for_removed_resources
+from apps.scheduling.selectors import active_tasks_per_pool
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -137,8 +139,6 @@ def draft_save(*, tenant: Tenant, user: User, document: Any) -> ConfigurationDra
 def _report(document: dict[str, Any]) -> Report:
     now = timezone.now()
     online = {pool.name: pool.is_online(now) for pool in Pool.objects.all()}
-    from apps.scheduling.selectors import active_tasks_per_pool
-
     return check(
         document,
         groups=set(Group.objects.values_list("name", flat=True)),
@@ -164,8 +164,6 @@ def draft_validate() -> Report:
 @transaction.atomic
 def draft_provision(*, tenant: Tenant, user: User) -> Provisioned:
     """Make the draft the configuration, atomically, or refuse with the report's errors."""
-    from apps.scheduling.services import tasks_end_for_removed_resources
-
     draft = ConfigurationDraft.objects.select_for_update().get(pk=draft_get().pk)
     try:
         document = parse_document(draft.document)

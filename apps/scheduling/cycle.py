@@ -15,10 +15,12 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from django.db import connection, transaction
+from django.db.models import Sum
 from django.utils import timezone
 
 from apps.core.events import publish_event
 from apps.fleet import notify
+from apps.fleet.models import Agent
 from apps.resources.models import (
     MIG_METHODS,
     ComputeResource,
@@ -27,10 +29,10 @@ from apps.resources.models import (
     ResourceProfile,
     SharingMethod,
 )
-from apps.scheduling import engine
-from apps.scheduling.models import ACTIVE_STATES, Task, TaskEvent, TaskRun, TaskState
-from apps.scheduling.runs import LOST_REASON, PREEMPT_GRACE_SECONDS, run_request_stop
-from apps.scheduling.services import SCHEDULER, leases_expire, meter_run
+from apps.scheduling import engine, lifecycle
+from apps.scheduling.models import ACTIVE_STATES, Task, TaskRun, TaskState
+from apps.scheduling.runs import LOST_REASON
+from gateway.wallets import spent_budgets
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -54,10 +56,6 @@ def _lock_key(schema_name: str) -> int:
 def _stopping_units() -> dict[str, int]:
     """Units still held per pool by runs the plane has stopped (aborted, preempted) whose connected agent
     has not yet let them go: their GPUs are free only when the agent says so."""
-    from django.db.models import Sum
-
-    from apps.fleet.models import Agent
-
     connected = Agent.objects.filter(connected=True).values("pk")
     rows = (
         TaskRun.objects.filter(released_at=None, agent_id__in=connected)
@@ -136,8 +134,6 @@ def snapshot(tenant: Tenant, now: datetime, *, held: frozenset[str] = frozenset(
 
 def _publish_use(tenant: Tenant) -> None:
     """The GPUs the tenant's work holds after this cycle, on its public row for the provider's pages."""
-    from django.db.models import Sum
-
     held = Task.objects.filter(state__in=ACTIVE_STATES).aggregate(units=Sum("size_units"))["units"] or 0
     type(tenant).objects.filter(pk=tenant.pk).update(gpu_units_in_use=held)
 
@@ -145,8 +141,6 @@ def _publish_use(tenant: Tenant) -> None:
 def _held_by_budgets(now: datetime) -> dict[str, str]:
     """Queued tasks that may not start because a budget in USD they draw from is spent (one wallet pays
     for a project's GPU time and its gateway calls): task id -> the budget's sentence."""
-    from gateway.services import spent_budgets
-
     blocked = spent_budgets(now=now)
     if not (blocked.tenant or blocked.projects or blocked.users):
         return {}
@@ -170,12 +164,6 @@ def _explain(reasons: dict[str, str], *, code: str) -> None:
     Task.objects.bulk_update(changed, ["reason_code", "reason"], batch_size=2000)
 
 
-def _lose_tasks_of_silent_pools(tenant: Tenant) -> None:
-    from apps.fleet.services import tasks_of_silent_pools
-
-    tasks_of_silent_pools(tenant=tenant)
-
-
 def _tell_agents(tenant: Tenant, decision: engine.Decision, stopped: list[TaskRun]) -> None:
     """After commit: wake the agents of pools that got work, and stop preempted runs (with a grace period
     so they can checkpoint). The stops are desired state on the runs: a heartbeat that still lists one
@@ -192,86 +180,10 @@ def _tell_agents(tenant: Tenant, decision: engine.Decision, stopped: list[TaskRu
 
 
 def _apply(decision: engine.Decision, now: datetime) -> tuple[int, int, list[TaskRun]]:
-    events: list[TaskEvent] = []
-    placed = 0
-    for placement in decision.placements:
-        task = Task.objects.filter(pk=placement.task, state=TaskState.QUEUED).only("queued_at").first()
-        if task is None:
-            continue
-        wait = (now - task.queued_at).total_seconds()
-        if Task.objects.filter(pk=placement.task, state=TaskState.QUEUED).update(
-            state=TaskState.PLACED,
-            pool_id=placement.pool,
-            placed_at=now,
-            wait_seconds=wait,
-            reason_code="",
-            reason="",
-        ):
-            placed += 1
-            events.append(
-                TaskEvent(
-                    task_id=placement.task,
-                    at=now,
-                    actor=SCHEDULER,
-                    from_state=TaskState.QUEUED,
-                    to_state=TaskState.PLACED,
-                    message=f"placed in pool {placement.pool}",
-                )
-            )
-    preempted = 0
-    runs_ended: list[Task] = []
-    stopped: list[TaskRun] = []
-    for preemption in decision.preemptions:
-        # Locked, so that its state is the one it leaves: a run that ended meanwhile is left alone.
-        victim = (
-            Task.objects.select_for_update().filter(pk=preemption.victim, state__in=ACTIVE_STATES).first()
-        )
-        if victim is None:
-            continue
-        message = (
-            f"Preempted to return borrowed capacity to guaranteed task {preemption.for_task}; "
-            "back at the front of its queue."
-        )
-        events += [
-            TaskEvent(
-                task=victim,
-                at=now,
-                actor=SCHEDULER,
-                from_state=victim.state,
-                to_state=TaskState.PREEMPTED,
-                message=message,
-            ),
-            TaskEvent(
-                task=victim,
-                at=now,
-                actor=SCHEDULER,
-                from_state=TaskState.PREEMPTED,
-                to_state=TaskState.QUEUED,
-                message="requeued at its original submit time",
-            ),
-        ]
-        if victim.state == TaskState.RUNNING and victim.started_at is not None:
-            runs_ended.append(victim)
-        if victim.state in (TaskState.DISPATCHING, TaskState.RUNNING):
-            stopping = run_request_stop(victim, kind="preempt", grace_seconds=PREEMPT_GRACE_SECONDS)
-            if stopping is not None:
-                stopped.append(stopping)
-        # Keeps submitted_at, so it returns to the front of its queue.
-        preempted += Task.objects.filter(pk=victim.pk).update(
-            state=TaskState.QUEUED,
-            pool=None,
-            queued_at=now,
-            placed_at=None,
-            started_at=None,
-            reason_code="preempted",
-            reason=message,
-        )
-    TaskEvent.objects.bulk_create(events)
-    # Each preempted run is a segment of its own. They are metered once every victim's row is locked:
-    # a run's end elsewhere (an agent's report) locks its row, then the ledger's rollups; taking the
-    # rollups before the last row could deadlock with it.
-    for run in runs_ended:
-        meter_run(run, ended_at=now)
+    """Write the cycle's decision: placements and preemptions through the lifecycle, then the reasons
+    the tasks left waiting wait for."""
+    placed = lifecycle.tasks_place(decision.placements, now)
+    preempted, stopped = lifecycle.tasks_preempt(decision.preemptions, now)
 
     # A run given up (its pool went silent) keeps saying so while the task waits: that is why it waits.
     waiting = (
@@ -298,8 +210,8 @@ def run_cycle(tenant: Tenant) -> CycleResult:
             (locked,) = cursor.fetchone()
         if not locked:
             return CycleResult(ran=False)
-        leases_expire()
-        _lose_tasks_of_silent_pools(tenant)
+        lifecycle.leases_expire()
+        lifecycle.tasks_of_silent_pools(tenant=tenant)
         now = timezone.now()
         held = _held_by_budgets(now)
         state = snapshot(tenant, now, held=frozenset(held))

@@ -7,6 +7,8 @@ back without it (lost). A lost run is not forgotten: when its agent comes back w
 finished, and the task has not been dispatched again since, the run is adopted and its result is the
 task's; otherwise it is recorded as a duplicate run, its time metered once and flagged, never taken for
 the task's result.
+
+These are the run records; what a run's end does to its task (lost, adopted) is lifecycle.py's.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 from django.utils import timezone
 
 from apps.core.events import publish_event
+from apps.metering.runs import meter_segment
 from apps.resources.models import Pool
 from apps.scheduling.models import RunOutcome, Task, TaskEvent, TaskRun, TaskState
-from apps.scheduling.services import _meter, task_finish, transition
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -83,70 +85,6 @@ def run_ended(run: TaskRun | None, *, outcome: str, exit_code: int | None, now: 
     run.save(update_fields=["outcome", "exit_code", "ended_at", "released_at"])
 
 
-def run_lost(tenant: Tenant, task: Task, why: str) -> None:
-    """The task's run is gone from the plane's view (its agent silent, or back without it): a run that
-    never started goes back to the queue; a started run counts as a failed attempt, retried while
-    attempts remain. The run is kept as lost, so that its agent may still bring it back."""
-    now = timezone.now()
-    run = current_run(task)
-    if run is not None:
-        run.outcome, run.ended_at = RunOutcome.LOST, now
-        run.note = f"lost at {now:%H:%M:%S} UTC: {why}"
-        run.save(update_fields=["outcome", "ended_at", "note"])
-    attempt = f"attempt {run.attempt}" if run is not None else "its run"
-    if task.state == TaskState.DISPATCHING:
-        transition(
-            task,
-            to_state=TaskState.QUEUED,
-            actor="scheduler",
-            message=f"{attempt} lost: {why}",
-            pool=None,
-            lease_expires_at=None,
-            queued_at=now,
-            reason_code="lease_lost",
-            reason=f"Its dispatch was lost ({why}); queued again.",
-        )
-    else:
-        task_finish(tenant=tenant, task=task, succeeded=False, exit_code=None, actor="scheduler", lost=why)
-    pool = run.pool.name if run is not None and run.pool else "?"
-    agent = run.agent_id if run is not None else ""
-    logger.warning("task %s: %s on pool %s (agent %s) lost: %s", task.pk, attempt, pool, agent or "?", why)
-    publish_event(
-        tenant=tenant,
-        kind="run.lost",
-        data={"task": str(task.pk), "pool": pool, "agent": agent, "why": why},
-    )
-
-
-def run_adopt(tenant: Tenant, task: Task, run: TaskRun, *, agent_id: str, ended: bool) -> None:
-    """The agent came back with a run the plane had given up on, and the task has not run since: the run
-    is the task's again (running, or with its result on the way), not started a second time."""
-    now = timezone.now()
-    to_state = TaskState.RUNNING if run.started_at is not None else TaskState.DISPATCHING
-    how = "its result on the way" if ended else "still running"
-    message = f"adopted: agent {agent_id} came back with attempt {run.attempt}, {how}; not run again"
-    TaskEvent.objects.create(
-        task=task, at=now, actor=f"agent {agent_id}"[:200], from_state=task.state, to_state=to_state,
-        message=message,
-    )  # fmt: skip
-    task.state, task.pool_id, task.started_at = to_state, run.pool_id, run.started_at
-    task.lease_expires_at, task.ended_at, task.exit_code = None, None, None
-    task.reason_code, task.reason = (
-        "adopted",
-        f"Attempt {run.attempt} was adopted when agent {agent_id} came back.",
-    )
-    task.save()
-    run.outcome, run.ended_at, run.agent_id = RunOutcome.LIVE, None, agent_id
-    run.note = f"{run.note}; adopted at {now:%H:%M:%S} UTC".lstrip("; ")
-    run.save(update_fields=["outcome", "ended_at", "agent_id", "note"])
-    logger.info("task %s: attempt %s adopted from agent %s (%s)", task.pk, run.attempt, agent_id, how)
-    publish_event(
-        tenant=tenant,
-        kind="run.adopted",
-        data={"task": str(task.pk), "attempt": run.attempt, "agent": agent_id, "ended": ended},
-    )
-
-
 def run_ended_aside(tenant: Tenant, task: Task, run: TaskRun, *, body: dict[str, Any], agent_id: str) -> str:
     """A result for a run that is not the task's (a stop it confirms, or a run that went on while the task
     ran again elsewhere). The run is recorded; the task is not touched. Returns what was recorded."""
@@ -166,7 +104,7 @@ def run_ended_aside(tenant: Tenant, task: Task, run: TaskRun, *, body: dict[str,
     if run.started_at is not None and unmetered_from is not None and unmetered_from < now:
         pool = run.pool
         task.pool = pool  # the duplicate's GPUs were in its own pool
-        _meter(task, started_at=max(unmetered_from, run.started_at), ended_at=now)
+        meter_segment(task, started_at=max(unmetered_from, run.started_at), ended_at=now)
     TaskEvent.objects.create(
         task=task, at=now, actor=f"agent {agent_id}"[:200], from_state=task.state, to_state=task.state,
         message=f"duplicate run: attempt {run.attempt} ended with exit code {code} on agent {agent_id} "

@@ -20,6 +20,7 @@ from apps.accounts.models import User
 from apps.fleet import notify, services
 from apps.fleet.models import Agent, TaskReport
 from apps.resources.models import Pool
+from apps.scheduling import lifecycle
 from apps.scheduling.cycle import run_cycle, snapshot
 from apps.scheduling.models import Task, TaskRun, TaskState
 from apps.scheduling.services import TaskRequest, task_cancel, tasks_submit
@@ -75,7 +76,7 @@ def lose(fleet: dict[str, Any]) -> int:
         long_ago = timezone.now() - timedelta(days=2)
         Pool.objects.filter(name="h100").update(last_heartbeat_at=long_ago)
         Agent.objects.update(last_heartbeat_at=long_ago, connected=False)
-        lost = services.tasks_of_silent_pools(tenant=fleet["tenant"])
+        lost = lifecycle.tasks_of_silent_pools(tenant=fleet["tenant"])
     connections.close_all()
     return lost
 
@@ -250,7 +251,7 @@ def test_an_expired_lease_whose_run_reports_after_all_is_the_tasks_run_again(fle
         assign = await receive(client, "assign")
 
         def expire() -> None:
-            from apps.scheduling.services import leases_expire
+            from apps.scheduling.lifecycle import leases_expire
 
             Task.objects.filter(pk=assign["task_id"]).update(lease_expires_at=timezone.now())
             assert leases_expire() == 1

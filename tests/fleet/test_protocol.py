@@ -12,11 +12,11 @@ from django.utils import timezone
 from django_tenants.utils import schema_context
 
 from apps.fleet.models import TaskReport
-from apps.fleet.services import agent_token_revoke, tasks_of_silent_pools
+from apps.fleet.services import agent_token_revoke
 from apps.resources.models import Pool
 from apps.scheduling.cycle import run_cycle
+from apps.scheduling.lifecycle import leases_expire, tasks_of_silent_pools
 from apps.scheduling.models import Task, TaskRun, TaskState
-from apps.scheduling.services import leases_expire
 from tests.fleet.conftest import agent, in_fleet
 from tests.world import World
 

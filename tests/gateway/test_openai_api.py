@@ -510,7 +510,7 @@ def test_one_wallet_pays_for_gpu_time_and_gateway_calls(a: Any) -> None:
     from django.utils import timezone
 
     from apps.accounts.models import Project
-    from gateway.services import charge
+    from gateway.wallets import charge
 
     new_project(a, "shared-wallet", "ben")
     a.budget(scope="project", project="shared-wallet", unit="usd", limit="0.001", period="none")

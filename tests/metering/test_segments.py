@@ -15,9 +15,10 @@ from django_tenants.utils import schema_context
 from apps.accounts.models import User
 from apps.metering.ledger import gpu_hours
 from apps.metering.models import LedgerEvent
+from apps.metering.runs import meter_running
 from apps.resources.models import Pool
+from apps.scheduling.lifecycle import transition
 from apps.scheduling.models import Task, TaskState
-from apps.scheduling.services import meter_running, transition
 from tests.world import World
 
 pytestmark = pytest.mark.django_db

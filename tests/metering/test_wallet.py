@@ -11,31 +11,34 @@ import pytest
 from django.utils import timezone
 from django_tenants.utils import schema_context
 
-from apps.accounts.models import User
+from apps.accounts.models import Project, User
 from apps.metering.models import PriceBook
-from apps.metering.services import run_segment
+from apps.metering.runs import run_segment
+from apps.resources.models import Pool
 from apps.scheduling.cycle import run_cycle
 from apps.scheduling.models import Task, TaskState
 from apps.scheduling.services import TaskRequest, tasks_submit
 from gateway.budgets import budget_key
 from gateway.cache import sync_redis
 from gateway.models import Budget
-from gateway.services import budget_create, budget_top_up, enforced, ledger_spent, spent_budgets
+from gateway.services import budget_create, budget_top_up
+from gateway.wallets import enforced, ledger_spent, spent_budgets
 from tests.world import World
 
 pytestmark = pytest.mark.django_db
 
 
 def gpu_run(*, hours: int, gpus: int, project: str = "apollo") -> None:
+    """A run's segment as the lifecycle meters it: its submitter, project and pool by id."""
     ended = timezone.now()
     run_segment(
         task_id=f"elsewhere-{hours}-{gpus}-{project}",
         started_at=ended - timedelta(hours=hours),
         ended_at=ended,
-        username="bob",
-        project=project,
+        user_id=str(User.objects.get(username="bob").pk),
+        project_id=str(Project.objects.get(name=project).pk),
         group="research",
-        pool="h100",
+        pool_id=str(Pool.objects.get(name="h100").pk),
         compute_resource="Research: 4 GPUs",
         units=gpus * 840,
     )

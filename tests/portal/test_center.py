@@ -42,8 +42,8 @@ def test_the_center_lists_every_tenant_with_usage_and_draws_it(page: Any, portal
     screenshot(page, "pmc")
 
     def finish_it() -> None:
+        from apps.scheduling.lifecycle import transition
         from apps.scheduling.models import Task
-        from apps.scheduling.services import transition
 
         transition(Task.objects.get(name="idle-run"), to_state="completed", actor="agent")
         run_cycle(Tenant.objects.get(slug="portal"))

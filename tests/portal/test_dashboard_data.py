@@ -125,8 +125,8 @@ def test_a_tasks_page_shows_the_gpu_time_metered_so_far_hour_by_hour(world: Worl
     hour while it runs."""
     from apps.accounts.models import User
     from apps.metering.models import PriceBook
+    from apps.metering.runs import meter_running
     from apps.scheduling.models import TaskState
-    from apps.scheduling.services import meter_running
     from tests.world import HOST_A
 
     hour = timezone.now().replace(minute=0, second=0, microsecond=0)

@@ -77,7 +77,7 @@ def test_a_submitted_task_appears_without_a_reload_and_its_output_streams_live(
 
     def place() -> None:
         from apps.resources.models import Pool
-        from apps.scheduling.services import transition
+        from apps.scheduling.lifecycle import transition
 
         task = Task.objects.get(pk=task_id)
         transition(task, to_state="placed", actor="scheduler", pool=Pool.objects.get(name="baremetal"))

@@ -19,8 +19,9 @@ from apps.resources.models import ComputeResource, Pool
 from apps.resources.services import draft_provision, draft_save
 from apps.scheduling import engine
 from apps.scheduling.cycle import _apply, run_cycle, snapshot
+from apps.scheduling.lifecycle import transition
 from apps.scheduling.models import Task, TaskEvent, TaskState
-from apps.scheduling.services import TaskRequest, tasks_submit, transition
+from apps.scheduling.services import TaskRequest, tasks_submit
 from tenants.models import Tenant
 from tenants.services import tenant_create, tenant_delete
 from tests.scheduling.config import acme_document

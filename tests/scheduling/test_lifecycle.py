@@ -15,8 +15,8 @@ from apps.core.errors import InvalidInput
 from apps.resources.models import Pool
 from apps.scheduling import tasks as scheduling_tasks
 from apps.scheduling import wake
+from apps.scheduling.lifecycle import task_finish, transition
 from apps.scheduling.models import Task, TaskState
-from apps.scheduling.services import task_finish, transition
 from config.celery import app as celery_app
 from tests.world import World
 
@@ -80,7 +80,7 @@ def test_submitting_asks_for_one_debounced_cycle(
         for _ in range(3):
             api("bob").post("/api/v1/tasks/", {"compute_resource": "Research: 4 GPUs"}, format="json")
     assert sent == [(wake.CYCLE_TASK, "acme", settings.KLIQUE_CYCLE_DEBOUNCE_SECONDS)]
-    assert scheduling_tasks.scheduling_cycle.name == wake.CYCLE_TASK in celery_app.tasks  # sent by name, to it
+    assert scheduling_tasks.scheduling_cycle.name == wake.CYCLE_TASK in celery_app.tasks  # sent by its name
     assert 0 < client.pttl("klique:cycle-requested:acme") <= settings.KLIQUE_CYCLE_DEBOUNCE_SECONDS * 1000
     client.delete("klique:cycle-requested:acme")
 

@@ -1,0 +1,79 @@
+"""What the ledger holds, as the API, the portal and the wallets read it."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from django.db.models import QuerySet, Sum
+
+from apps.accounts.models import Project, Role, User
+from apps.core.errors import InvalidInput
+from apps.metering.ledger import amount_sums
+from apps.metering.models import Kind, LedgerEvent, Period, PriceBook, Rejection
+from apps.metering.runs import segment_prefix
+
+
+def task_gpu_usage(*, task_id: Any, user_id: Any, since: datetime) -> dict[str, Any] | None:
+    """The GPU time (units x milliseconds) and cost (nano-USD) the ledger holds for a task's runs, or None
+    before any. Read through the ledger's (user, started_at) index: the submitter's events since the task
+    was submitted, not the whole ledger."""
+    sums = LedgerEvent.objects.filter(
+        user_id=user_id, started_at__gte=since, kind=Kind.GPU, event_id__startswith=segment_prefix(task_id)
+    ).aggregate(**amount_sums())
+    return None if sums["gpu_unit_ms"] is None else sums
+
+
+def compute_cost(*, since: datetime, project_id: Any = None, user_id: Any = None) -> int:
+    """The GPU and storage cost (nano-USD) metered since `since` for a project, a user, or everyone."""
+    events = LedgerEvent.objects.filter(kind__in=(Kind.GPU, Kind.STORAGE), ended_at__gte=since)
+    if project_id is not None:
+        events = events.filter(project_id=project_id)
+    if user_id is not None:
+        events = events.filter(user_id=user_id)
+    return int(events.aggregate(cost=Sum("cost_nano_usd"))["cost"] or 0)
+
+
+def usage_for(user: User) -> QuerySet[LedgerEvent]:
+    """The ledger events a user may read: everyone's for admins, their own otherwise."""
+    events = LedgerEvent.objects.all()
+    return events if user.has_role(Role.ADMIN) else events.filter(user_id=user.pk)
+
+
+def usage_filtered(events: QuerySet[Any], query: dict[str, str], *, time_field: str) -> QuerySet[Any]:
+    """`events` narrowed by the usage API's filters (kind, user, project, pool, since, until)."""
+    filters = {"kind": "kind", "user": "username", "project": "project_name", "pool": "pool"}
+    for parameter, column in filters.items():
+        if query.get(parameter) and (parameter != "user" or time_field == "started_at"):
+            events = events.filter(**{column: query[parameter]})
+    for bound, lookup in (("since", "gte"), ("until", "lt")):
+        if query.get(bound):
+            try:
+                moment = datetime.fromisoformat(query[bound])
+            except ValueError:
+                raise InvalidInput(
+                    f"{bound}: an ISO 8601 time, as 2026-11-01T00:00:00Z.", field=bound
+                ) from None
+            events = events.filter(**{f"{time_field}__{lookup}": moment})
+    return events
+
+
+def price_book() -> PriceBook:
+    return PriceBook.objects.filter(pk=1).first() or PriceBook(pk=1)
+
+
+def rejections() -> QuerySet[Rejection]:
+    return Rejection.objects.all()
+
+
+def names(column: str) -> dict[str, str]:
+    """Names for the ids a summary groups by (projects and users), so it reads as people do."""
+    if column == "project_id":
+        return {str(pk): name for pk, name in Project.objects.values_list("pk", "name")}
+    if column == "user_id":
+        return {str(pk): name for pk, name in User.objects.values_list("pk", "username")}
+    return {}
+
+
+def periods() -> QuerySet[Period]:
+    return Period.objects.all()

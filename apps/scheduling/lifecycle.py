@@ -1,0 +1,375 @@
+"""The one owner of a task's state: every change of `Task.state` is made here, and nowhere else.
+
+Submission (services), the agent protocol (apps.fleet), provisioning (apps.resources), the scheduling
+cycle and metering call down into it; it calls only models, the run records (runs.py), run metering
+(apps.metering.runs), the request for a cycle (wake.py) and the pools' agents (apps.fleet.notify).
+
+    queued -> placed -> dispatching -> running -> completed | failed | aborted
+    placed, dispatching, running -> preempted -> queued (at the front of its queue)
+    placed, dispatching -> queued (its lease expired, its agent refused it or went silent)
+    a failed attempt with attempts left -> queued (a retry: a new run of the same task)
+
+A run that ends is metered in the transaction that ends it (`transition`, `tasks_preempt`): its GPU time
+reaches the ledger once, whoever ends it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from apps.accounts.models import User
+from apps.core.errors import InvalidInput
+from apps.core.events import publish_event, publish_here
+from apps.fleet.models import Agent
+from apps.metering.runs import meter_run
+from apps.resources.models import SCALES_FROM_ZERO, ComputeResource, Pool
+from apps.scheduling import engine, wake
+from apps.scheduling.models import (
+    ACTIVE_STATES,
+    ENDED_STATES,
+    RunOutcome,
+    Task,
+    TaskEvent,
+    TaskRun,
+    TaskState,
+)
+from apps.scheduling.runs import (
+    LIVE_STATES,
+    LOST_REASON,
+    PREEMPT_GRACE_SECONDS,
+    current_run,
+    run_request_stop,
+)
+
+if TYPE_CHECKING:
+    from tenants.models import Tenant
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER = "scheduler"
+
+# Which state may follow which. PREEMPTED passes straight on to QUEUED (at the front of the queue).
+TRANSITIONS: dict[str, frozenset[str]] = {
+    TaskState.QUEUED: frozenset({TaskState.PLACED, TaskState.ABORTED}),
+    TaskState.PLACED: frozenset(
+        {TaskState.DISPATCHING, TaskState.QUEUED, TaskState.PREEMPTED, TaskState.ABORTED, TaskState.FAILED}
+    ),
+    TaskState.DISPATCHING: frozenset(
+        {TaskState.RUNNING, TaskState.QUEUED, TaskState.PREEMPTED, TaskState.ABORTED, TaskState.FAILED}
+    ),
+    TaskState.RUNNING: frozenset(
+        {TaskState.COMPLETED, TaskState.FAILED, TaskState.ABORTED, TaskState.PREEMPTED}
+    ),
+    TaskState.PREEMPTED: frozenset({TaskState.QUEUED}),
+}
+
+
+def _record(task: Task, *, to_state: str, actor: str, message: str, at: datetime) -> TaskEvent:
+    return TaskEvent(task=task, at=at, actor=actor, from_state=task.state, to_state=to_state, message=message)
+
+
+def transition(task: Task, *, to_state: str, actor: str, message: str = "", **fields: Any) -> Task:
+    """Move a task to `to_state` if its lifecycle allows it, recording who, what and when. A running run
+    that ends here is metered (apps.metering.runs.meter_run) in the same transaction."""
+    if to_state not in TRANSITIONS.get(task.state, frozenset()):
+        raise InvalidInput(f"Task {task.pk} is {task.state}; it cannot become {to_state}.")
+    now = timezone.now()
+    TaskEvent.objects.create(
+        task=task, at=now, actor=actor, from_state=task.state, to_state=to_state, message=message
+    )
+    if task.state == TaskState.RUNNING and task.started_at is not None:
+        meter_run(task, ended_at=now)
+    task.state = to_state
+    for name, value in fields.items():
+        setattr(task, name, value)
+    if to_state in ENDED_STATES:
+        task.ended_at = now
+    if to_state == TaskState.RUNNING:
+        task.metered_until = None  # a new run: nothing of it is metered yet
+    task.save()
+    publish_here(kind=f"task.{to_state}", data={"id": str(task.pk)})
+    return task
+
+
+@transaction.atomic
+def task_finish(
+    *, tenant: Tenant, task: Task, succeeded: bool, exit_code: int | None, actor: str, lost: str = ""
+) -> Task:
+    """Record a run's end. A failed run is queued again while attempts remain (retry policy). `lost` says
+    why a run that never reported its end was given up (its pool went silent): the task's reason keeps it."""
+    task = Task.objects.select_for_update().get(pk=task.pk)
+    how = f"was lost ({lost})" if lost else f"failed with exit code {exit_code}"
+    if succeeded:
+        transition(task, to_state=TaskState.COMPLETED, actor=actor, exit_code=exit_code, pool=task.pool)
+    elif task.attempts < task.max_attempts:
+        transition(task, to_state=TaskState.FAILED, actor=actor, message=f"attempt {task.attempts} {how}")
+        # A retry is a new run of the same task: it re-enters the queue, keeping its place by submit time.
+        TaskEvent.objects.create(
+            task=task,
+            at=timezone.now(),
+            actor=SCHEDULER,
+            from_state=TaskState.FAILED,
+            to_state=TaskState.QUEUED,
+            message=f"retry {task.attempts + 1} of {task.max_attempts}",
+        )
+        Task.objects.filter(pk=task.pk).update(
+            state=TaskState.QUEUED,
+            pool=None,
+            queued_at=timezone.now(),
+            ended_at=None,
+            exit_code=exit_code,
+            reason_code=LOST_REASON if lost else "retrying",
+            reason=f"Attempt {task.attempts} {how}; queued again.",
+        )
+        task.refresh_from_db()
+    else:
+        transition(
+            task,
+            to_state=TaskState.FAILED,
+            actor=actor,
+            exit_code=exit_code,
+            reason_code=LOST_REASON if lost else "failed",
+            reason=f"All {task.max_attempts} attempts failed; the last {how}.",
+        )
+    wake.request_cycle(tenant)
+    return task
+
+
+def tasks_end_for_removed_resources(*, resources: list[ComputeResource], actor: User) -> int:
+    """End the queued tasks of compute resources that provisioning removes, saying so. Returns how many."""
+    now = timezone.now()
+    ended = 0
+    for resource in resources:
+        queued = list(Task.objects.filter(compute_resource=resource, state=TaskState.QUEUED))
+        message = (
+            f"Its compute resource {resource.name} was removed by {actor.username} "
+            f"on {now:%Y-%m-%d %H:%M} UTC."
+        )
+        TaskEvent.objects.bulk_create(
+            _record(task, to_state=TaskState.ABORTED, actor=actor.username, message=message, at=now)
+            for task in queued
+        )
+        ended += Task.objects.filter(pk__in=[task.pk for task in queued]).update(
+            state=TaskState.ABORTED, ended_at=now, reason_code="compute_resource_removed", reason=message
+        )
+    return ended
+
+
+@transaction.atomic
+def leases_expire() -> int:
+    """Tasks handed out but not acknowledged in time go back to the queue. Returns how many."""
+    now = timezone.now()
+    expired = Task.objects.filter(state=TaskState.DISPATCHING, lease_expires_at__lt=now)
+    count = 0
+    for task in expired.select_for_update(skip_locked=True):
+        TaskRun.objects.filter(task=task, lease_id__in=[task.lease_id], outcome=RunOutcome.LIVE).update(
+            outcome=RunOutcome.EXPIRED, ended_at=now, note="its agent did not acknowledge it in time"
+        )  # kept: the agent may still say it runs it, and it is the task's again if nothing ran since
+        transition(
+            task,
+            to_state=TaskState.QUEUED,
+            actor=SCHEDULER,
+            message="lease expired",
+            pool=None,
+            lease_expires_at=None,
+            queued_at=now,
+            reason_code="lease_expired",
+            reason="Its agent did not acknowledge it in time; queued again.",
+        )
+        count += 1
+    return count
+
+
+def run_lost(tenant: Tenant, task: Task, why: str) -> None:
+    """The task's run is gone from the plane's view (its agent silent, or back without it): a run that
+    never started goes back to the queue; a started run counts as a failed attempt, retried while
+    attempts remain. The run is kept as lost, so that its agent may still bring it back."""
+    now = timezone.now()
+    run = current_run(task)
+    if run is not None:
+        run.outcome, run.ended_at = RunOutcome.LOST, now
+        run.note = f"lost at {now:%H:%M:%S} UTC: {why}"
+        run.save(update_fields=["outcome", "ended_at", "note"])
+    attempt = f"attempt {run.attempt}" if run is not None else "its run"
+    if task.state == TaskState.DISPATCHING:
+        transition(
+            task,
+            to_state=TaskState.QUEUED,
+            actor=SCHEDULER,
+            message=f"{attempt} lost: {why}",
+            pool=None,
+            lease_expires_at=None,
+            queued_at=now,
+            reason_code="lease_lost",
+            reason=f"Its dispatch was lost ({why}); queued again.",
+        )
+    else:
+        task_finish(tenant=tenant, task=task, succeeded=False, exit_code=None, actor=SCHEDULER, lost=why)
+    pool = run.pool.name if run is not None and run.pool else "?"
+    agent = run.agent_id if run is not None else ""
+    logger.warning("task %s: %s on pool %s (agent %s) lost: %s", task.pk, attempt, pool, agent or "?", why)
+    publish_event(
+        tenant=tenant,
+        kind="run.lost",
+        data={"task": str(task.pk), "pool": pool, "agent": agent, "why": why},
+    )
+
+
+def run_adopt(tenant: Tenant, task: Task, run: TaskRun, *, agent_id: str, ended: bool) -> None:
+    """The agent came back with a run the plane had given up on, and the task has not run since: the run
+    is the task's again (running, or with its result on the way), not started a second time."""
+    now = timezone.now()
+    to_state = TaskState.RUNNING if run.started_at is not None else TaskState.DISPATCHING
+    how = "its result on the way" if ended else "still running"
+    message = f"adopted: agent {agent_id} came back with attempt {run.attempt}, {how}; not run again"
+    TaskEvent.objects.create(
+        task=task, at=now, actor=f"agent {agent_id}"[:200], from_state=task.state, to_state=to_state,
+        message=message,
+    )  # fmt: skip
+    task.state, task.pool_id, task.started_at = to_state, run.pool_id, run.started_at
+    task.lease_expires_at, task.ended_at, task.exit_code = None, None, None
+    task.reason_code, task.reason = (
+        "adopted",
+        f"Attempt {run.attempt} was adopted when agent {agent_id} came back.",
+    )
+    task.save()
+    run.outcome, run.ended_at, run.agent_id = RunOutcome.LIVE, None, agent_id
+    run.note = f"{run.note}; adopted at {now:%H:%M:%S} UTC".lstrip("; ")
+    run.save(update_fields=["outcome", "ended_at", "agent_id", "note"])
+    logger.info("task %s: attempt %s adopted from agent %s (%s)", task.pk, run.attempt, agent_id, how)
+    publish_event(
+        tenant=tenant,
+        kind="run.adopted",
+        data={"task": str(task.pk), "attempt": run.attempt, "agent": agent_id, "ended": ended},
+    )
+
+
+def _silent_agents(now: datetime) -> list[str]:
+    """Agents whose last heartbeat is older than their pool's timeout (their pool may be online still,
+    through another agent)."""
+    return [
+        agent.pk
+        for agent in Agent.objects.select_related("pool")
+        if agent.last_heartbeat_at is not None
+        and (now - agent.last_heartbeat_at).total_seconds() > agent.pool.heartbeat_timeout_seconds
+        and agent.pool.environment not in SCALES_FROM_ZERO  # as its pool: never silent
+    ]
+
+
+@transaction.atomic
+def tasks_of_silent_pools(*, tenant: Tenant) -> int:
+    """Runs dispatched to or running in a pool whose agents all stopped heartbeating beyond the pool's
+    timeout, or on an agent that did, are lost: a dispatch goes back to the queue, a run counts as a
+    failed attempt. Each is kept, to be adopted if its agent comes back with it before the task runs
+    again. Returns how many."""
+    now = timezone.now()
+    silent_pools = {pool.pk: pool.name for pool in Pool.objects.all() if not pool.is_online(now)}
+    silent_agents = _silent_agents(now)
+    leases = TaskRun.objects.filter(agent_id__in=silent_agents, outcome=RunOutcome.LIVE).values("pk")
+    lost: dict[str, int] = {}
+    for task in Task.objects.select_for_update(skip_locked=True, of=("self",)).filter(
+        Q(pool_id__in=list(silent_pools)) | Q(lease_id__in=leases), state__in=LIVE_STATES
+    ):
+        if task.pool_id in silent_pools:
+            why = f"pool {silent_pools[task.pool_id]} went silent (no heartbeat for its timeout)"
+        else:
+            why = "its agent went silent (no heartbeat for the pool's timeout)"
+        pool = task.pool.name if task.pool else "?"
+        run_lost(tenant, task, why)
+        lost[pool] = lost.get(pool, 0) + 1
+    for pool, count in lost.items():  # once per loss, not once per cycle the pool stays silent
+        logger.warning("pool %s: %d runs given up, their agents silent past the timeout", pool, count)
+        publish_event(tenant=tenant, kind="pool.silent", data={"pool": pool, "runs_lost": count})
+    return sum(lost.values())
+
+
+def tasks_place(placements: Iterable[engine.Placement], now: datetime) -> int:
+    """A cycle's placements: each queued task into its pool, once (the conditional update is the guard
+    against a second worker). Returns how many were placed."""
+    events: list[TaskEvent] = []
+    for placement in placements:
+        task = Task.objects.filter(pk=placement.task, state=TaskState.QUEUED).only("queued_at").first()
+        if task is None:
+            continue
+        wait = (now - task.queued_at).total_seconds()
+        if Task.objects.filter(pk=placement.task, state=TaskState.QUEUED).update(
+            state=TaskState.PLACED,
+            pool_id=placement.pool,
+            placed_at=now,
+            wait_seconds=wait,
+            reason_code="",
+            reason="",
+        ):
+            events.append(
+                TaskEvent(
+                    task_id=placement.task,
+                    at=now,
+                    actor=SCHEDULER,
+                    from_state=TaskState.QUEUED,
+                    to_state=TaskState.PLACED,
+                    message=f"placed in pool {placement.pool}",
+                )
+            )
+    TaskEvent.objects.bulk_create(events)
+    return len(events)
+
+
+def tasks_preempt(preemptions: Iterable[engine.Preemption], now: datetime) -> tuple[int, list[TaskRun]]:
+    """A cycle's preemptions: each victim back at the front of its queue, its run asked to stop (with a
+    grace period to checkpoint) and metered. Returns how many were preempted and the runs to stop."""
+    events: list[TaskEvent] = []
+    preempted = 0
+    runs_ended: list[Task] = []
+    stopped: list[TaskRun] = []
+    for preemption in preemptions:
+        # Locked, so that its state is the one it leaves: a run that ended meanwhile is left alone.
+        victim = (
+            Task.objects.select_for_update().filter(pk=preemption.victim, state__in=ACTIVE_STATES).first()
+        )
+        if victim is None:
+            continue
+        message = (
+            f"Preempted to return borrowed capacity to guaranteed task {preemption.for_task}; "
+            "back at the front of its queue."
+        )
+        events += [
+            _record(victim, to_state=TaskState.PREEMPTED, actor=SCHEDULER, message=message, at=now),
+            TaskEvent(
+                task=victim,
+                at=now,
+                actor=SCHEDULER,
+                from_state=TaskState.PREEMPTED,
+                to_state=TaskState.QUEUED,
+                message="requeued at its original submit time",
+            ),
+        ]
+        if victim.state == TaskState.RUNNING and victim.started_at is not None:
+            runs_ended.append(victim)
+        if victim.state in LIVE_STATES:
+            stopping = run_request_stop(victim, kind="preempt", grace_seconds=PREEMPT_GRACE_SECONDS)
+            if stopping is not None:
+                stopped.append(stopping)
+        # Keeps submitted_at, so it returns to the front of its queue.
+        preempted += Task.objects.filter(pk=victim.pk).update(
+            state=TaskState.QUEUED,
+            pool=None,
+            queued_at=now,
+            placed_at=None,
+            started_at=None,
+            reason_code="preempted",
+            reason=message,
+        )
+    TaskEvent.objects.bulk_create(events)
+    # Each preempted run is a segment of its own. They are metered once every victim's row is locked:
+    # a run's end elsewhere (an agent's report) locks its row, then the ledger's rollups; taking the
+    # rollups before the last row could deadlock with it.
+    for run in runs_ended:
+        meter_run(run, ended_at=now)
+    return preempted, stopped
