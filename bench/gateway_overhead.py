@@ -171,7 +171,7 @@ def main() -> int:
     quiet = {**os.environ, "ECHO_API_KEY": UPSTREAM_KEY}
     results: dict[str, dict[str, float]] = {}
     with (
-        scratch_klique(redis_db=12) as (environment, demo),
+        scratch_klique(redis_db=12, KLIQUE_OUTBOUND_ALLOW="127.0.0.0/8") as (environment, demo),
         running([sys.executable, "-m", "gateway.echo", "--port", str(upstream_port)], quiet) as echo,
         running([*KLIQUE, "web", "--port", str(klique_port)], environment) as web,
     ):

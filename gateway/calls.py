@@ -10,22 +10,20 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import httpx
 from channels.db import database_sync_to_async
 
 from apps.core.metrics import GATEWAY_CALLS, GATEWAY_LATENCY, GATEWAY_TOKENS
 from gateway import services
-from gateway.budgets import Exhausted, Missing, Reserved, Stale, nano_per_token
-from gateway.cache import UsageRow
+from gateway.budgets import Budgets, Exhausted, Missing, Reserved, Stale, nano_per_token
+from gateway.cache import UsageRow, UsageWriter
 from gateway.config import Deployment, GatewayConfig
 from gateway.guardrails import Checker, GuardrailRefused, StreamGuard
 from gateway.routing import NoDeployment, Router
 from gateway.services import Caller
 from gateway.upstream import UpstreamError, call, stream
-
-if TYPE_CHECKING:
-    from gateway.app import GatewayApp
 
 log = logging.getLogger("klique.gateway")
 
@@ -124,9 +122,29 @@ def _event(chunk: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
+class Gateway(Protocol):
+    """What a call needs of the gateway that hands it over (gateway.app.GatewayApp)."""
+
+    budgets: Budgets
+    writer: UsageWriter
+    http: httpx.AsyncClient
+
+    def check_request(
+        self, state: TenantState, caller: Caller, endpoint: str, body: dict[str, Any]
+    ) -> tuple[str, tuple[Deployment, ...]]: ...
+
+    async def state(self, host: str, *, refresh: bool = False) -> TenantState: ...
+
+    async def current_epoch(self, state: TenantState) -> str: ...
+
+    async def reply(
+        self, send: Send, status: int, body: bytes, request_id: str, extra: dict[str, str] | None = None
+    ) -> None: ...
+
+
 @dataclass
 class Call:
-    app: GatewayApp
+    app: Gateway
     send: Send
     host: str
     state: TenantState

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 from datetime import date
 from typing import Any
 
@@ -10,7 +9,7 @@ from django.conf import settings
 from django.db.models import QuerySet
 from django_tenants.utils import get_public_schema_name, schema_context
 
-from tenants.models import Domain, Tenant, TokenRoute
+from tenants.models import Domain, Tenant
 
 
 def tenant_for_host(host: str) -> Tenant | None:
@@ -31,15 +30,6 @@ def tenant_get(*, slug: str) -> Tenant | None:
 def tenant_address(tenant: Tenant) -> str:
     domain = tenant.get_primary_domain()
     return domain.domain if domain else f"{tenant.slug}.{settings.KLIQUE_BASE_DOMAIN}"
-
-
-def token_route_tenant(*, prefix: str, secret_hash: str) -> Tenant | None:
-    """The tenant that issued a token, only for someone holding the real token."""
-    with schema_context(get_public_schema_name()):
-        route = TokenRoute.objects.select_related("tenant").filter(prefix=prefix).first()
-    if route is None or not hmac.compare_digest(route.secret_hash, secret_hash):
-        return None
-    return route.tenant
 
 
 def usage_by_tenant(

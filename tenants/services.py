@@ -15,8 +15,10 @@ from django.db import connection, transaction
 from django.utils import timezone
 from django_tenants.utils import get_public_schema_name, schema_context
 
+from apps.accounts import services as accounts
+from apps.accounts.models import Role
 from apps.core.errors import Conflict, InvalidInput
-from tenants.models import Domain, Tenant, TokenRoute
+from tenants.models import Domain, Tenant
 
 SLUG_RE = re.compile(r"[a-z][a-z0-9-]{1,38}[a-z0-9]")
 RESERVED_SLUGS = frozenset(
@@ -59,9 +61,6 @@ def tenant_create(
     *, slug: str, name: str, admin_username: str, admin_email: str = "", gpu_share: int | None = None
 ) -> CreatedTenant:
     """Create a tenant with its schema, domain `<slug>.<base domain>`, a first admin and their token."""
-    from apps.accounts.models import Role
-    from apps.accounts.services import token_create, user_create
-
     validate_slug(slug)
     if not admin_username.strip():
         raise InvalidInput("Name the tenant's first admin (admin_username).", field="admin_username")
@@ -78,10 +77,10 @@ def tenant_create(
             tenant.save(verbosity=0)
             Domain.objects.create(domain=address, tenant=tenant, is_primary=True)
             with schema_context(tenant.schema_name):
-                admin = user_create(
+                admin = accounts.user_create(
                     tenant=tenant, username=admin_username, email=admin_email, role=Role.ADMIN
                 )
-                issued = token_create(tenant=tenant, user=admin, name="first admin token")
+                issued = accounts.token_create(tenant=tenant, user=admin, name="first admin token")
     return CreatedTenant(
         tenant=tenant, address=address, admin_username=admin.username, admin_token=issued.secret
     )
@@ -130,13 +129,3 @@ def tenant_delete(*, tenant: Tenant) -> None:
         with connection.cursor() as cursor:
             cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
         tenant.delete()
-
-
-def token_route_register(*, tenant: Tenant, prefix: str, secret_hash: str) -> None:
-    with schema_context(get_public_schema_name()):
-        TokenRoute.objects.create(prefix=prefix, tenant=tenant, secret_hash=secret_hash)
-
-
-def token_route_forget(*, prefixes: list[str]) -> None:
-    with schema_context(get_public_schema_name()):
-        TokenRoute.objects.filter(prefix__in=prefixes).delete()

@@ -18,6 +18,7 @@ from apps.accounts.models import ApiToken, Group, Project, ProjectMembership, Ro
 from apps.accounts.tokens import hash_token, new_token, parse_prefix
 from apps.core.errors import Conflict, InvalidInput
 from apps.core.events import publish_event
+from tenants.token_routes import token_route_forget, token_route_register, token_route_tenant
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -62,8 +63,6 @@ def token_create(
 
     With `agent`, the token is delegated: an AI agent acts for the user with it, at most with scope
     submit, and its unfinished tasks may hold at most `gpu_quota_units` at once."""
-    from tenants.services import token_route_register
-
     if not user.is_active:
         raise InvalidInput(
             f"{user.username} is deactivated; reactivate the account before issuing it a token."
@@ -101,8 +100,6 @@ def token_revoke(*, token: ApiToken) -> ApiToken:
 
 def token_authenticate(*, tenant: Tenant, presented: str) -> tuple[User, ApiToken]:
     """The user a bearer token stands for in `tenant`, or TokenRejected saying why not."""
-    from tenants.selectors import token_route_tenant
-
     prefix = parse_prefix(presented)
     if prefix is None:
         raise TokenRejected(
@@ -140,8 +137,6 @@ def token_authenticate(*, tenant: Tenant, presented: str) -> tuple[User, ApiToke
 @transaction.atomic
 def token_purge_expired(*, older_than: timedelta = timedelta(days=30)) -> int:
     """Delete tokens that expired or were revoked more than `older_than` ago; returns how many."""
-    from tenants.services import token_route_forget
-
     cutoff = timezone.now() - older_than
     stale = ApiToken.objects.filter(expires_at__lt=cutoff) | ApiToken.objects.filter(revoked_at__lt=cutoff)
     prefixes = list(stale.values_list("prefix", flat=True))
