@@ -12,7 +12,7 @@ A document has three lists, each item named by a slug:
               queuing_priority, batch)
 
 A compute resource's `batch` holds its batch templates for HPC pools, by scheduler (slurm, pbs, lsf):
-template (sandboxed Jinja2, agents.batch), allowed_directives (options tasks may add, e.g. "--qos") and
+template (sandboxed Jinja2, protocol.batch), allowed_directives (options tasks may add, e.g. "--qos") and
 defaults (partition, account, time_limit_minutes). Templates are checked when the draft is saved.
 
 Structural mistakes (a missing field, a malformed size) are 400s from the serializers below; the rest is
@@ -27,7 +27,9 @@ from typing import Any
 
 from rest_framework import serializers
 
-from agents.batch import (
+from apps.resources.models import MIG_METHODS, Environment, SharingMethod, TaskSharing
+from apps.scheduling.engine import UNITS_PER_GPU, SizeError, describe, mig_fraction, units
+from protocol.batch import (
     SCHEDULERS,
     TemplateInvalid,
     Unsafe,
@@ -35,8 +37,6 @@ from agents.batch import (
     check_directives,
     check_template,
 )
-from apps.resources.models import MIG_METHODS, Environment, SharingMethod, TaskSharing
-from apps.scheduling.engine import UNITS_PER_GPU, SizeError, describe, mig_fraction, units
 
 
 def gpus_to_units(value: str, *, label: str) -> int:

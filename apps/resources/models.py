@@ -142,7 +142,7 @@ class ComputeResource(models.Model):
     profile = models.ForeignKey(ResourceProfile, on_delete=models.CASCADE, related_name="compute_resources")
     queuing_priority = models.IntegerField(default=0)
     # Batch templates per scheduler for HPC pools: {"slurm": {"template", "allowed_directives",
-    # "defaults"}, "pbs": ..., "lsf": ...}; a scheduler left out uses agents.batch's default.
+    # "defaults"}, "pbs": ..., "lsf": ...}; a scheduler left out uses protocol.batch's default.
     batch = models.JSONField(default=dict, blank=True)
 
     class Meta:

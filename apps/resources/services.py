@@ -34,6 +34,8 @@ from apps.scheduling import wake
 from apps.scheduling.engine import UNITS_PER_GPU, SizeError, units
 from apps.scheduling.lifecycle import tasks_end_for_removed_resources
 from apps.scheduling.selectors import active_tasks_per_pool
+from protocol.batch import TemplateInvalid, Unsafe, check_template
+from protocol.scripts import Scripts, ScriptSettings, submit_command
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -318,9 +320,6 @@ def batch_preview(
     """The batch script a task would get on an HPC pool of this compute resource, rendered as the agent
     would render it (placeholder folders and the signed-in user as the account), or InvalidInput with
     what is wrong: the same checks the agent applies before it submits."""
-    from agents.batch import TemplateInvalid, Unsafe, check_template
-    from agents.hpc import DIALECTS, Scripts, Settings
-
     profile = resource.profile
     if scheduler is None:
         environments = [entry.pool.environment for entry in profile.pool_order.select_related("pool")]
@@ -353,7 +352,7 @@ def batch_preview(
     }
     scripts = Scripts(
         scheduler,
-        Settings(jobs_dir=folder.parent, node_python="python3", allowed_roots=[Path("/")]),
+        ScriptSettings(jobs_dir=folder.parent, node_python="python3", allowed_roots=[Path("/")]),
         url,
         isolated=True,  # a member's template: rendered under time and memory limits, outside this process
     )
@@ -362,5 +361,5 @@ def batch_preview(
         script, context = scripts.script(assignment, account, folder)
     except (TemplateInvalid, Unsafe) as error:
         raise InvalidInput(str(error)) from None
-    submit = DIALECTS[scheduler]().submit(folder / "job.sh", context)
+    submit = submit_command(scheduler, folder / "job.sh", context)
     return BatchPreview(scheduler, template_from, script, submit)

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from agents.batch import (
+from agents.hpc import Settings
+from protocol.batch import (
     DEFAULT_TEMPLATES,
     SCHEDULERS,
     TemplateInvalid,
@@ -18,7 +19,7 @@ from agents.batch import (
     render,
     sample_context,
 )
-from agents.hpc import Scripts, Settings
+from protocol.scripts import Scripts
 
 TASK = "0b5f3a52-6b1e-4a39-9a8e-1d0c2f6f7e10"
 

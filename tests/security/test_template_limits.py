@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from agents.batch import TemplateInvalid, Unsafe, render, render_isolated, sample_context
+from protocol.batch import TemplateInvalid, Unsafe, render, render_isolated, sample_context
 from tests.security.conftest import memory_mb
 from tests.world import HOST_A, World
 

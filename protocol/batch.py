@@ -342,7 +342,7 @@ def render_isolated(text: str, context: Mapping[str, Any]) -> str:
     request = json.dumps({"text": text, "context": {key: _encoded(value) for key, value in context.items()}})
     try:
         finished = subprocess.run(
-            [sys.executable, "-I", "-m", "agents.template_worker"],
+            [sys.executable, "-I", "-m", "protocol.template_worker"],
             input=request.encode(),
             capture_output=True,
             timeout=TIME_LIMIT_SECONDS + 3,  # the worker stops itself at the limit; this is the backstop

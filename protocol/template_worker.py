@@ -1,6 +1,6 @@
-"""Renders one batch template in a process of its own, for agents.batch.render_isolated:
+"""Renders one batch template in a process of its own, for protocol.batch.render_isolated:
 
-    python -I -m agents.template_worker < {"text": ..., "context": {...}}
+    python -I -m protocol.template_worker < {"text": ..., "context": {...}}
 
 It limits its own address space before reading anything and stops itself after the time limit, answering
 with a sentence either way; the plane kills it if it does not answer soon after.
@@ -14,7 +14,7 @@ import signal
 import sys
 from types import FrameType
 
-from agents.batch import MEMORY_LIMIT_BYTES, TIME_LIMIT_SECONDS, TemplateInvalid, render_in_worker
+from protocol.batch import MEMORY_LIMIT_BYTES, TIME_LIMIT_SECONDS, TemplateInvalid, render_in_worker
 
 
 class TimeLimit(BaseException):
