@@ -26,6 +26,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy .
+	$(BIN)/lint-imports  # the layers of docs/architecture.md (contracts in pyproject.toml)
 
 # Figures printed beside their baselines; each ends with a `ratio:` line. Needs PostgreSQL and Redis on
 # 127.0.0.1 for request_path.py.
