@@ -50,7 +50,7 @@ def detect_gpus() -> tuple[int, list[MigDevice]] | None:
     """The GPUs NVML sees and the MIG slices configured on them, or None where there is no NVIDIA driver.
     A GPU in MIG mode serves its slices only; its index is not handed out whole."""
     try:
-        import pynvml
+        import pynvml  # noqa: PLC0415 -- optional: only hosts with NVIDIA's library have it
     except ImportError:
         return None
     try:

@@ -32,6 +32,7 @@ from gateway.fields import unknown_fields
 from gateway.guardrails import Checker
 from gateway.routing import Router
 from gateway.services import Caller, CallerRefused
+from tenants.selectors import tenant_for_host
 
 log = logging.getLogger("klique.gateway")
 
@@ -53,8 +54,6 @@ def _header(scope: Scope, name: bytes) -> str:
 
 
 def _schema_for_host(host: str) -> str:
-    from tenants.selectors import tenant_for_host
-
     tenant = tenant_for_host(host)
     if tenant is None or tenant.schema_name == "public":
         raise CallerRefused(

@@ -17,8 +17,13 @@ from datetime import datetime
 from functools import cache
 from typing import Any
 
+import redis
+import redis.asyncio
 from django.conf import settings
 from django.db import connections
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+from psycopg_pool import AsyncConnectionPool
 
 log = logging.getLogger("klique.gateway")
 
@@ -45,14 +50,10 @@ USAGE_COLUMNS = (
 
 @cache
 def sync_redis() -> Any:
-    import redis
-
     return redis.Redis.from_url(settings.REDIS_URL)
 
 
 def async_redis() -> Any:
-    import redis.asyncio
-
     return redis.asyncio.Redis.from_url(settings.REDIS_URL)
 
 
@@ -67,7 +68,6 @@ def database_conninfo() -> str:
     """libpq parameters of Django's default database (the test database under pytest), its OPTIONS
     included: the embedded PostgreSQL of `klique up` is reached through `?host=<socket folder>`, which
     Django keeps in OPTIONS, not HOST."""
-    from psycopg.conninfo import make_conninfo
 
     database = connections["default"].settings_dict
     options = {
@@ -119,8 +119,6 @@ class UsageRow:
 
 
 def insert_sql(schema: str, rows: int) -> Any:
-    from psycopg import sql
-
     one = sql.SQL("({})").format(sql.SQL(", ").join(sql.Placeholder() * len(USAGE_COLUMNS)))
     return sql.SQL("INSERT INTO {}.gateway_usage ({}) VALUES {} ON CONFLICT (request_id) DO NOTHING").format(
         sql.Identifier(schema),
@@ -140,8 +138,6 @@ class UsageWriter:
 
     async def _pool(self) -> Any:
         if self.pool is None:
-            from psycopg_pool import AsyncConnectionPool
-
             self.pool = AsyncConnectionPool(database_conninfo(), min_size=1, max_size=4, open=False)
             await self.pool.open()
         return self.pool

@@ -23,6 +23,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import uvicorn
+
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -173,8 +175,6 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 def main() -> None:
-    import uvicorn
-
     parser = argparse.ArgumentParser(description="A deterministic OpenAI-compatible model server.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000)

@@ -13,14 +13,19 @@ from django.db.models import F, QuerySet
 from django_tenants.utils import schema_context
 
 from apps.accounts.models import ApiToken, Project, ProjectMembership, Role, User
+from apps.accounts.services import TokenRejected, token_authenticate
+from apps.audit.services import record
 from apps.core import outbound
 from apps.core.errors import InvalidInput
 from apps.core.ids import as_uuid
 from apps.vault.models import Secret
+from apps.vault.services import tenant_secret
 from gateway import config as gateway_config
 from gateway.budgets import Budget as Enforced
 from gateway.models import Budget, GatewaySettings, Usage
+from gateway.upstream import litellm_providers
 from gateway.wallets import enforced, ledger_spent
+from tenants.selectors import tenant_for_host
 
 GATEWAY_READER = "the LLM gateway"
 
@@ -66,7 +71,6 @@ def settings_save(*, user: User, document: Any) -> GatewaySettings:
 def _check_provider(provider: str, model_name: str) -> None:
     """Providers other than OpenAI-compatible ones go through LiteLLM: it must know them (imported here,
     when such a configuration is saved, never at start-up)."""
-    from gateway.upstream import litellm_providers
 
     if provider not in litellm_providers():
         raise InvalidInput(
@@ -104,7 +108,6 @@ def _address_refused(deployment: gateway_config.Deployment) -> str | None:
 
 def deployment_keys(config: gateway_config.GatewayConfig) -> dict[str, str]:
     """The vault secrets the deployments name, decrypted for the gateway process (each read audited)."""
-    from apps.vault.services import tenant_secret
 
     return {name: tenant_secret(name, reader=GATEWAY_READER) for name in sorted(config.secret_names())}
 
@@ -270,8 +273,6 @@ def _project_for(user: User, reference: str) -> Project | None:
 
 def caller_load(*, host: str, presented: str, project: str) -> Caller:
     """Who `presented` is at `host`, with the budgets that apply (runs in a thread, off the event loop)."""
-    from apps.accounts.services import TokenRejected, token_authenticate
-    from tenants.selectors import tenant_for_host
 
     tenant = tenant_for_host(host)
     if tenant is None:
@@ -328,7 +329,6 @@ def ledger_spent_in(schema: str, budget: Enforced, now: datetime) -> int:
 
 def audit(schema: str, **event: str) -> None:
     """Record a refusal in the tenant's audit log (the gateway has no Django request to hang it on)."""
-    from apps.audit.services import record
 
     with schema_context(schema):
         reason = event.pop("reason", "")

@@ -10,6 +10,7 @@ from django_tenants.utils import get_public_schema_name, schema_context
 
 from gateway import budgets
 from gateway.cache import USAGE_OUTBOX, UsageRow, insert_sql, sync_redis
+from tenants.models import Tenant
 
 log = logging.getLogger("klique.gateway")
 DRAIN_BATCH = 500
@@ -33,7 +34,6 @@ def drain_usage_outbox() -> int:
 @shared_task(name="gateway.sweep_holds")
 def sweep_holds() -> int:
     """Give back budget holds of calls whose gateway process died before settling them."""
-    from tenants.models import Tenant
 
     released = 0
     with schema_context(get_public_schema_name()):

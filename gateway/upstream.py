@@ -137,7 +137,7 @@ async def stream(
 
 def _litellm() -> Any:
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # never fetch the price map at import
-    import litellm
+    import litellm  # noqa: PLC0415 -- 7 s to import: loaded on the first call, not at startup
 
     litellm.telemetry = False
     litellm.suppress_debug_info = True

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from datetime import date
+from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
-from django.db.models import QuerySet
+from django.db.models import QuerySet, Sum
 from django_tenants.utils import get_public_schema_name, schema_context
 
-from tenants.models import Domain, Tenant
+from apps.metering.ledger import amount_sums, gpu_hours, usd
+from tenants.models import Domain, Tenant, TenantUsageDay
 
 
 def tenant_for_host(host: str) -> Tenant | None:
@@ -36,12 +38,6 @@ def usage_by_tenant(
     *, since: date | None = None, until: date | None = None, by_day: bool = False
 ) -> list[dict[str, Any]]:
     """Each tenant's metered usage and cost (per day too, with `by_day`), from the public schema's totals."""
-    from decimal import Decimal
-
-    from django.db.models import Sum
-
-    from apps.metering.ledger import amount_sums, gpu_hours, usd
-    from tenants.models import TenantUsageDay
 
     rows = TenantUsageDay.objects.all()
     if since:

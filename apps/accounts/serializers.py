@@ -6,6 +6,8 @@ from rest_framework import serializers
 
 from apps.accounts.models import ApiToken, Group, Project, ProjectMembership, Role, User
 from apps.core.schema import GpusField
+from apps.resources.document import to_gpus_text
+from apps.scheduling.engine import SizeError, units
 
 
 class UserOut(serializers.ModelSerializer[User]):
@@ -120,8 +122,6 @@ class TokenOut(serializers.ModelSerializer[ApiToken]):
         return f"klq_{token.prefix}"
 
     def get_gpu_quota(self, token: ApiToken) -> str | None:
-        from apps.resources.document import to_gpus_text
-
         return None if token.gpu_quota_units is None else to_gpus_text(token.gpu_quota_units)
 
 
@@ -148,8 +148,6 @@ class TokenIn(serializers.Serializer[ApiToken]):
     )
 
     def validate_gpu_quota(self, value: str) -> int:
-        from apps.scheduling.engine import SizeError, units
-
         try:
             return units(value)
         except SizeError as error:

@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from apps.accounts.models import ApiToken, Group, Project, ProjectMembership, Role, SignInFailure, User
 from apps.accounts.tokens import hash_token, new_token, parse_prefix
+from apps.audit.services import record
 from apps.core.errors import Conflict, InvalidInput
 from apps.core.events import publish_event
 from tenants.token_routes import token_route_forget, token_route_register, token_route_tenant
@@ -349,7 +350,6 @@ def sign_in_check(*, request: Any, username: str, where: str) -> None:
         if len(times) < limit:
             continue
         minutes = max(1, int((times[-1] + SIGN_IN_WINDOW - now).total_seconds() // 60) + 1)
-        from apps.audit.services import record
 
         record(actor=username[:150] or "?", action="password.limited", target=where, address=address)
         raise SignInLimited(

@@ -26,6 +26,9 @@ from django_tenants.utils import get_public_schema_name, schema_context
 
 from apps.billing.models import ProviderPriceBook, StripeCustomer, StripePush
 from apps.core.errors import InvalidInput
+from apps.metering.ledger import amount_sums, gb_hours, gpu_hours
+from apps.metering.models import LedgerEvent
+from apps.metering.services import check_price, checked_prices
 from tenants.models import Tenant
 
 log = logging.getLogger("klique.billing")
@@ -60,7 +63,7 @@ def _check_meter_event_window(period: date) -> None:
 
 
 def client() -> Any:
-    import stripe
+    import stripe  # noqa: PLC0415 -- 0.4 s to import; only billing exports use it
 
     key = settings.KLIQUE_STRIPE_API_KEY
     if not key:
@@ -81,7 +84,6 @@ def provider_prices_save(
     *, gpu_hour: dict[str, Any], tokens_million: dict[str, Any], gb_month: Any
 ) -> ProviderPriceBook:
     """Set what the provider charges its tenants (each price checked as a tenant's book checks its own)."""
-    from apps.metering.services import check_price, checked_prices
 
     checked_gpu, checked_tokens = checked_prices(gpu_hour, tokens_million)
     with schema_context(get_public_schema_name()):
@@ -102,7 +104,6 @@ class Unpriced(Exception):
 
 def _provider_amount(book: ProviderPriceBook, row: dict[str, Any]) -> Decimal | None:
     """What one row of a tenant's month costs at the provider's prices, in USD; None where unpriced."""
-    from apps.metering.ledger import gb_hours, gpu_hours
 
     if row["kind"] == "gpu":
         price = book.gpu_hour.get(row["gpu_class"] or "", book.gpu_hour.get("*"))
@@ -129,8 +130,6 @@ def _what(row: dict[str, Any]) -> str:
 def _month_totals(schema: str, period: date, *, priced: bool = True) -> dict[str, dict[str, Decimal]]:
     """A tenant's month per kind: the quantity, and what it comes to at the provider's prices (never the
     tenant's own book). `priced`: every row must have a provider price, else Unpriced names them."""
-    from apps.metering.ledger import amount_sums, gb_hours, gpu_hours
-    from apps.metering.models import LedgerEvent
 
     book = provider_prices()
     with schema_context(schema):
@@ -250,7 +249,7 @@ def _send(stripe: Any, push: StripePush, customer: str) -> str:
 
 def push_pending() -> dict[str, int]:
     """Send every pending push; those Stripe could not take stay pending for the next run."""
-    import stripe as library
+    import stripe as library  # noqa: PLC0415 -- 0.4 s to import; only billing exports use it
 
     counts = {"sent": 0, "pending": 0, "failed": 0}
     stripe = client()

@@ -7,14 +7,24 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
+from http.cookies import SimpleCookie
+from importlib import import_module
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
 from django.db import DatabaseError, close_old_connections
 from django_tenants.utils import schema_context
 
+from apps.accounts.models import User
+from apps.accounts.services import TokenRejected, token_authenticate
 from apps.core.events import events_group, logs_group
+from apps.fleet.services import task_logs
+from apps.scheduling.models import Task
+from apps.scheduling.selectors import may_read_output, output_readers
+from tenants.selectors import tenant_for_host
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +52,6 @@ def header(scope: dict[str, Any], name: bytes) -> str:
 
 def resolve_identity(scope: dict[str, Any]) -> WebsocketIdentity:
     """The tenant and user of a websocket, or WebsocketRejected with a close code and a sentence."""
-    from apps.accounts.services import TokenRejected, token_authenticate
-    from tenants.selectors import tenant_for_host
 
     host = header(scope, b"host").split(":")[0].lower()
     tenant = tenant_for_host(host)
@@ -67,7 +75,6 @@ def _same_origin(origin: Any, host_header: str) -> bool:
     """The page's origin is this address: the same host and the same port (another service on another
     port of the same host is another origin). A Host without a port means the default port of the page's
     scheme: behind a proxy that ends TLS the socket itself may arrive as plain ws."""
-    from urllib.parse import urlsplit
 
     defaults = {"http": 80, "https": 443}
     asked = urlsplit(f"//{host_header}")
@@ -83,13 +90,6 @@ def _same_origin(origin: Any, host_header: str) -> bool:
 def _session_user(scope: dict[str, Any], schema_name: str, host: str) -> Any:
     """The signed-in user of the session cookie, for pages of this tenant's own address only (another
     site's page must not open a socket with the visitor's cookie)."""
-    from http.cookies import SimpleCookie
-    from importlib import import_module
-    from urllib.parse import urlsplit
-
-    from django.conf import settings
-
-    from apps.accounts.models import User
 
     origin = header(scope, b"origin")
     cookie = SimpleCookie(header(scope, b"cookie")).get(settings.SESSION_COOKIE_NAME)
@@ -114,7 +114,6 @@ ENDED = ("completed", "failed", "aborted")
 
 def _after(scope: dict[str, Any]) -> int:
     """The ?after= cursor the client already has (0: from the start)."""
-    from urllib.parse import parse_qs
 
     values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("after", ["0"])
     try:
@@ -164,10 +163,6 @@ class TaskLogsConsumer(AsyncJsonWebsocketConsumer):
             self.poller = asyncio.create_task(self._poll())
 
     def _check_reader(self) -> None:
-        from apps.accounts.models import User
-        from apps.scheduling.models import Task
-        from apps.scheduling.selectors import may_read_output, output_readers
-
         assert self.identity is not None
         with schema_context(self.identity.schema_name):
             task = Task.objects.select_related("submitter", "project").filter(pk=self.task_id).first()
@@ -178,9 +173,6 @@ class TaskLogsConsumer(AsyncJsonWebsocketConsumer):
                 raise WebsocketRejected(output_readers(task), 4403)
 
     def _read(self, after: int) -> tuple[list[dict[str, Any]], str]:
-        from apps.fleet.services import task_logs
-        from apps.scheduling.models import Task
-
         assert self.identity is not None
         try:
             with schema_context(self.identity.schema_name):

@@ -9,6 +9,8 @@ from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from apps.core.middleware import NUL_REFUSED, has_nul
+
 AMOUNT_PATTERN = r"^\d{1,18}(\.\d{1,6})?$"
 GPUS_PATTERN = r"^\d{1,6}(\.(0|25|5|75))?$"
 
@@ -32,8 +34,6 @@ class DocumentField(serializers.JSONField):
     form, it is JSON text parsed here, so the text rule of the API's parsers is applied here too."""
 
     def to_internal_value(self, data: Any) -> Any:
-        from apps.core.middleware import NUL_REFUSED, has_nul
-
         value = super().to_internal_value(data)
         if has_nul(value):
             raise serializers.ValidationError(NUL_REFUSED)

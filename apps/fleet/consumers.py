@@ -16,6 +16,7 @@ from apps.core.errors import InvalidInput, NotFound
 from apps.fleet import notify, services
 from apps.fleet.models import AgentToken
 from protocol import messages
+from tenants.selectors import tenant_for_host
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +61,6 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             logger.warning("agent connection without live notices: the channel layer failed (%s)", error)
 
     def _authenticate(self) -> tuple[Any, AgentToken]:
-        from tenants.selectors import tenant_for_host
-
         try:
             host = header(self.scope, b"host").split(":")[0].lower()
             tenant = tenant_for_host(host)

@@ -33,6 +33,7 @@ import hashlib
 import hmac
 import logging
 import os
+import secrets
 import tempfile
 import time
 import uuid
@@ -93,7 +94,6 @@ class IssuedAgentToken:
 
 def agent_token_create(*, pool: Pool, name: str) -> IssuedAgentToken:
     """A token that lets one agent serve `pool`; shown once."""
-    import secrets
 
     prefix = secrets.token_hex(4)
     secret = f"{AGENT_TOKEN_KIND}_{prefix}_{secrets.token_urlsafe(24)}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from decimal import Decimal
+from fractions import Fraction
 from typing import Any
 
 from django.db.models import Sum
@@ -48,8 +49,6 @@ class EventOut(serializers.ModelSerializer[LedgerEvent]):
         ]  # fmt: skip
 
     def get_gpus(self, event: LedgerEvent) -> str:
-        from fractions import Fraction
-
         return str(Fraction(event.gpu_units, UNITS_PER_GPU))
 
     def get_gpu_hours(self, event: LedgerEvent) -> str:

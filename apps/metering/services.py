@@ -11,14 +11,15 @@ from django.db import transaction
 from django.utils import timezone
 
 from apps.core.errors import InvalidInput
+from apps.fleet.models import TaskOutput
 from apps.metering.ledger import Event, Report, ingest
 from apps.metering.models import Kind, LedgerEvent, Period, PriceBook, Rejection
+from gateway.models import Usage
 
 
 def gateway_calls() -> Report:
     """Move the gateway's metered calls into the ledger (each call's request id is its event id), up to
     5,000 a run; the ones already there, or refused before, are skipped."""
-    from gateway.models import Usage
 
     pending = (
         Usage.objects.exclude(status=Usage.Status.FAILED)
@@ -47,7 +48,6 @@ def gateway_calls() -> Report:
 def storage(*, now: datetime | None = None, hours: int = 3) -> Report:
     """Meter task outputs kept over the last `hours` whole hours: bytes x time, one event per output and
     hour (so a rerun of this after a missed hour still meters it, once)."""
-    from apps.fleet.models import TaskOutput
 
     now = now or timezone.now()
     end = now.replace(minute=0, second=0, microsecond=0)

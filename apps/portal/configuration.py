@@ -18,11 +18,13 @@ from django.shortcuts import render
 from django.views.decorators.http import require_POST
 from rest_framework.exceptions import ValidationError
 
-from apps.accounts.models import User
+from apps.accounts.models import Group, User
 from apps.core.api_errors import error_lines
 from apps.core.errors import KliqueError
 from apps.portal.views import admin_only
-from apps.resources.models import Environment, SharingMethod, TaskSharing
+from apps.resources.models import Environment, ResourcePolicy, SharingMethod, TaskSharing
+from apps.resources.services import draft_get, draft_provision, draft_save, draft_validate
+from apps.scheduling.engine import describe
 
 SIZE_FIELDS = ("gpus", "nodes", "gpus_per_node", "min_gpus", "max_gpus", "mig_profile")
 NOUN = {"pools": "pool", "profiles": "profile", "policies": "policy"}
@@ -105,9 +107,6 @@ def _malformed(error: ValidationError) -> str:
 
 
 def _policies() -> list[dict[str, Any]]:
-    from apps.resources.models import ResourcePolicy
-    from apps.scheduling.engine import describe
-
     return [
         {
             "name": policy.name,
@@ -122,7 +121,6 @@ def _policies() -> list[dict[str, Any]]:
 
 def _editor(document: dict[str, Any]) -> dict[str, Any]:
     """What the editor shows of a draft: each item's form, and the whole as JSON."""
-    from apps.accounts.models import Group
 
     profiles = [
         {**profile, "pool_names": ", ".join(str(entry.get("pool", "")) for entry in profile.get("pools", []))}
@@ -145,7 +143,6 @@ def _editor(document: dict[str, Any]) -> dict[str, Any]:
 def configuration(request: HttpRequest) -> HttpResponse:
     """The draft configuration, as forms and as one document: edit, validate (the report inline),
     provision."""
-    from apps.resources.services import draft_get
 
     context = {**_editor(draft_get().document), "policies_in_force": _policies(), "page": "configuration"}
     return render(request, "portal/configuration.html", context)
@@ -161,7 +158,6 @@ def _refused(request: HttpRequest, message: str) -> HttpResponse:
 
 def _save(request: HttpRequest, document: Any) -> HttpResponse | None:
     """Save `document` as the draft; the refusal to answer with when it is not well formed."""
-    from apps.resources.services import draft_save
 
     user = request.user
     assert isinstance(user, User)
@@ -176,7 +172,6 @@ def _edited(
     request: HttpRequest, document: dict[str, Any], message: str = "", opened: str = ""
 ) -> HttpResponse:
     """The editor again, with the saved draft's report and what was done."""
-    from apps.resources.services import draft_validate
 
     context = {**_editor(document), "report": draft_validate(), "message": message, "opened": opened}
     return render(request, "portal/_editor.html", context)
@@ -187,7 +182,6 @@ def _edited(
 def item_save(request: HttpRequest, section: str) -> HttpResponse:
     """Save one pool, profile or policy into the draft from its form (HTMX): the editor again, with the
     draft's report and the item's form still open."""
-    from apps.resources.services import draft_get
 
     if section not in SECTIONS:
         raise Http404(section)
@@ -218,7 +212,6 @@ def item_save(request: HttpRequest, section: str) -> HttpResponse:
 @require_POST
 def item_remove(request: HttpRequest, section: str) -> HttpResponse:
     """Take one pool, profile or policy out of the draft (HTMX)."""
-    from apps.resources.services import draft_get
 
     if section not in SECTIONS:
         raise Http404(section)
@@ -259,7 +252,6 @@ def validate(request: HttpRequest) -> HttpResponse:
 def provision(request: HttpRequest) -> HttpResponse:
     """Save the draft as the page shows it and make it the configuration (HTMX): the result, and the
     policies as they now are."""
-    from apps.resources.services import draft_provision
 
     _, refused = _save_document(request)
     if refused is not None:

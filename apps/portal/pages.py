@@ -6,13 +6,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.db.models import Sum
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_POST
 
+from apps.accounts import services as accounts
 from apps.accounts.models import ApiToken, Role, User
+from apps.accounts.selectors import service_account_list
 from apps.core.errors import KliqueError
 from apps.portal.views import admin_only, signed_in
+from apps.resources.apis import ComputeResourceOut, _resource_context
+from apps.resources.models import ResourcePolicy
+from apps.scheduling import selectors
+from apps.scheduling.engine import describe
+from apps.scheduling.models import ACTIVE_STATES, Task
+from apps.vault.services import secret_set, secrets_visible_to
+from gateway.apis import BudgetOut, budgets_visible_to
+from gateway.services import usage_for
 
 
 def _user(request: HttpRequest) -> User:
@@ -23,11 +34,6 @@ def _user(request: HttpRequest) -> User:
 
 def _access(user: User) -> list[dict[str, Any]]:
     """Each policy of the person's groups: reservation, limit, what is in use, what it opens to them."""
-    from django.db.models import Sum
-
-    from apps.resources.models import ResourcePolicy
-    from apps.scheduling.engine import describe
-    from apps.scheduling.models import ACTIVE_STATES, Task
 
     rows = []
     for policy in ResourcePolicy.objects.filter(group__members=user).select_related("group").distinct():
@@ -48,9 +54,6 @@ def _access(user: User) -> list[dict[str, Any]]:
 
 
 def _queues(user: User) -> list[dict[str, Any]]:
-    from apps.resources.apis import ComputeResourceOut, _resource_context
-    from apps.scheduling import selectors
-
     data: Any = ComputeResourceOut(
         selectors.compute_resources(), many=True, context=_resource_context(user)
     ).data
@@ -86,13 +89,11 @@ def tokens(request: HttpRequest) -> HttpResponse:
 @signed_in
 @require_POST
 def token_create(request: HttpRequest) -> HttpResponse:
-    from apps.accounts.services import token_create as create
-
     user = _user(request)
     context: dict[str, Any] = {}
     try:
         days = request.POST.get("days") or None
-        issued = create(
+        issued = accounts.token_create(
             tenant=request.tenant,  # type: ignore[attr-defined]
             user=user,
             name=request.POST.get("name", "").strip(),
@@ -112,16 +113,12 @@ def token_create(request: HttpRequest) -> HttpResponse:
 @signed_in
 @require_POST
 def token_revoke(request: HttpRequest, token_id: str) -> HttpResponse:
-    from apps.accounts.services import token_revoke as revoke
-
     user = _user(request)
-    revoke(token=get_object_or_404(ApiToken, pk=token_id, user=user))
+    accounts.token_revoke(token=get_object_or_404(ApiToken, pk=token_id, user=user))
     return render(request, "portal/_token_made.html", {"tokens": _tokens(user), "revoked": True})
 
 
 def _service_accounts() -> Any:
-    from apps.accounts.selectors import service_account_list
-
     return service_account_list().prefetch_related("api_tokens").order_by("username")
 
 
@@ -136,19 +133,19 @@ def service_accounts(request: HttpRequest) -> HttpResponse:
 @require_POST
 def service_account_create(request: HttpRequest) -> HttpResponse:
     """Create a service account (admins) with its first token, shown once."""
-    from apps.accounts.services import service_account_create as create
-    from apps.accounts.services import token_create as issue
 
     context: dict[str, Any] = {}
     try:
         tenant = request.tenant  # type: ignore[attr-defined]
-        account = create(
+        account = accounts.service_account_create(
             tenant=tenant,
             name=request.POST.get("name", "").strip(),
             role=request.POST.get("role", Role.MEMBER),
             description=request.POST.get("description", "").strip(),
         )
-        context["issued"] = issue(tenant=tenant, user=account, name="first", scope=ApiToken.Scope.SUBMIT)
+        context["issued"] = accounts.token_create(
+            tenant=tenant, user=account, name="first", scope=ApiToken.Scope.SUBMIT
+        )
         context["account"] = account
     except KliqueError as error:
         context["error"] = error.message
@@ -158,8 +155,6 @@ def service_account_create(request: HttpRequest) -> HttpResponse:
 
 @signed_in
 def secrets(request: HttpRequest) -> HttpResponse:
-    from apps.vault.services import secrets_visible_to
-
     user = _user(request)
     context = {"secrets": secrets_visible_to(user), "admin": user.has_role(Role.ADMIN), "page": "secrets"}
     return render(request, "portal/secrets.html", context)
@@ -169,7 +164,6 @@ def secrets(request: HttpRequest) -> HttpResponse:
 @require_POST
 def secret_keep(request: HttpRequest) -> HttpResponse:
     """Keep a secret (write-only): its value is never shown again, here or anywhere."""
-    from apps.vault.services import secret_set, secrets_visible_to
 
     user = _user(request)
     context: dict[str, Any] = {}
@@ -190,8 +184,6 @@ def secret_keep(request: HttpRequest) -> HttpResponse:
 @signed_in
 def usage(request: HttpRequest) -> HttpResponse:
     """The person's gateway calls and the budgets that apply to them."""
-    from gateway.apis import BudgetOut, budgets_visible_to
-    from gateway.services import usage_for
 
     user = _user(request)
     context = {

@@ -10,6 +10,7 @@ from datetime import timedelta
 from functools import wraps
 from typing import Any
 
+from django.conf import settings
 from django.contrib import auth
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404, render
@@ -17,7 +18,13 @@ from django.utils import timezone
 from django.views.decorators.http import require_http_methods, require_POST
 
 from apps.accounts.models import Role, User
+from apps.accounts.services import SignInLimited, sign_in_check, sign_in_failed, sign_in_succeeded
+from apps.audit.services import record
 from apps.core.errors import KliqueError
+from apps.scheduling.engine import UNITS_PER_GPU
+from tenants import services as tenancy
+from tenants.models import Tenant
+from tenants.selectors import tenant_list, usage_by_tenant
 
 View = Callable[..., HttpResponse]
 DAYS = 30
@@ -36,9 +43,6 @@ def provider_admin(view: View) -> View:
 
 @require_http_methods(["GET", "POST"])
 def sign_in(request: HttpRequest) -> HttpResponse:
-    from apps.accounts.services import SignInLimited, sign_in_check, sign_in_failed, sign_in_succeeded
-    from apps.audit.services import record
-
     context: dict[str, Any] = {"passwords": True, "provider": True, "next": "/portal/"}
     if request.method == "POST":
         username = request.POST.get("username", "")
@@ -61,9 +65,6 @@ def sign_in(request: HttpRequest) -> HttpResponse:
 
 
 def _tenants() -> list[dict[str, Any]]:
-    from apps.scheduling.engine import UNITS_PER_GPU
-    from tenants.selectors import tenant_list, usage_by_tenant
-
     since = timezone.now().date() - timedelta(days=DAYS)
     usage: dict[str, dict[str, float]] = defaultdict(lambda: {"gpu_hours": 0.0, "cost": 0.0})
     for row in usage_by_tenant(since=since):
@@ -86,7 +87,6 @@ def _tenants() -> list[dict[str, Any]]:
 
 def _chart() -> dict[str, Any]:
     """Cost per tenant per day over the last DAYS days, for the usage chart."""
-    from tenants.selectors import usage_by_tenant
 
     today = timezone.now().date()
     days = [today - timedelta(days=offset) for offset in range(DAYS - 1, -1, -1)]
@@ -104,8 +104,6 @@ def _chart() -> dict[str, Any]:
 
 @provider_admin
 def center(request: HttpRequest) -> HttpResponse:
-    from django.conf import settings
-
     context = {
         "tenants": _tenants(),
         "chart": _chart(),
@@ -125,12 +123,11 @@ def tenants_table(request: HttpRequest) -> HttpResponse:
 @require_POST
 def tenant_create(request: HttpRequest) -> HttpResponse:
     """Create a tenant (HTMX): its address and its first admin's token, shown once."""
-    from tenants.services import tenant_create as create
 
     context: dict[str, Any] = {}
     try:
         share = request.POST.get("gpu_share") or None
-        created = create(
+        created = tenancy.tenant_create(
             slug=request.POST.get("slug", "").strip(),
             name=request.POST.get("name", "").strip(),
             admin_username=request.POST.get("admin_username", "").strip(),
@@ -148,16 +145,13 @@ def tenant_create(request: HttpRequest) -> HttpResponse:
 @provider_admin
 @require_POST
 def tenant_suspend(request: HttpRequest, slug: str) -> HttpResponse:
-    from tenants.models import Tenant
-    from tenants.services import tenant_resume, tenant_suspend
-
     tenant = get_object_or_404(Tenant, slug=slug)
     context: dict[str, Any] = {}
     try:
         if tenant.is_suspended:
-            tenant_resume(tenant=tenant)
+            tenancy.tenant_resume(tenant=tenant)
         else:
-            tenant_suspend(tenant=tenant, reason=request.POST.get("reason", ""))
+            tenancy.tenant_suspend(tenant=tenant, reason=request.POST.get("reason", ""))
     except KliqueError as error:
         context["error"] = error.message
     context["tenants"] = _tenants()

@@ -5,17 +5,40 @@ show or change goes through the same services, selectors and role rules as the R
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from functools import wraps
 from typing import Any
 
 from django.contrib import auth
+from django.db import connection
+from django.db.models import Sum
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404, render
+from django.utils import timezone
 from django.views.decorators.http import require_http_methods, require_POST
 
 from apps.accounts.models import Role, User
+from apps.accounts.services import SignInLimited
 from apps.core.errors import KliqueError
+from apps.fleet.selectors import NONE_REPORTED, agents_by_pool
 from apps.fleet.services import task_outputs
+from apps.metering.ledger import gpu_hours, usd
+from apps.metering.models import Rollup
+from apps.metering.selectors import task_gpu_usage
+from apps.resources.models import Pool
+from apps.scheduling import services as scheduling
+from apps.scheduling.engine import UNITS_PER_GPU
+from apps.scheduling.models import ACTIVE_STATES, ENDED_STATES, Task, TaskEvent, TaskState
+from apps.scheduling.selectors import (
+    compute_resources_for,
+    may_read_output,
+    output_readers,
+    tasks_visible_to,
+    why,
+)
+from apps.scheduling.services import TaskRequest, tasks_submit
+from apps.sso.models import Provider
+from apps.sso.services import SignInRefused, password_sign_in
 
 View = Callable[..., HttpResponse]
 
@@ -35,10 +58,6 @@ def signed_in(view: View) -> View:
 
 @require_http_methods(["GET", "POST"])
 def sign_in(request: HttpRequest) -> HttpResponse:
-    from apps.accounts.services import SignInLimited
-    from apps.sso.models import Provider
-    from apps.sso.services import SignInRefused, password_sign_in
-
     provider = Provider.objects.filter(pk=1).first()
     context: dict[str, Any] = {
         "sso": provider is not None,
@@ -68,8 +87,6 @@ def sign_out(request: HttpRequest) -> HttpResponse:
 
 def _tasks(user: User) -> list[dict[str, Any]]:
     """The person's latest tasks, each queued one with its place in its queue (as `klique why` says)."""
-    from apps.scheduling.models import TaskState
-    from apps.scheduling.selectors import tasks_visible_to, why
 
     rows = []
     for task in tasks_visible_to(user).filter(submitter=user).order_by("-submitted_at")[:50]:
@@ -80,8 +97,6 @@ def _tasks(user: User) -> list[dict[str, Any]]:
 
 @signed_in
 def tasks(request: HttpRequest) -> HttpResponse:
-    from apps.scheduling.selectors import compute_resources_for
-
     user = request.user
     assert isinstance(user, User)
     resources = [resource for resource in compute_resources_for(user) if user.has_role(Role.MEMBER)]
@@ -99,7 +114,6 @@ def tasks_table(request: HttpRequest) -> HttpResponse:
 
 def _request(request: HttpRequest, user: User) -> Any:
     """The task the submit form asks for, or KliqueError saying what is wrong with the form."""
-    from apps.scheduling.services import TaskRequest
 
     if not user.has_role(Role.MEMBER):
         raise KliqueError(f"Submitting needs the member role and {user.username} is a {user.role}.")
@@ -118,7 +132,6 @@ def _request(request: HttpRequest, user: User) -> Any:
 @require_POST
 def task_submit(request: HttpRequest) -> HttpResponse:
     """The submit form (HTMX): says the task is queued, or what was wrong, and refreshes the table."""
-    from apps.scheduling.services import tasks_submit
 
     user = request.user
     assert isinstance(user, User)
@@ -135,15 +148,12 @@ def task_submit(request: HttpRequest) -> HttpResponse:
 
 def _may_cancel(user: User, task: Any) -> bool:
     """As the API has it: a member may cancel their own task that has not ended; an admin anyone's."""
-    from apps.scheduling.models import ENDED_STATES
 
     mine = task.submitter_id == user.pk and user.has_role(Role.MEMBER)
     return task.state not in ENDED_STATES and (mine or user.has_role(Role.ADMIN))
 
 
 def _facts(request: HttpRequest, task_id: str) -> tuple[User, Any]:
-    from apps.scheduling.selectors import tasks_visible_to
-
     user = request.user
     assert isinstance(user, User)
     return user, get_object_or_404(tasks_visible_to(user).select_related("pool", "submitter"), pk=task_id)
@@ -152,8 +162,6 @@ def _facts(request: HttpRequest, task_id: str) -> tuple[User, Any]:
 def _metered(task: Any) -> dict[str, Any] | None:
     """The GPU time and cost the ledger holds for the task's runs (a running run's is metered hour by
     hour), or None before any."""
-    from apps.metering.ledger import gpu_hours, usd
-    from apps.metering.selectors import task_gpu_usage
 
     sums = task_gpu_usage(task_id=task.pk, user_id=task.submitter_id, since=task.submitted_at)
     return (
@@ -163,8 +171,6 @@ def _metered(task: Any) -> dict[str, Any] | None:
 
 @signed_in
 def task(request: HttpRequest, task_id: str) -> HttpResponse:
-    from apps.scheduling.selectors import may_read_output, output_readers
-
     user, found = _facts(request, task_id)
     readable = may_read_output(user, found)
     context = {
@@ -192,7 +198,6 @@ def task_facts(request: HttpRequest, task_id: str) -> HttpResponse:
 @require_POST
 def task_cancel(request: HttpRequest, task_id: str) -> HttpResponse:
     """Cancel the task (HTMX): its facts again, saying so, or why not."""
-    from apps.scheduling.services import task_cancel as cancel
 
     user, found = _facts(request, task_id)
     context: dict[str, Any] = {}
@@ -204,7 +209,7 @@ def task_cancel(request: HttpRequest, task_id: str) -> HttpResponse:
         status = 403
     else:
         try:
-            found = cancel(tenant=request.tenant, user=user, task=found)  # type: ignore[attr-defined]
+            found = scheduling.task_cancel(tenant=request.tenant, user=user, task=found)  # type: ignore[attr-defined]
             context["message"] = "Cancelled."
         except KliqueError as error:
             context["error"] = error.message
@@ -222,10 +227,6 @@ RANGES = {"24h": (24, "hour"), "7d": (7, "day"), "30d": (30, "day")}
 def _utilization_chart(pools: list[dict[str, Any]], now: Any, span: str) -> dict[str, Any]:
     """GPU utilization per hour (last 24 hours) or per day (last 7 or 30 days): metered GPU time over
     the pools' capacity. The ledger's rollups count an event in the hour (and day) it ended."""
-    from datetime import timedelta
-
-    from apps.metering.ledger import gpu_hours
-    from apps.metering.models import Rollup
 
     count, grain = RANGES.get(span, RANGES["24h"])
     hourly = grain == "hour"
@@ -265,11 +266,6 @@ HAVING sum(report.gpu_percent_sum) / sum(report.gpu_samples) < %s
 def _idle(now: Any) -> list[dict[str, Any]]:
     """Running tasks whose GPUs averaged under IDLE_BELOW percent over the last hour (from the GPU samples
     their nodes report)."""
-    from datetime import timedelta
-
-    from django.db import connection
-
-    from apps.scheduling.models import Task
 
     with connection.cursor() as cursor:
         cursor.execute(_IDLE_SQL, [now - timedelta(hours=1), IDLE_BELOW])
@@ -291,12 +287,6 @@ def _dashboard(now: Any, span: str = "24h") -> dict[str, Any]:
     """What the dashboard shows, as of now: GPUs in use and free per pool, environment and GPU class;
     CPUs, workers and nodes per environment, as its agents last said; GPUs in use per group;
     utilization over the span asked for; idle GPUs."""
-    from django.db.models import Sum
-
-    from apps.fleet.selectors import NONE_REPORTED, agents_by_pool
-    from apps.resources.models import Pool
-    from apps.scheduling.engine import UNITS_PER_GPU
-    from apps.scheduling.models import ACTIVE_STATES, Task
 
     agents = agents_by_pool()
     held = dict(
@@ -374,9 +364,6 @@ def _totals(pools: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
 def dashboard(request: HttpRequest) -> HttpResponse:
     """The dashboard; its figures reload in place (dashboard_live) on the tenant's task events and every
     15 seconds, and its charts redraw from them."""
-    from django.utils import timezone
-
-    from apps.scheduling.models import TaskEvent
 
     context = _dashboard(timezone.now(), request.GET.get("range", "24h"))
     context["events"] = TaskEvent.objects.select_related("task").order_by("-at")[:20]
@@ -386,8 +373,6 @@ def dashboard(request: HttpRequest) -> HttpResponse:
 
 @signed_in
 def dashboard_live(request: HttpRequest) -> HttpResponse:
-    from django.utils import timezone
-
     return render(
         request, "portal/_dashboard_live.html", _dashboard(timezone.now(), request.GET.get("range", "24h"))
     )

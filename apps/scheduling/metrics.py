@@ -11,6 +11,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from apps.resources.models import ComputeResource
+from apps.scheduling.selectors import queue_depths, queue_wait
+from tenants.selectors import tenant_list
 
 CACHE_SECONDS = 15.0
 
@@ -55,9 +57,6 @@ class QueueCollector(Collector):
         yield from metrics
 
     def _read(self) -> list[Metric]:
-        from apps.scheduling.selectors import queue_depths, queue_wait
-        from tenants.selectors import tenant_list
-
         by_resource, by_group, depth = _families()
         for tenant in tenant_list().filter(status="active"):
             with schema_context(tenant.schema_name):

@@ -6,9 +6,11 @@ import contextvars
 from typing import Any
 
 import httpx
+from django.contrib import auth
 from django.db import transaction
 
 from apps.accounts.models import Group, Role, User
+from apps.accounts.services import sign_in_check, sign_in_failed, sign_in_succeeded
 from apps.audit.services import record
 from apps.core import outbound
 from apps.core.errors import InvalidInput
@@ -153,12 +155,6 @@ class SignInRefused(Exception):
 def password_sign_in(request: Any, username: str, password: str) -> User:
     """Break-glass password sign-in into a session: only a tenant admin, and only where the tenant allows
     it or has no single sign-on. Refusals are audited."""
-    from django.contrib import auth
-
-    from apps.accounts.models import Role
-    from apps.accounts.services import sign_in_check, sign_in_failed, sign_in_succeeded
-    from apps.audit.services import record
-    from apps.sso.models import Provider
 
     provider = Provider.objects.filter(pk=1).first()
     if provider is not None and not provider.break_glass_passwords:

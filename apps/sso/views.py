@@ -14,10 +14,12 @@ from django.middleware.csrf import get_token
 from django.views.decorators.csrf import csrf_protect
 from mozilla_django_oidc.views import OIDCAuthenticationCallbackView, OIDCAuthenticationRequestView
 
+from apps.accounts.services import SignInLimited
 from apps.audit.services import record
 from apps.sso import services
 from apps.sso.backend import tenant_setting
 from apps.sso.models import Provider
+from apps.sso.services import SignInRefused
 
 
 def _configured(*, with_secret: bool) -> Provider | None:
@@ -108,9 +110,6 @@ def password_sign_in(request: HttpRequest) -> HttpResponse:
         return _csrf_instructions(request, "Sign in (username and password)")
     if request.method != "POST":
         return JsonResponse({"detail": "Sign in with POST username and password."}, status=405)
-    from apps.accounts.services import SignInLimited
-    from apps.sso.services import SignInRefused
-    from apps.sso.services import password_sign_in as sign_in
 
     provider = Provider.objects.filter(pk=1).first()
     if provider is not None and not provider.break_glass_passwords:
@@ -118,7 +117,9 @@ def password_sign_in(request: HttpRequest) -> HttpResponse:
             {"detail": "This tenant signs in through single sign-on: /auth/sso/login/."}, status=403
         )
     try:
-        user = sign_in(request, request.POST.get("username", ""), request.POST.get("password", ""))
+        user = services.password_sign_in(
+            request, request.POST.get("username", ""), request.POST.get("password", "")
+        )
     except SignInRefused as refused:
         return JsonResponse({"detail": str(refused)}, status=401)
     except SignInLimited as limited:

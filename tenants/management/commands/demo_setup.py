@@ -22,6 +22,8 @@ from apps.resources.models import ComputeResource, Pool
 from apps.resources.services import draft_provision, draft_save
 from apps.scheduling.models import Task
 from apps.scheduling.services import TaskRequest, tasks_submit
+from gateway.models import Budget
+from gateway.services import budget_create, settings_save
 from tenants import selectors, services
 
 DEMO_SLUG = "demo"
@@ -174,8 +176,6 @@ class Command(BaseCommand):
 
     def gateway(self, alice: User, model_url: str) -> None:
         """The demo's LLM gateway: one model, "demo-echo", on the local server, and a monthly budget."""
-        from gateway.models import Budget
-        from gateway.services import budget_create, settings_save
 
         demo_echo = {
             "model_name": "demo-echo",
