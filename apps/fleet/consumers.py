@@ -38,6 +38,11 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
     schema_name: str | None = None
     token: AgentToken | None = None
     agent_id: str | None = None
+    # Set once a message could not be served: the connection is closing, and what the agent sent after
+    # that message is not applied either. The agent sends it all again, in order, when it reconnects; a
+    # later report applied here before the failed one arrives again would put the run's reports (its
+    # log lines) out of order.
+    failed: bool = False
 
     async def connect(self) -> None:
         try:
@@ -95,7 +100,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             raise
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
-        if self.token is None:
+        if self.token is None or self.failed:
             return
         kind = str(content.get("type"))[:30] if isinstance(content, dict) else ""
         try:
@@ -109,6 +114,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         except (services.AgentRejected, InvalidInput, NotFound) as refused:
             await self.send_json(messages.Error(str(refused), kind).as_json())
         except DatabaseError as error:
+            self.failed = True
             logger.warning(
                 "agent %s: %s not served, the database is unavailable (%s)", self.agent_id, kind, error
             )
@@ -116,6 +122,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
                 CLOSE_UNAVAILABLE, "The control plane's database is unavailable; reconnect later."
             )
         except Exception:
+            self.failed = True
             logger.exception("agent %s: %s message failed", self.agent_id, kind)
             await self._close_with(
                 CLOSE_UNAVAILABLE, f"The control plane failed to handle {kind}; reconnect."
@@ -201,6 +208,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
                 try:
                     await self._dispatch()
                 except DatabaseError:
+                    self.failed = True
                     await self._close_with(CLOSE_UNAVAILABLE, "The control plane's database is unavailable.")
             return
         await self.send_json(message)

@@ -8,10 +8,13 @@ a second agent on the pool, an abort whose notice was lost, a database that fail
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 from unittest import mock
 
+import pytest
 from django.db import OperationalError, connections
 from django.utils import timezone
 from django_tenants.utils import schema_context
@@ -332,6 +335,54 @@ def test_a_database_error_mid_message_closes_with_1011_and_at_connect_refuses_th
     assert "database is unavailable" in error["detail"]
     assert closed == {"type": "websocket.close", "code": 1011}
     assert refused == (False, 1011)
+
+
+FAILING_FIRST = [
+    ("heartbeat", "agent_heartbeat", lambda assign: {"type": "heartbeat", "held": [run_of(assign)]}),
+    ("report", "report", lambda assign: {"type": "log", **run_of(assign), "seq": 2, "lines": ["two"]}),
+    ("accepted", "lease_accepted", lambda assign: {"type": "accepted", **run_of(assign)}),
+]
+
+
+@pytest.mark.parametrize(("kind", "service", "first"), FAILING_FIRST, ids=[case[0] for case in FAILING_FIRST])
+def test_after_a_message_fails_nothing_later_on_that_connection_is_applied(
+    fleet: dict[str, Any], kind: str, service: str, first: Callable[[dict[str, Any]], dict[str, Any]]
+) -> None:
+    """The agent replays everything unanswered on its next connection, in order: a report sent after the
+    failed message and applied on the closing connection would land before the replayed one (the run's
+    log out of order, as a database restart under load once showed)."""
+    applied: list[int] = []
+    report = services.report
+
+    def recording(**arguments: Any) -> Any:
+        seq = arguments["message"].seq
+        applied.append(seq)
+        if kind == "report" and seq == 2:
+            raise OperationalError("server closed")
+        return report(**arguments)
+
+    async def scenario() -> tuple[dict[str, Any], Any]:
+        client = agent(fleet["token"].secret)
+        (assign,) = await start(client)
+        with contextlib.ExitStack() as patches:
+            patches.enter_context(mock.patch.object(services, "report", side_effect=recording))
+            if kind != "report":
+                failure = OperationalError("server closed")
+                patches.enter_context(mock.patch.object(services, service, side_effect=failure))
+            await client.send_json_to(first(assign))
+            for seq in (3, 4):  # sent before the plane answered the first
+                await client.send_json_to({"type": "log", **run_of(assign), "seq": seq, "lines": [str(seq)]})
+            error = await client.receive_json_from(timeout=10)
+            closed = await client.receive_output(timeout=10)
+            await asyncio.sleep(0.5)  # time for anything queued behind the failure to be (wrongly) handled
+        return error, closed
+
+    error, closed = asyncio.run(scenario())
+    assert "database is unavailable" in error["detail"]
+    assert closed == {"type": "websocket.close", "code": 1011}
+    assert applied == ([2] if kind == "report" else [])  # the failed one, and nothing after it
+    with schema_context("fleet"):
+        assert not TaskReport.objects.filter(task_id=fleet["task"], seq__in=(2, 3, 4)).exists()
 
 
 def test_an_agent_of_an_older_protocol_is_told_what_to_install(fleet: dict[str, Any]) -> None:
