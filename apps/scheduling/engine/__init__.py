@@ -2,7 +2,7 @@
 
 from protocol.units import UNITS_PER_GPU
 
-from .cycle import schedule, task_order
+from .cycle import schedule
 from .model import (
     Allocation,
     Decision,
@@ -17,6 +17,7 @@ from .model import (
     Snapshot,
     Task,
 )
+from .state import task_order
 from .units import SizeError, describe, gpus, mig_fraction, units
 
 __all__ = [
