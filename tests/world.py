@@ -30,8 +30,8 @@ from apps.accounts.services import (
     token_create,
     user_create,
 )
+from apps.fleet.credentials import agent_token_create
 from apps.fleet.models import TaskOutput
-from apps.fleet.services import agent_token_create
 from apps.metering.ledger import Event, ingest
 from apps.resources.models import ComputeResource, Pool
 from apps.resources.services import draft_provision, draft_save

@@ -21,7 +21,7 @@ from django_tenants.utils import schema_context
 from apps.accounts.models import User
 from apps.accounts.services import TokenRejected, token_authenticate
 from apps.core.events import events_group, logs_group
-from apps.fleet.services import task_logs
+from apps.fleet.selectors import task_logs
 from apps.scheduling.models import Task
 from apps.scheduling.selectors import may_read_output, output_readers
 from tenants.selectors import tenant_for_host

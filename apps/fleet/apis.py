@@ -20,7 +20,7 @@ from rest_framework.response import Response
 from apps.accounts.apis import TenantAPIView
 from apps.accounts.models import Role, User
 from apps.core.ids import as_uuid
-from apps.fleet import services
+from apps.fleet import credentials, dispatch, errors, outputs, selectors
 from apps.fleet.models import AgentToken, TaskOutput
 from apps.resources.models import Pool
 from apps.scheduling import runs
@@ -65,7 +65,7 @@ class PoolAgentTokensView(TenantAPIView):
         pool = get_object_or_404(Pool, pk=pool_id)
         data = AgentTokenIn(data=request.data)
         data.is_valid(raise_exception=True)
-        issued = services.agent_token_create(pool=pool, name=data.validated_data["name"])
+        issued = credentials.agent_token_create(pool=pool, name=data.validated_data["name"])
         body = {**AgentTokenOut(issued.token).data, "token": issued.secret}
         return Response(body, status=status.HTTP_201_CREATED, headers={"Cache-Control": "no-store"})
 
@@ -75,7 +75,7 @@ class AgentTokenDetailView(TenantAPIView):
 
     @extend_schema(responses={204: None}, summary="Revoke an agent token; its agent is refused from then on")
     def delete(self, request: Request, token_id: str) -> Response:
-        services.agent_token_revoke(tenant=self.tenant, token=get_object_or_404(AgentToken, pk=token_id))
+        credentials.agent_token_revoke(tenant=self.tenant, token=get_object_or_404(AgentToken, pk=token_id))
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
@@ -100,14 +100,14 @@ class TaskLogsView(TenantAPIView):
     @extend_schema(summary="The task's output, in order; ?after=CURSOR for what came since")
     def get(self, request: Request, task_id: str) -> Response:
         task = _readable_task(self.user, task_id)
-        return Response(services.task_logs(task, after=_after(request)))
+        return Response(selectors.task_logs(task, after=_after(request)))
 
 
 class TaskMetricsView(TenantAPIView):
     @extend_schema(summary="The task's metrics as its nodes reported them; ?after=CURSOR for what came since")
     def get(self, request: Request, task_id: str) -> Response:
         task = _readable_task(self.user, task_id)
-        return Response(services.task_metrics(task, after=_after(request)))
+        return Response(selectors.task_metrics(task, after=_after(request)))
 
 
 class TaskOutputOut(serializers.ModelSerializer[TaskOutput]):
@@ -120,14 +120,14 @@ class TaskOutputListView(TenantAPIView):
     @extend_schema(responses=TaskOutputOut(many=True), summary="The files the task left as outputs")
     def get(self, request: Request, task_id: str) -> Response:
         task = _readable_task(self.user, task_id)
-        return Response(TaskOutputOut(services.task_outputs(task), many=True).data)
+        return Response(TaskOutputOut(selectors.task_outputs(task), many=True).data)
 
 
 class TaskOutputDownloadView(TenantAPIView):
     @extend_schema(responses={(200, "application/octet-stream"): bytes}, summary="Download one output")
     def get(self, request: Request, task_id: str, name: str) -> FileResponse:
         task = _readable_task(self.user, task_id)
-        output = services.task_outputs(task).filter(name=name).order_by("-at").first()
+        output = selectors.task_outputs(task).filter(name=name).order_by("-at").first()
         if output is None:
             raise NotFound(f"Task {task.pk} has no output {name!r} in its latest run.")
         try:
@@ -145,21 +145,21 @@ def _bearer(request: HttpRequest) -> str | None:
     return presented.strip() if scheme.lower() == "bearer" and presented.strip() else None
 
 
-class StaleUpload(services.AgentRejected):
+class StaleUpload(errors.AgentRejected):
     """An upload for a run that is not the task's current run: dropped, not retried (409)."""
 
 
 def _uploader_task(tenant: Tenant, presented: str, task_id: str, lease: str) -> Task:
     """The task an agent token (its pool's tasks, under the run's lease) or a task token (that task's
     current run) may write outputs of."""
-    if presented.startswith(f"{services.TASK_TOKEN_KIND}_"):
-        return services.task_authenticate(
+    if presented.startswith(f"{credentials.TASK_TOKEN_KIND}_"):
+        return credentials.task_authenticate(
             schema_name=tenant.schema_name, presented=presented, task_id=task_id
         )
-    token = services.agent_authenticate(presented=presented)
-    task = services.pool_task(task_id, token.pool)
+    token = credentials.agent_authenticate(presented=presented)
+    task = selectors.pool_task(task_id, token.pool)
     if task is None:
-        raise services.AgentRejected(f"Task {task_id} is not in pool {token.pool.name}.")
+        raise errors.AgentRejected(f"Task {task_id} is not in pool {token.pool.name}.")
     identifier = as_uuid(lease)
     run = TaskRun.objects.filter(pk=identifier, task=task).first() if identifier is not None else None
     # The task's current run, or a run given up that its agent is bringing back (uploads may come before
@@ -185,7 +185,7 @@ def agent_output_upload(request: HttpRequest, task_id: str, name: str) -> JsonRe
     lease = request.headers.get("X-Klique-Lease", "")
     try:
         task = _uploader_task(tenant, presented, str(task_id), lease)
-        output = services.output_store(
+        output = outputs.output_store(
             tenant=tenant,
             task=task,
             name=name,
@@ -194,9 +194,9 @@ def agent_output_upload(request: HttpRequest, task_id: str, name: str) -> JsonRe
         )
     except StaleUpload as stale:
         return JsonResponse({"detail": str(stale), "verdict": "stale"}, status=409)
-    except services.OutputNotStored as failed:
+    except errors.OutputNotStored as failed:
         return JsonResponse({"detail": str(failed)}, status=failed.status)
-    except services.AgentRejected as rejected:
+    except errors.AgentRejected as rejected:
         return JsonResponse({"detail": str(rejected)}, status=400 if "output" in str(rejected) else 403)
     return JsonResponse(TaskOutputOut(output).data, status=201)
 
@@ -213,7 +213,7 @@ def agent_reports_post(request: HttpRequest, task_id: str) -> JsonResponse:
     if request.method != "POST":
         return JsonResponse({"detail": "Send reports with POST."}, status=405)
     tenant, presented = getattr(request, "tenant", None), _bearer(request)
-    if tenant is None or presented is None or not presented.startswith(f"{services.TASK_TOKEN_KIND}_"):
+    if tenant is None or presented is None or not presented.startswith(f"{credentials.TASK_TOKEN_KIND}_"):
         return JsonResponse({"detail": "Send 'Authorization: Bearer <the task token>'."}, status=401)
     try:
         reports = json.loads(request.body or b"{}").get("reports")
@@ -224,10 +224,10 @@ def agent_reports_post(request: HttpRequest, task_id: str) -> JsonResponse:
             {"detail": f'Send {{"reports": [...]}} with at most {MAX_REPORTS_PER_POST} reports.'}, status=400
         )
     try:
-        task = services.task_authenticate(
+        task = credentials.task_authenticate(
             schema_name=tenant.schema_name, presented=presented, task_id=str(task_id)
         )
-    except services.AgentRejected as rejected:
+    except errors.AgentRejected as rejected:
         return JsonResponse({"detail": str(rejected)}, status=403)
     kept = 0
     for item in reports:
@@ -236,7 +236,7 @@ def agent_reports_post(request: HttpRequest, task_id: str) -> JsonResponse:
             transaction.set_rollback(True)
             return JsonResponse({"detail": problem}, status=400)
         body = {key: value for key, value in item.items() if key not in {"type", "source", "seq", "task_id"}}
-        kept += services.task_report(
+        kept += dispatch.task_report(
             tenant=tenant, task=task, source=item["source"], seq=item["seq"], kind=item["type"], body=body
         )
     return JsonResponse({"kept": kept, "received": len(reports)})

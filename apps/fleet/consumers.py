@@ -13,7 +13,7 @@ from django_tenants.utils import schema_context
 
 from apps.core.consumers import header
 from apps.core.errors import InvalidInput, NotFound
-from apps.fleet import notify, services
+from apps.fleet import credentials, dispatch, errors, notify, session
 from apps.fleet.models import AgentToken
 from protocol import messages
 from tenants.selectors import tenant_for_host
@@ -27,7 +27,8 @@ CLOSE_TOKEN, CLOSE_BOUND, CLOSE_PROTOCOL, CLOSE_UNAVAILABLE = 4401, 4403, 4400, 
 
 
 class AgentConsumer(AsyncJsonWebsocketConsumer):
-    """Speaks the agent protocol (apps.fleet.services, protocol.messages) for one pool-scoped agent token.
+    """Speaks the agent protocol (protocol.messages; apps.fleet.session, dispatch, credentials) for one
+    pool-scoped agent token.
 
     The token is checked before the socket is accepted: with the database down the handshake is refused,
     so the agent backs off instead of counting a connection that serves nothing. Every database step
@@ -47,7 +48,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
     async def connect(self) -> None:
         try:
             self.tenant, self.token = await database_sync_to_async(self._authenticate)()
-        except services.AgentRejected as rejected:
+        except errors.AgentRejected as rejected:
             await self.accept()  # only to say why: the agent logs it and backs off
             await self.send_json(messages.Error(str(rejected), "connect").as_json())
             await self.close(code=CLOSE_TOKEN)
@@ -70,12 +71,12 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             host = header(self.scope, b"host").split(":")[0].lower()
             tenant = tenant_for_host(host)
             if tenant is None or tenant.is_suspended:
-                raise services.AgentRejected(f"No active tenant is served at {host!r}.")
+                raise errors.AgentRejected(f"No active tenant is served at {host!r}.")
             scheme, _, presented = header(self.scope, b"authorization").partition(" ")
             if scheme.lower() != "bearer":
-                raise services.AgentRejected("Send 'Authorization: Bearer <agent token>' when connecting.")
+                raise errors.AgentRejected("Send 'Authorization: Bearer <agent token>' when connecting.")
             with schema_context(tenant.schema_name):
-                return tenant, services.agent_authenticate(presented=presented.strip())
+                return tenant, credentials.agent_authenticate(presented=presented.strip())
         finally:
             close_old_connections()  # a connection broken by a database restart is not kept
 
@@ -88,7 +89,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             )
         if self.agent_id:
             with contextlib.suppress(DatabaseError):  # the heartbeat's age says it anyway
-                await database_sync_to_async(self._in_schema)(services.agent_gone, agent_id=self.agent_id)
+                await database_sync_to_async(self._in_schema)(session.agent_gone, agent_id=self.agent_id)
 
     def _in_schema(self, function: Any, **arguments: Any) -> Any:
         assert self.schema_name is not None
@@ -107,11 +108,11 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             await self._handle(messages.parse_from_agent(content))
         except messages.ProtocolError as error:
             await self.send_json(messages.Error(f"Malformed {kind or 'message'}: {error}", kind).as_json())
-        except services.StaleLease as stale:
+        except errors.StaleLease as stale:
             await self.send_json(messages.Error(str(stale), kind).as_json())
             if stale.stop is not None:
                 await self.send_json(stale.stop.as_json())
-        except (services.AgentRejected, InvalidInput, NotFound) as refused:
+        except (errors.AgentRejected, InvalidInput, NotFound) as refused:
             await self.send_json(messages.Error(str(refused), kind).as_json())
         except DatabaseError as error:
             self.failed = True
@@ -139,10 +140,10 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         if isinstance(message, messages.Hello):
             await self._hello(token, message)
         elif self.agent_id is None:
-            raise services.AgentRejected("Say hello first.")
+            raise errors.AgentRejected("Say hello first.")
         elif isinstance(message, messages.Heartbeat):
             stops = await database_sync_to_async(self._in_schema)(
-                services.agent_heartbeat,
+                session.agent_heartbeat,
                 tenant=self.tenant,
                 token=token,
                 agent_id=self.agent_id,
@@ -153,16 +154,16 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             await self._dispatch()
         elif isinstance(message, messages.Accepted):
             await database_sync_to_async(self._in_schema)(
-                services.lease_accepted, tenant=self.tenant, pool=token.pool, agent_id=self.agent_id,
+                dispatch.lease_accepted, tenant=self.tenant, pool=token.pool, agent_id=self.agent_id,
                 accepted=message,
             )  # fmt: skip
         elif isinstance(message, messages.Rejected):
             await database_sync_to_async(self._in_schema)(
-                services.lease_rejected, tenant=self.tenant, pool=token.pool, rejected=message
+                dispatch.lease_rejected, tenant=self.tenant, pool=token.pool, rejected=message
             )
         else:
             ack = await database_sync_to_async(self._in_schema)(
-                services.report, tenant=self.tenant, pool=token.pool, agent_id=self.agent_id, message=message
+                dispatch.report, tenant=self.tenant, pool=token.pool, agent_id=self.agent_id, message=message
             )
             await self.send_json(ack.as_json())
 
@@ -170,19 +171,19 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         client = self.scope.get("client") or ("", 0)
         try:
             await database_sync_to_async(self._in_schema)(
-                services.agent_bind,
+                credentials.agent_bind,
                 tenant=self.tenant,
                 token=token,
                 agent_id=hello.agent_id,
                 instance=hello.instance,
                 address=str(client[0] or ""),
             )
-        except services.AgentRejected as refused:  # a copy of another agent's token: nothing more
+        except errors.AgentRejected as refused:  # a copy of another agent's token: nothing more
             await self._close_with(CLOSE_BOUND, str(refused))
             return
         self.agent_id = hello.agent_id
         welcome = await database_sync_to_async(self._in_schema)(
-            services.agent_hello, tenant=self.tenant, token=token, hello=hello
+            session.agent_hello, tenant=self.tenant, token=token, hello=hello
         )
         await self.send_json(welcome.as_json())
         await self._dispatch()
@@ -191,7 +192,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         token = self.token
         assert token is not None
         assigned = await database_sync_to_async(self._in_schema)(
-            services.dispatch, pool=token.pool, schema_name=self.schema_name, agent_id=self.agent_id or ""
+            dispatch.dispatch, pool=token.pool, schema_name=self.schema_name, agent_id=self.agent_id or ""
         )
         for message in assigned:
             await self.send_json(message)

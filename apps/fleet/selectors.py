@@ -1,13 +1,20 @@
-"""Reads of the fleet: what agents report."""
+"""Reads of the fleet: what agents report, a pool's task and run as the protocol looks them up (locked, for
+the write that follows), and a task's logs, metrics and outputs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from django.db.models import Count, Sum
+from django.db.models import Count, Q, Sum
 
-from apps.fleet.models import Agent
+from apps.core.ids import as_uuid
+from apps.fleet.models import Agent, TaskReport
+from apps.resources.models import Pool
+from apps.scheduling.models import Task, TaskRun
+
+if TYPE_CHECKING:
+    pass
 
 
 @dataclass(frozen=True)
@@ -33,3 +40,52 @@ def agents_by_pool() -> dict[Any, Reported]:
         .values_list("pool_id", "workers", "cpus", "cpus_in_use", "nodes")
     )
     return {pool: Reported(*figures) for pool, *figures in rows}
+
+
+def pool_task(task_id: str, pool: Pool) -> Task | None:
+    """The task with this id in this pool, locked; None for another pool's task or a malformed id. A task
+    waiting in the queue again (its pool cleared) counts as the pool's if one of its runs was there."""
+    identifier = as_uuid(task_id)
+    if identifier is None:
+        return None
+    mine = Q(pool=pool) | Q(pool__isnull=True, runs__pool=pool)
+    found = Task.objects.filter(mine, pk=identifier).values_list("pk", flat=True).first()
+    return Task.objects.select_for_update(of=("self",)).filter(pk=found).first() if found else None
+
+
+def run_of(task: Task | None, lease_id: str) -> TaskRun | None:
+    lease = as_uuid(lease_id)
+    if task is None or lease is None:
+        return None
+    return TaskRun.objects.select_for_update().filter(pk=lease, task=task).first()
+
+
+def task_outputs(task: Task) -> Any:
+    """The outputs of the task's latest run (those kept before runs had their own sets, too)."""
+    return task.outputs.filter(Q(lease_id=task.lease_id) | Q(lease_id__isnull=True))
+
+
+def task_metrics(task: Task, *, after: int = 0) -> list[dict[str, Any]]:
+    """The metrics the task's nodes reported (the task's own values and GPU samples), in order."""
+    return [
+        {"cursor": cursor, "source": source, "at": at, "values": body.get("values", {})}
+        for cursor, source, at, body in task.reports.filter(kind=TaskReport.Kind.METRIC, pk__gt=after)
+        .order_by("pk")
+        .values_list("pk", "source", "at", "body")
+    ]
+
+
+def task_logs(task: Task, *, after: int = 0) -> list[dict[str, Any]]:
+    return [
+        {
+            "cursor": cursor,
+            "seq": seq,
+            "source": source,
+            "at": at,
+            "stream": body.get("stream", "stdout"),
+            "lines": body.get("lines", []),
+        }
+        for cursor, seq, source, at, body in task.reports.filter(kind=TaskReport.Kind.LOG, pk__gt=after)
+        .order_by("pk")
+        .values_list("pk", "seq", "source", "at", "body")
+    ]

@@ -20,8 +20,7 @@ from django.views.decorators.http import require_http_methods, require_POST
 from apps.accounts.models import Role, User
 from apps.accounts.services import SignInLimited
 from apps.core.errors import KliqueError
-from apps.fleet.selectors import NONE_REPORTED, agents_by_pool
-from apps.fleet.services import task_outputs
+from apps.fleet.selectors import NONE_REPORTED, agents_by_pool, task_outputs
 from apps.metering.ledger import gpu_hours, usd
 from apps.metering.models import Rollup
 from apps.metering.selectors import task_gpu_usage

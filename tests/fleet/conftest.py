@@ -16,7 +16,7 @@ from django_tenants.utils import schema_context
 
 from apps.accounts.models import User
 from apps.accounts.services import group_save
-from apps.fleet.services import agent_token_create
+from apps.fleet.credentials import agent_token_create
 from apps.resources.models import Pool
 from apps.resources.services import draft_provision, draft_save
 from apps.scheduling.cycle import run_cycle

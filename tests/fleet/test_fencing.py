@@ -20,7 +20,7 @@ from django.utils import timezone
 from django_tenants.utils import schema_context
 
 from apps.accounts.models import User
-from apps.fleet import notify, services
+from apps.fleet import credentials, dispatch, notify, session
 from apps.fleet.models import Agent, TaskReport
 from apps.resources.models import Pool
 from apps.scheduling import lifecycle
@@ -152,7 +152,7 @@ def test_a_result_of_a_run_given_up_cannot_end_the_next_attempt_and_is_kept_as_a
     with schema_context("fleet"):  # the pool is back through another agent, which gets the retry
         Pool.objects.filter(name="h100").update(last_heartbeat_at=timezone.now())
         run_cycle(fleet["tenant"])
-        (retry,) = services.dispatch(
+        (retry,) = dispatch.dispatch(
             pool=Pool.objects.get(name="h100"), schema_name="fleet", agent_id="rack-2"
         )
     connections.close_all()
@@ -192,7 +192,7 @@ def test_a_result_of_a_run_given_up_cannot_end_the_next_attempt_and_is_kept_as_a
 
 def test_a_second_agent_on_the_pool_leaves_the_first_agents_runs_alone(fleet: dict[str, Any]) -> None:
     with schema_context("fleet"):
-        other = services.agent_token_create(pool=Pool.objects.get(name="h100"), name="rack-2")
+        other = credentials.agent_token_create(pool=Pool.objects.get(name="h100"), name="rack-2")
     connections.close_all()
 
     async def scenario() -> dict[str, Any]:
@@ -322,11 +322,13 @@ def test_a_database_error_mid_message_closes_with_1011_and_at_connect_refuses_th
     async def scenario() -> tuple[Any, Any, Any]:
         client = agent(fleet["token"].secret)
         await start(client)
-        with mock.patch.object(services, "agent_heartbeat", side_effect=OperationalError("server closed")):
+        with mock.patch.object(session, "agent_heartbeat", side_effect=OperationalError("server closed")):
             await client.send_json_to({"type": "heartbeat", "held": []})
             error = await client.receive_json_from(timeout=10)
             closed = await client.receive_output(timeout=10)
-        with mock.patch.object(services, "agent_authenticate", side_effect=OperationalError("no database")):
+        with mock.patch.object(
+            credentials, "agent_authenticate", side_effect=OperationalError("no database")
+        ):
             refused = await agent(fleet["token"].secret).connect()
         return error, closed, refused
 
@@ -338,21 +340,32 @@ def test_a_database_error_mid_message_closes_with_1011_and_at_connect_refuses_th
 
 
 FAILING_FIRST = [
-    ("heartbeat", "agent_heartbeat", lambda assign: {"type": "heartbeat", "held": [run_of(assign)]}),
-    ("report", "report", lambda assign: {"type": "log", **run_of(assign), "seq": 2, "lines": ["two"]}),
-    ("accepted", "lease_accepted", lambda assign: {"type": "accepted", **run_of(assign)}),
+    ("heartbeat", session, "agent_heartbeat", lambda assign: {"type": "heartbeat", "held": [run_of(assign)]}),
+    (
+        "report",
+        dispatch,
+        "report",
+        lambda assign: {"type": "log", **run_of(assign), "seq": 2, "lines": ["two"]},
+    ),
+    ("accepted", dispatch, "lease_accepted", lambda assign: {"type": "accepted", **run_of(assign)}),
 ]
 
 
-@pytest.mark.parametrize(("kind", "service", "first"), FAILING_FIRST, ids=[case[0] for case in FAILING_FIRST])
+@pytest.mark.parametrize(
+    ("kind", "module", "service", "first"), FAILING_FIRST, ids=[case[0] for case in FAILING_FIRST]
+)
 def test_after_a_message_fails_nothing_later_on_that_connection_is_applied(
-    fleet: dict[str, Any], kind: str, service: str, first: Callable[[dict[str, Any]], dict[str, Any]]
+    fleet: dict[str, Any],
+    kind: str,
+    module: Any,
+    service: str,
+    first: Callable[[dict[str, Any]], dict[str, Any]],
 ) -> None:
     """The agent replays everything unanswered on its next connection, in order: a report sent after the
     failed message and applied on the closing connection would land before the replayed one (the run's
     log out of order, as a database restart under load once showed)."""
     applied: list[int] = []
-    report = services.report
+    report = dispatch.report
 
     def recording(**arguments: Any) -> Any:
         seq = arguments["message"].seq
@@ -365,10 +378,10 @@ def test_after_a_message_fails_nothing_later_on_that_connection_is_applied(
         client = agent(fleet["token"].secret)
         (assign,) = await start(client)
         with contextlib.ExitStack() as patches:
-            patches.enter_context(mock.patch.object(services, "report", side_effect=recording))
+            patches.enter_context(mock.patch.object(dispatch, "report", side_effect=recording))
             if kind != "report":
                 failure = OperationalError("server closed")
-                patches.enter_context(mock.patch.object(services, service, side_effect=failure))
+                patches.enter_context(mock.patch.object(module, service, side_effect=failure))
             await client.send_json_to(first(assign))
             for seq in (3, 4):  # sent before the plane answered the first
                 await client.send_json_to({"type": "log", **run_of(assign), "seq": seq, "lines": [str(seq)]})

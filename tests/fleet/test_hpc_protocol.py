@@ -11,7 +11,7 @@ from django.db import connections
 from django.test import Client
 from django_tenants.utils import schema_context
 
-from apps.fleet.services import task_token
+from apps.fleet.credentials import task_token
 from apps.resources.models import Pool
 from apps.scheduling.models import Task, TaskState
 from tests.fleet.conftest import HOST, agent

@@ -11,8 +11,8 @@ from django.db import connections
 from django.utils import timezone
 from django_tenants.utils import schema_context
 
+from apps.fleet.credentials import agent_token_revoke
 from apps.fleet.models import TaskReport
-from apps.fleet.services import agent_token_revoke
 from apps.resources.models import Pool
 from apps.scheduling.cycle import run_cycle
 from apps.scheduling.lifecycle import leases_expire, tasks_of_silent_pools
@@ -178,7 +178,7 @@ def test_a_revoked_token_is_disconnected_and_refused(fleet: dict[str, Any]) -> N
 
 def test_unacknowledged_leases_and_silent_pools_give_their_tasks_back(fleet: dict[str, Any]) -> None:
     with schema_context("fleet"):
-        from apps.fleet.services import dispatch
+        from apps.fleet.dispatch import dispatch
 
         task = Task.objects.select_related("pool").get(pk=fleet["task"])
         assert task.pool is not None
@@ -214,7 +214,8 @@ def test_unacknowledged_leases_and_silent_pools_give_their_tasks_back(fleet: dic
 )
 def test_agent_tokens_are_checked(world: World, db: None, presented: str, fragment: str) -> None:
     """(Also the module's one test on the rolled-back database, which makes pytest-django set it up.)"""
-    from apps.fleet.services import AgentRejected, agent_authenticate
+    from apps.fleet.credentials import agent_authenticate
+    from apps.fleet.errors import AgentRejected
 
     with schema_context("acme"), pytest.raises(AgentRejected, match=fragment):
         agent_authenticate(presented=presented)

@@ -33,7 +33,7 @@ def test_signing_in_with_a_wrong_password_says_so(page: Any, portal: Portal) -> 
 def test_a_submitted_task_appears_without_a_reload_and_its_output_streams_live(
     page: Any, portal: Portal
 ) -> None:
-    from apps.fleet.services import task_report
+    from apps.fleet.dispatch import task_report
     from apps.scheduling.models import Task
     from tenants.models import Tenant
 
@@ -246,7 +246,7 @@ def test_the_dashboard_shows_cpus_and_workers_per_environment_and_follows_the_cl
     new CPU figures reach the open page's tables and chart without a reload."""
     from apps.accounts.models import User
     from apps.fleet.models import Agent, AgentToken
-    from apps.fleet.services import agent_heartbeat
+    from apps.fleet.session import agent_heartbeat
     from apps.resources.models import Pool
     from apps.scheduling.cycle import run_cycle
     from apps.scheduling.models import ACTIVE_STATES, Task

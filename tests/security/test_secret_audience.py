@@ -12,7 +12,8 @@ from django_tenants.utils import schema_context
 from rest_framework.test import APIClient
 
 from apps.accounts.models import Group, Project, User
-from apps.fleet.services import task_logs, task_report
+from apps.fleet.dispatch import task_report
+from apps.fleet.selectors import task_logs
 from apps.scheduling.models import Task, TaskState
 from apps.vault.models import Secret
 from apps.vault.services import mask, secret_set, secret_values_for

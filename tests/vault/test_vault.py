@@ -15,7 +15,7 @@ from rest_framework.test import APIClient
 
 from apps.accounts.models import Group, Project, User
 from apps.audit.models import AuditEvent
-from apps.fleet.services import dispatch
+from apps.fleet.dispatch import dispatch
 from apps.resources.models import Pool
 from apps.scheduling.models import Task, TaskState
 from apps.vault import crypto

@@ -17,7 +17,7 @@ from django_tenants.utils import get_public_schema_name, schema_context
 
 from apps.accounts.models import Group, Project, Role, User
 from apps.accounts.services import group_save, project_member_set, project_save, token_create, user_create
-from apps.fleet.services import agent_token_create
+from apps.fleet.credentials import agent_token_create
 from apps.resources.models import ComputeResource, Pool
 from apps.resources.services import draft_provision, draft_save
 from apps.scheduling.models import Task

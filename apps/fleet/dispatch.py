@@ -1,0 +1,317 @@
+"""Dispatch under a lease, the agent's answer to it, and its reports applied once to the run their lease
+names (applied, duplicate or stale)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from datetime import timedelta
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from django.db import IntegrityError, connection, transaction
+from django.utils import timezone
+
+from apps.core.errors import InvalidInput, NotFound
+from apps.core.events import publish_log
+from apps.fleet.models import TaskReport
+from apps.resources.models import Pool
+from apps.scheduling import lifecycle, runs, wake
+from apps.scheduling.engine import UNITS_PER_GPU
+from apps.scheduling.lifecycle import task_finish, transition
+from apps.scheduling.models import ACTIVE_STATES, ENDED_STATES, RunOutcome, Task, TaskRun, TaskState
+from apps.vault.services import mask, secret_names_quietly, secret_values_for, secret_values_to_mask
+from protocol import messages
+
+if TYPE_CHECKING:
+    from tenants.models import Tenant
+from apps.fleet.credentials import task_token
+from apps.fleet.errors import AgentRejected, StaleLease
+from apps.fleet.selectors import pool_task, run_of
+from apps.fleet.session import LEASE_SECONDS, agent_alive
+
+logger = logging.getLogger(__name__)
+
+
+@transaction.atomic
+def dispatch(*, pool: Pool, schema_name: str, agent_id: str = "") -> list[dict[str, Any]]:
+    """Hand the pool's placed tasks to this agent, each as a new run under its own lease; returns the
+    assign messages to send."""
+    now = timezone.now()
+    assigned = []
+    placed = Task.objects.select_for_update(skip_locked=True, of=("self",)).select_related(
+        "compute_resource__profile", "submitter", "project"
+    )
+    for task in placed.filter(pool=pool, state=TaskState.PLACED):
+        try:
+            secrets = secret_values_for(task)  # to the agent only, in this message; read recorded
+        except (NotFound, InvalidInput) as missing:  # deleted since, or a name no task may be given
+            transition(  # it cannot run as asked: placing it again would fail again
+                task,
+                to_state=TaskState.FAILED,
+                actor="scheduler",
+                message=missing.message,
+                ended_at=now,
+                reason_code="secret_missing" if isinstance(missing, NotFound) else "secret_refused",
+                reason=f"{missing.message} Keep it again and resubmit the task.",
+            )
+            continue
+        lease = uuid.uuid4()
+        run = runs.run_begin(task, lease=lease, pool=pool, agent_id=agent_id, now=now)
+        transition(
+            task,
+            to_state=TaskState.DISPATCHING,
+            actor="scheduler",
+            message=f"attempt {run.attempt}, lease {lease}" + (f", agent {agent_id}" if agent_id else ""),
+            lease_id=lease,
+            lease_expires_at=now + timedelta(seconds=LEASE_SECONDS),
+        )
+        details = {
+            "name": task.name,
+            "spec": task.spec,
+            "gpus": str(task.size_units / UNITS_PER_GPU),
+            "size_units": task.size_units,
+            "nodes": task.nodes,
+            "sharing": task.sharing,
+            "mig_profile": task.compute_resource.profile.mig_profile if task.compute_resource else "",
+            "user": task.submitter.username,
+            "project": task.project.name if task.project else "",
+            "batch": task.compute_resource.batch if task.compute_resource else {},
+            "task_token": task_token(schema_name=schema_name, task=task),
+            "secrets": secrets,
+        }
+        assigned.append(messages.Assign(str(task.pk), str(lease), run.attempt, details).as_json())
+    return assigned
+
+
+def _unnamed_run(task: Task | None, agent_id: str) -> TaskRun | None:
+    """The run a report naming no lease is about: one an agent started before it spoke of leases (an
+    upgrade while tasks ran), which is the task's live run on this agent, or nothing."""
+    run = runs.current_run(task) if task is not None else None
+    if task is None or run is None or not runs.is_current(task, run) or run.agent_id not in ("", agent_id):
+        return None
+    return run
+
+
+@transaction.atomic
+def lease_accepted(
+    *, tenant: Tenant, pool: Pool, agent_id: str, accepted: messages.Accepted
+) -> messages.Stop | None:
+    """The agent took the run. A lease that is no longer the task's (expired and dispatched again, or the
+    task aborted) is answered with a stop, so the run does not go on beside another; an expired lease of a
+    task that waits in the queue still is the task's run again."""
+    task = pool_task(accepted.task_id, pool)
+    run = run_of(task, accepted.lease_id)
+    if task is not None and run is not None:
+        if runs.is_current(task, run):
+            Task.objects.filter(pk=task.pk).update(lease_expires_at=None)
+            return None
+        if runs.reclaimable(task, run):
+            lifecycle.run_adopt(tenant, task, run, agent_id=agent_id, ended=False)
+            agent_alive(tenant, pool, agent_id)
+            return None
+    raise StaleLease(
+        f"No lease {accepted.lease_id} on task {accepted.task_id} in pool {pool.name} is live; it may have "
+        "expired or the task ended. Do not run it.",
+        messages.Stop("abort", accepted.task_id, accepted.lease_id),
+    )
+
+
+@transaction.atomic
+def lease_rejected(*, tenant: Tenant, pool: Pool, rejected: messages.Rejected) -> None:
+    """A refused task waits in the queue again, unless the refusal is permanent (a user with no account
+    on the cluster, a value no batch script may hold, a partition the cluster lacks): then it fails, with
+    the agent's reason, rather than being placed and refused forever. A refusal of a lease that is not
+    live changes nothing."""
+    task = pool_task(rejected.task_id, pool)
+    run = run_of(task, rejected.lease_id)
+    if task is None or run is None or not runs.is_current(task, run):
+        raise StaleLease(
+            f"No lease {rejected.lease_id} on task {rejected.task_id} in pool {pool.name} is live; "
+            "the refusal changes nothing."
+        )
+    runs.run_ended(run, outcome=RunOutcome.REFUSED, exit_code=None, now=timezone.now())
+    reason = rejected.reason
+    if rejected.permanent:
+        transition(
+            task,
+            to_state=TaskState.FAILED,
+            actor="agent",
+            message=reason,
+            ended_at=timezone.now(),
+            lease_expires_at=None,
+            reason_code="refused",
+            reason=f"The agent of pool {pool.name} refused it: {reason}",
+        )
+        publish_log(tenant=tenant, task_id=str(task.pk), chunk={"type": "end", "state": task.state})
+        wake.request_cycle(tenant)
+        return
+    transition(
+        task,
+        to_state=TaskState.QUEUED,
+        actor="agent",
+        message=reason,
+        pool=None,
+        lease_id=None,
+        lease_expires_at=None,
+        queued_at=timezone.now(),
+        reason_code="rejected_by_agent",
+        reason=f"The agent of pool {pool.name} refused it: {reason}",
+    )
+
+
+@transaction.atomic
+def report(*, tenant: Tenant, pool: Pool, agent_id: str, message: messages.Report) -> messages.Ack:
+    """Apply one report of the pool's agent to the run its lease names, once, and say what became of it:
+    applied, a duplicate (its number was seen), or stale (its run is not the task's: refused, expired,
+    lost and run again, aborted). A result of a run that is not the task's is recorded beside it (a
+    stop it confirms, a duplicate run), never taken as the task's."""
+    task = pool_task(message.task_id, pool)
+    run = run_of(task, message.lease_id) if message.lease_id else _unnamed_run(task, agent_id)
+    ack = partial(messages.Ack, message.task_id, message.lease_id, message.seq)
+    if task is None or run is None:
+        return ack(
+            messages.STALE, f"Task {message.task_id} has no run {message.lease_id} in pool {pool.name}."
+        )
+    seen = TaskReport.objects.filter(task=task, lease_id=run.pk, source="agent", seq=message.seq)
+    if seen.exists():
+        return ack(messages.DUPLICATE)
+    if not runs.is_current(task, run) and runs.reclaimable(task, run):  # e.g. its lease expired unanswered
+        ended = message.kind == TaskReport.Kind.RESULT
+        lifecycle.run_adopt(tenant, task, run, agent_id=agent_id, ended=ended)
+        agent_alive(tenant, pool, agent_id)  # what it reports proves it is there: not lost again next cycle
+    if not runs.is_current(task, run):
+        if message.kind == TaskReport.Kind.RESULT and run.released_at is None:
+            return ack(
+                messages.STALE, runs.run_ended_aside(tenant, task, run, body=message.body, agent_id=agent_id)
+            )
+        return ack(messages.STALE, f"Attempt {run.attempt} is not the task's run any more ({task.state}).")
+    kept = task_report(
+        tenant=tenant, task=task, source="agent", seq=message.seq, kind=message.kind, body=message.body,
+        lease=run,
+    )  # fmt: skip
+    return ack(messages.APPLIED if kept else messages.DUPLICATE)
+
+
+MASK_SECONDS = 60.0  # how long a process keeps a task's values to mask before reading them again
+
+
+_masks: OrderedDict[tuple[str, str], tuple[float, list[str]]] = OrderedDict()
+
+
+def _masked_values(task: Task) -> list[str]:
+    """The values of the task's secrets, kept a minute in this process (log chunks come in bursts); a task
+    that names no secret costs nothing."""
+    if not secret_names_quietly(task.spec):
+        return []
+    key = (str(getattr(connection, "schema_name", "")), str(task.pk))
+    now = time.monotonic()
+    kept = _masks.get(key)
+    if kept is not None and now - kept[0] < MASK_SECONDS:
+        return kept[1]
+    values = secret_values_to_mask(task)
+    _masks[key] = (now, values)
+    _masks.move_to_end(key)
+    while len(_masks) > 512:
+        _masks.popitem(last=False)
+    return values
+
+
+def task_report(
+    *,
+    tenant: Tenant,
+    task: Task,
+    source: str,
+    seq: int,
+    kind: str,
+    body: dict[str, Any],
+    lease: TaskRun | None = None,
+) -> bool:
+    """Apply one report about the task's current run (`lease`, or the task's lease when the caller
+    authenticated with the task token of that run), locked by the caller, once per (run, source, seq)."""
+    if lease is None:
+        lease = runs.current_run(task)
+    if kind not in TaskReport.Kind.values:
+        raise AgentRejected(f"Unknown report type {kind!r}: status, log, metric or result.")
+    if kind == TaskReport.Kind.LOG and isinstance(body.get("lines"), list):
+        values = _masked_values(task)
+        if values:  # a task that printed its secret: stored, shown and followed as ***
+            body = {**body, "lines": mask(body["lines"], values)}
+    try:
+        with transaction.atomic():
+            report = TaskReport.objects.create(
+                task=task, lease_id=task.lease_id, source=source, seq=seq, kind=kind, body=body
+            )
+    except IntegrityError:
+        return False  # a replay after a reconnect or a retried post
+    if kind == TaskReport.Kind.LOG:
+        publish_log(
+            tenant=tenant,
+            task_id=str(task.pk),
+            chunk={
+                "type": "log",
+                "cursor": report.pk,
+                "seq": seq,
+                "source": source,
+                "stream": body.get("stream", "stdout"),
+                "lines": body.get("lines", []),
+            },
+        )
+    if (
+        kind == TaskReport.Kind.STATUS
+        and body.get("state") == "pending"
+        and task.state == TaskState.DISPATCHING
+    ):
+        # Waiting inside the cluster's own queue: its reason is the task's reason.
+        job = f" as job {body['job_id']}" if body.get("job_id") else ""
+        Task.objects.filter(pk=task.pk).update(
+            reason_code="cluster_pending",
+            reason=f"Waiting in {task.pool.environment if task.pool else 'the cluster'}{job}: "
+            f"{str(body.get('reason') or 'pending')[:500]}",
+        )
+    elif (
+        kind in (TaskReport.Kind.STATUS, TaskReport.Kind.RESULT)
+        and (kind == TaskReport.Kind.RESULT or body.get("state") == TaskState.RUNNING)
+        and task.state == TaskState.DISPATCHING
+    ):
+        # Running now; or, for a result, it ran (a batch job can start and end between two looks).
+        runs.run_started(lease, timezone.now())
+        transition(
+            task,
+            to_state=TaskState.RUNNING,
+            actor="agent",
+            attempts=task.attempts + 1,
+            started_at=timezone.now(),
+            lease_expires_at=None,
+            reason_code="",
+            reason="",
+        )
+    if kind == TaskReport.Kind.RESULT and task.state in ACTIVE_STATES:
+        exit_code = body.get("exit_code")
+        outcome = RunOutcome.COMPLETED if exit_code == 0 else RunOutcome.FAILED
+        runs.run_ended(lease, outcome=outcome, exit_code=exit_code, now=timezone.now())
+        task = task_finish(
+            tenant=tenant, task=task, succeeded=exit_code == 0, exit_code=exit_code, actor="agent"
+        )
+        _outputs_not_stored(task, body.get("outputs_failed"))
+        if task.state in ENDED_STATES:  # a failed attempt that is retried is not the end of the task
+            publish_log(tenant=tenant, task_id=str(task.pk), chunk={"type": "end", "state": task.state})
+    return True
+
+
+def _outputs_not_stored(task: Task, failed: object) -> None:
+    """A run that ended with outputs its agent could not store says so in the task's reason."""
+    if not isinstance(failed, list) or not failed or task.state != TaskState.COMPLETED:
+        return
+    named = [item for item in failed if isinstance(item, dict) and isinstance(item.get("name"), str)]
+    if not named:
+        return
+    names = ", ".join(str(item["name"])[:100] for item in named[:5]) + (" and more" if len(named) > 5 else "")
+    why = str(named[0].get("error") or "no reason given")[:500]
+    Task.objects.filter(pk=task.pk).update(
+        reason_code="outputs_not_stored",
+        reason=f"It completed, but {len(named)} output(s) could not be stored ({names}): {why}. The files "
+        "remain in the task's folder on its agent's host.",
+    )

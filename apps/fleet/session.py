@@ -1,0 +1,199 @@
+"""The control plane's half of the agent protocol: tokens, hello and reconciliation, dispatch under a
+lease, reports deduplicated by sequence number, and what happens when an agent goes away.
+
+The protocol (JSON over the websocket at /agents/ws/, agent -> plane unless marked), its messages typed
+and checked in protocol.messages by both sides:
+
+    hello      {protocol, agent_id, instance, backend, version, inventory, capacity, held: [run]}
+    welcome    plane -> agent {heartbeat_seconds, lease_seconds, keep: [run], stop: [abort|preempt]}
+    assign     plane -> agent {task_id, lease_id, attempt, spec, gpus, nodes, sharing, ...}
+    accepted   {task_id, lease_id}            rejected {task_id, lease_id, reason, permanent}
+    status     {task_id, lease_id, seq, state}           log {task_id, lease_id, seq, stream, lines}
+    metric     {task_id, lease_id, seq, values}          result {task_id, lease_id, seq, exit_code}
+    ack        plane -> agent {task_id, lease_id, seq, verdict: applied|duplicate|stale, detail}
+    abort      plane -> agent {task_id, lease_id}        preempt plane -> agent {..., grace_seconds}
+    heartbeat  {held: [run], queue: [the cluster's view of its jobs, HPC agents], capacity}
+
+A run is {task_id, lease_id, ended}: what the agent holds (running, or with reports not yet acknowledged).
+Every report is answered with an ack whose verdict lets the agent drop it; a report whose lease is not
+the task's run is stale, and changes nothing of the task.
+
+capacity is {cpus, cpus_in_use, nodes}: the agent's host, or its cluster's nodes (for the dashboard).
+
+An HPC job's node reporter posts its own reports (source "node-<rank>") over HTTPS with the task's token
+(task_token), which is good for the task's current run only: see agent_reports_post in apis.py.
+
+This module is the agent's session: hello and reconciliation, heartbeats, going away. Dispatch and
+reports are dispatch.py's, outputs outputs.py's, tokens credentials.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from apps.core.ids import as_uuid
+from apps.fleet.models import Agent, AgentToken
+from apps.resources.models import Pool
+from apps.resources.services import pool_heartbeat
+from apps.scheduling import lifecycle, runs
+from apps.scheduling.models import RunOutcome, Task, TaskRun
+from protocol import messages
+
+if TYPE_CHECKING:
+    from tenants.models import Tenant
+from apps.fleet.selectors import pool_task
+
+logger = logging.getLogger(__name__)
+
+
+HEARTBEAT_SECONDS = 10
+
+
+LEASE_SECONDS = 30
+
+
+MAX_COUNT = 100_000_000  # the most CPUs or nodes an agent may report
+
+
+@transaction.atomic
+def agent_hello(*, tenant: Tenant, token: AgentToken, hello: messages.Hello) -> messages.Welcome:
+    """Register the agent and reconcile the runs it holds with this agent's runs in the plane's view.
+
+    Only this agent's runs are concerned (a pool may have several agents): a run the plane believes it
+    has and it no longer holds is lost; a run it holds that the plane had given up on (its agent was
+    silent past the pool's timeout) is adopted when the task has not been dispatched since; any other
+    run it still holds is to be stopped. A finished run whose result is still in its outbox is left to
+    that result."""
+    pool = token.pool
+    agent_id = hello.agent_id
+    now = timezone.now()
+    Agent.objects.update_or_create(
+        id=agent_id,
+        defaults={
+            "pool": pool,
+            "token": token,
+            "backend": hello.backend,
+            "version": hello.version,
+            "inventory": hello.inventory,
+            "connected": True,
+            "connected_at": now,
+            "last_heartbeat_at": now,
+            **_capacity(hello.capacity),
+        },
+    )
+    pool_heartbeat(tenant=tenant, pool=pool)
+    held = {(run.task_id, run.lease_id): run for run in hello.held}
+    keep: list[messages.Held] = []
+    for task in Task.objects.select_for_update(of=("self",)).filter(pool=pool, state__in=runs.LIVE_STATES):
+        run = runs.current_run(task)
+        if run is not None and run.agent_id not in ("", agent_id):
+            continue  # another agent's run
+        key = (str(task.pk), str(task.lease_id))
+        unnamed = (str(task.pk), "")  # held by an agent that predates leases: this is its run
+        if key in held or (unnamed in held and run is not None):
+            kept = held.pop(key, None) or held.pop(unnamed)
+            keep.append(messages.Held(kept.task_id, str(task.lease_id), kept.ended))
+            if run is not None and run.agent_id != agent_id:
+                TaskRun.objects.filter(pk=run.pk).update(agent_id=agent_id)
+        else:
+            lifecycle.run_lost(tenant, task, f"agent {agent_id} came back without it")
+    stop = []
+    for holding in held.values():
+        verdict = _held_elsewhere(tenant, pool, agent_id, holding)
+        if verdict is True:
+            keep.append(holding)
+        elif isinstance(verdict, messages.Stop):
+            stop.append(verdict)
+    return messages.Welcome(heartbeat_seconds(pool), LEASE_SECONDS, tuple(keep), tuple(stop))
+
+
+def agent_alive(tenant: Tenant, pool: Pool, agent_id: str) -> None:
+    Agent.objects.filter(pk=agent_id).update(last_heartbeat_at=timezone.now(), connected=True)
+    pool_heartbeat(tenant=tenant, pool=Pool.objects.get(pk=pool.pk))
+
+
+def heartbeat_seconds(pool: Pool) -> float:
+    """How often the pool's agents heartbeat: every HEARTBEAT_SECONDS, or thrice within a shorter
+    heartbeat timeout, so that a live agent never looks silent between two heartbeats."""
+    return max(1.0, min(float(HEARTBEAT_SECONDS), pool.heartbeat_timeout_seconds / 3))
+
+
+def _held_elsewhere(
+    tenant: Tenant, pool: Pool, agent_id: str, holding: messages.Held
+) -> bool | messages.Stop | None:
+    """A run the agent holds that is not one of its live runs: adopted (True), left to its result on the
+    way (None), or to be stopped (the Stop to send)."""
+    stop = messages.Stop("abort", holding.task_id, holding.lease_id)
+    task = pool_task(holding.task_id, pool)
+    lease = as_uuid(holding.lease_id)
+    run = TaskRun.objects.select_for_update().filter(pk=lease, task=task).first() if task and lease else None
+    if task is None or run is None:
+        return None if holding.ended else stop
+    if runs.reclaimable(task, run):
+        lifecycle.run_adopt(tenant, task, run, agent_id=agent_id, ended=holding.ended)
+        return True
+    if holding.ended:
+        return None  # its result will be recorded beside the task
+    return messages.Stop(run.stop or "abort", holding.task_id, holding.lease_id, run.stop_grace_seconds)
+
+
+def agent_gone(*, agent_id: str) -> None:
+    Agent.objects.filter(pk=agent_id).update(connected=False)
+
+
+def _capacity(reported: object) -> dict[str, int | None]:
+    """The CPUs and nodes an agent reports, each a whole number from 0 to MAX_COUNT; what is missing or
+    not such a number is unknown (None), never a guess."""
+    given = reported if isinstance(reported, dict) else {}
+    fields: dict[str, int | None] = {}
+    for key in ("cpus", "cpus_in_use", "nodes"):
+        value = given.get(key)
+        ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
+        fields[key] = value if ok else None
+    return fields
+
+
+@transaction.atomic
+def agent_heartbeat(
+    *, tenant: Tenant, token: AgentToken, agent_id: str, heartbeat: messages.Heartbeat
+) -> list[messages.Stop]:
+    """Record that the agent is alive and reconcile the runs it holds: a stopping run it no longer holds
+    is released (its GPUs are free from now); a run it holds that it should not (aborted, preempted,
+    another attempt's, unknown) is asked to stop again. Returns the stops to send."""
+    now = timezone.now()
+    fields: dict[str, Any] = {"last_heartbeat_at": now, "connected": True}
+    if heartbeat.queue is not None:
+        fields["queue"] = heartbeat.queue[:10_000]
+    if heartbeat.capacity is not None:
+        fields.update(_capacity(heartbeat.capacity))
+    Agent.objects.filter(pk=agent_id).update(**fields)
+    pool_heartbeat(tenant=tenant, pool=Pool.objects.get(pk=token.pool_id))
+    held = {(run.task_id, run.lease_id): run for run in heartbeat.held}
+    let_go = [
+        run.pk
+        for run in TaskRun.objects.filter(agent_id=agent_id, released_at=None).exclude(
+            outcome=RunOutcome.LIVE
+        )
+        if (str(run.task_id), str(run.pk)) not in held
+    ]
+    if let_go:
+        TaskRun.objects.filter(pk__in=let_go).update(released_at=now)
+    leases = [lease for lease in (as_uuid(lease) for _, lease in held) if lease is not None]
+    known = {
+        (str(run.task_id), str(run.pk)): run
+        for run in TaskRun.objects.filter(pk__in=leases, pool_id=token.pool_id).select_related("task")
+    }
+    stops = []
+    for key, holding in held.items():
+        run = known.get(key)
+        if run is None:
+            stops.append(messages.Stop("abort", holding.task_id, holding.lease_id))
+        elif run.stop and not holding.ended:
+            stops.append(messages.Stop(run.stop, holding.task_id, holding.lease_id, run.stop_grace_seconds))
+        elif run.outcome != RunOutcome.LIVE and not holding.ended and not runs.reclaimable(run.task, run):
+            stops.append(messages.Stop("abort", holding.task_id, holding.lease_id))
+    return stops
