@@ -7,7 +7,7 @@ tasks idling under 80%. Then, five times each, the median of:
 
 - baseline: the average of each running task's samples of the last hour, read from the reports' JSON
   (`jsonb_array_elements` over `values.gpus`), which is how the dashboard found them before;
-- Klique: the dashboard's query (`apps.portal.views._IDLE_SQL`), from the counts and sums kept with
+- Klique: the dashboard's query (`apps.portal.dashboard.IDLE_SQL`), from the counts and sums kept with
   each report.
 
 Both must name the same tasks with the same averages. Prints the seconds of each and
@@ -111,7 +111,7 @@ def timed(sql: str, parameters: list[Any]) -> tuple[float, dict[Any, float]]:
 def measure(count: int, schema: str) -> int:
     from django_tenants.utils import schema_context
 
-    from apps.portal.views import _IDLE_SQL, IDLE_BELOW
+    from apps.portal.dashboard import IDLE_BELOW, IDLE_SQL
 
     with schema_context(schema):
         began = time.perf_counter()
@@ -122,7 +122,7 @@ def measure(count: int, schema: str) -> int:
         for _ in range(5):
             seconds, from_json = timed(FROM_JSON, parameters)
             baseline.append(seconds)
-            seconds, kept = timed(_IDLE_SQL, parameters)
+            seconds, kept = timed(IDLE_SQL, parameters)
             klique.append(seconds)
             assert kept.keys() == from_json.keys(), (len(kept), len(from_json))
             assert all(abs(kept[task] - from_json[task]) < 1e-6 for task in kept)

@@ -39,7 +39,7 @@ def _task(world: World, name: str, state: str) -> Any:
 
 def test_idle_gpus_average_the_well_formed_samples_of_the_last_hour_only(world: World) -> None:
     from apps.fleet.models import TaskReport
-    from apps.portal.views import _idle
+    from apps.portal.dashboard import idle_tasks
     from apps.scheduling.models import TaskState
 
     with schema_context("acme"):
@@ -65,7 +65,7 @@ def test_idle_gpus_average_the_well_formed_samples_of_the_last_hour_only(world: 
                 body=body,
                 at=now - timedelta(minutes=minutes),
             )
-        found = _idle(now)
+        found = idle_tasks(now)
     assert [(row["task"].name, row["average"]) for row in found] == [("idle", 20.2)]
 
 
