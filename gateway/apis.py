@@ -16,7 +16,7 @@ from rest_framework.response import Response
 from apps.accounts.apis import TenantAPIView
 from apps.accounts.models import ProjectMembership, Role, User
 from apps.core.schema import AmountField, DocumentField
-from gateway import services, wallets
+from gateway import selectors, services, wallets
 from gateway.budgets import usd
 from gateway.models import Budget, Usage
 
@@ -46,7 +46,7 @@ class GatewaySettingsView(TenantAPIView):
         responses=SettingsOut, summary="The gateway's configuration: models, routing, prices, guardrails"
     )
     def get(self, request: Request) -> Response:
-        return Response(SettingsOut(_settings_out(services.settings_get())).data)
+        return Response(SettingsOut(_settings_out(selectors.settings_get())).data)
 
     @extend_schema(request=SettingsIn, responses=SettingsOut, summary="Replace the gateway's configuration")
     def put(self, request: Request) -> Response:
@@ -180,7 +180,7 @@ class UsageListView(TenantAPIView):
         "filter by user, project, model, status, since, until",
     )
     def get(self, request: Request) -> Response:
-        rows = services.usage_for(self.user)
+        rows = selectors.usage_for(self.user)
         query = request.query_params
         filters = {"username": "user", "project_name": "project", "model": "model", "status": "status"}
         for field, parameter in filters.items():

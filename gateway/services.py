@@ -9,7 +9,7 @@ from decimal import Decimal
 from typing import Any
 
 from django.db import transaction
-from django.db.models import F, QuerySet
+from django.db.models import F
 from django_tenants.utils import schema_context
 
 from apps.accounts.models import ApiToken, Project, ProjectMembership, Role, User
@@ -21,8 +21,9 @@ from apps.core.ids import as_uuid
 from apps.vault.models import Secret
 from apps.vault.services import tenant_secret
 from gateway import config as gateway_config
+from gateway import selectors
 from gateway.budgets import Budget as Enforced
-from gateway.models import Budget, GatewaySettings, Usage
+from gateway.models import Budget, GatewaySettings
 from gateway.upstream import litellm_providers
 from gateway.wallets import enforced, ledger_spent
 from tenants.selectors import tenant_for_host
@@ -31,10 +32,6 @@ GATEWAY_READER = "the LLM gateway"
 
 
 # --- configuration ---------------------------------------------------------------------------------
-
-
-def settings_get() -> GatewaySettings:
-    return GatewaySettings.objects.filter(pk=1).first() or GatewaySettings(pk=1, document={})
 
 
 @transaction.atomic
@@ -83,7 +80,7 @@ def _check_provider(provider: str, model_name: str) -> None:
 def upstream_key_names() -> set[str]:
     """The vault secrets the tenant's gateway configuration names as upstream keys: the platform's own,
     never given to a task (apps.vault.services.register_platform_names)."""
-    document = settings_get().document
+    document = selectors.settings_get().document
     models = document.get("model_list", []) if isinstance(document, dict) else []
     return {
         str(model["litellm_params"]["api_key_secret"])
@@ -316,7 +313,7 @@ def caller_load(*, host: str, presented: str, project: str) -> Caller:
 def config_load(schema: str) -> tuple[gateway_config.GatewayConfig, dict[str, str], str]:
     """The tenant's parsed configuration, its deployments' keys, and a version that changes with it."""
     with schema_context(schema):
-        row = settings_get()
+        row = selectors.settings_get()
         parsed = gateway_config.parse(row.document) if row.document else gateway_config.EMPTY
         keys = deployment_keys(parsed)
         return parsed, keys, row.updated_at.isoformat() if row.updated_at else ""
@@ -333,9 +330,3 @@ def audit(schema: str, **event: str) -> None:
     with schema_context(schema):
         reason = event.pop("reason", "")
         record(**event, reason=reason)
-
-
-def usage_for(user: User) -> QuerySet[Usage]:
-    """Usage rows a user may read: everyone's for admins, their own for everyone else."""
-    rows = Usage.objects.all()
-    return rows if user.has_role(Role.ADMIN) else rows.filter(user_id=user.pk)

@@ -21,9 +21,10 @@ from apps.resources.models import ResourcePolicy
 from apps.scheduling import selectors
 from apps.scheduling.engine import describe
 from apps.scheduling.models import ACTIVE_STATES, Task
-from apps.vault.services import secret_set, secrets_visible_to
+from apps.vault.selectors import secrets_visible_to
+from apps.vault.services import secret_set
 from gateway.apis import BudgetOut, budgets_visible_to
-from gateway.services import usage_for
+from gateway.selectors import usage_for
 
 
 def _user(request: HttpRequest) -> User:

@@ -13,7 +13,7 @@ from rest_framework.response import Response
 from apps.accounts.apis import TenantAPIView
 from apps.accounts.models import Group, Project, Role
 from apps.core.ids import as_uuid
-from apps.vault import services
+from apps.vault import selectors, services
 from apps.vault.models import Secret
 
 
@@ -107,7 +107,7 @@ class SecretListView(TenantAPIView):
 
     @extend_schema(responses=SecretOut(many=True), summary="Secrets you can see: names only, never values")
     def get(self, request: Request) -> Response:
-        return self.page(services.secrets_visible_to(self.user), SecretOut)
+        return self.page(selectors.secrets_visible_to(self.user), SecretOut)
 
     @extend_schema(
         request=SecretIn,
@@ -138,14 +138,14 @@ class SecretDetailView(TenantAPIView):
     @extend_schema(responses=SecretOut, summary="A secret's name and where it lives; never its value")
     def get(self, request: Request, secret_id: str) -> Response:
         return Response(
-            SecretOut(get_object_or_404(services.secrets_visible_to(self.user), pk=secret_id)).data
+            SecretOut(get_object_or_404(selectors.secrets_visible_to(self.user), pk=secret_id)).data
         )
 
     @extend_schema(
         request=SecretValueIn, responses=SecretOut, summary="Replace a secret's value, its audience, or both"
     )
     def put(self, request: Request, secret_id: str) -> Response:
-        secret = get_object_or_404(services.secrets_visible_to(self.user), pk=secret_id)
+        secret = get_object_or_404(selectors.secrets_visible_to(self.user), pk=secret_id)
         data = SecretValueIn(data=request.data)
         data.is_valid(raise_exception=True)
         updated = services.secret_set(
@@ -160,6 +160,6 @@ class SecretDetailView(TenantAPIView):
 
     @extend_schema(responses={204: None}, summary="Delete a secret")
     def delete(self, request: Request, secret_id: str) -> Response:
-        secret = get_object_or_404(services.secrets_visible_to(self.user), pk=secret_id)
+        secret = get_object_or_404(selectors.secrets_visible_to(self.user), pk=secret_id)
         services.secret_delete(user=self.user, secret=secret)
         return Response(status=status.HTTP_204_NO_CONTENT)

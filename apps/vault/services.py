@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from django.db import connection, transaction
-from django.db.models import Q, QuerySet
+from django.db.models import Q
 from django.utils import timezone
 from rest_framework.exceptions import PermissionDenied
 
@@ -153,20 +153,6 @@ def secret_delete(*, user: User, secret: Secret) -> None:
         raise PermissionDenied("A user's secrets are theirs alone.")
     record(actor=user.username, action="secret.deleted", target=f"secret {secret}")
     secret.delete()
-
-
-def secrets_visible_to(user: User) -> QuerySet[Secret]:
-    """Names a user may see (never values): the tenant's, their projects', their own; admins see all
-    but other users' own."""
-    secrets = Secret.objects.select_related("project", "owner", "created_by").prefetch_related(
-        "audience_groups", "audience_projects"
-    )
-    mine = Q(scope=Secret.Scope.USER, owner=user)
-    if user.has_role(Role.ADMIN):
-        return secrets.filter(~Q(scope=Secret.Scope.USER) | mine)
-    return secrets.filter(
-        Q(scope=Secret.Scope.TENANT) | Q(scope=Secret.Scope.PROJECT, project__members=user) | mine
-    ).distinct()
 
 
 def _tenant_secret_for(user: User, project: Project | None) -> Q:

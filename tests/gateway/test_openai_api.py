@@ -178,9 +178,11 @@ def test_when_every_deployment_fails_the_call_fails_and_costs_nothing(a: Any) ->
 
 
 def _echo(a: Any) -> str:
-    from gateway import services
+    from gateway import selectors
 
-    return str(a.run(lambda: services.settings_get().document["model_list"][0]["litellm_params"]["api_base"]))
+    return str(
+        a.run(lambda: selectors.settings_get().document["model_list"][0]["litellm_params"]["api_base"])
+    )
 
 
 def new_project(a: Any, name: str, *members: str) -> None:
@@ -373,7 +375,7 @@ def test_the_upstream_key_comes_from_the_vault_and_a_wrong_one_is_named(a: Any) 
         assert "chat#0 answered 401" in refused.value.message
         assert "refused the key in vault secret WRONG_KEY" in refused.value.message
         assert ECHO_KEY not in str(
-            a.run(lambda: __import__("gateway.services").services.settings_get().document)
+            a.run(lambda: __import__("gateway.services").selectors.settings_get().document)
         )
     finally:
         a.configure(echo_document(_echo(a)))

@@ -48,10 +48,10 @@ def thief() -> Iterator[tuple[str, list[str]]]:
 @pytest.fixture(scope="module")
 def a(gw: Any) -> Iterator[Any]:
     tenant = gw("gwf")
-    from gateway import services
+    from gateway import selectors
 
     echo = str(
-        tenant.run(lambda: services.settings_get().document["model_list"][0]["litellm_params"]["api_base"])
+        tenant.run(lambda: selectors.settings_get().document["model_list"][0]["litellm_params"]["api_base"])
     )
     document = echo_document(echo)
     adapted = {"model": "together_ai/echo", "api_base": echo, "api_key_secret": "ECHO_KEY"}
