@@ -20,6 +20,12 @@ class InvalidInput(KliqueError):
     status_code = HTTPStatus.BAD_REQUEST
 
 
+class Forbidden(KliqueError):
+    """The caller may not do this (their role, or the object is someone else's); the message says who may."""
+
+    status_code = HTTPStatus.FORBIDDEN
+
+
 class NotFound(KliqueError):
     status_code = HTTPStatus.NOT_FOUND
 

@@ -20,12 +20,11 @@ from typing import TYPE_CHECKING
 from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
-from rest_framework.exceptions import PermissionDenied
 
 from apps.accounts.models import Group, Project, Role, User
 from apps.accounts.permissions import is_project_admin
 from apps.audit.services import record
-from apps.core.errors import InvalidInput, NotFound
+from apps.core.errors import Forbidden, InvalidInput, NotFound
 from apps.vault import crypto
 from apps.vault.models import DataKey, Secret
 from protocol import environment as task_environment
@@ -76,11 +75,11 @@ def _bound_to(secret: Secret) -> str:
 
 def _may_write(user: User, scope: str, project: Project | None) -> None:
     if not user.has_role(Role.MEMBER):
-        raise PermissionDenied("Viewers cannot keep secrets; ask a tenant admin for the member role.")
+        raise Forbidden("Viewers cannot keep secrets; ask a tenant admin for the member role.")
     if scope == Secret.Scope.TENANT and not user.has_role(Role.ADMIN):
-        raise PermissionDenied("Only tenant admins keep tenant secrets; keep it as your own (scope user).")
+        raise Forbidden("Only tenant admins keep tenant secrets; keep it as your own (scope user).")
     if scope == Secret.Scope.PROJECT and (project is None or not is_project_admin(user, project)):
-        raise PermissionDenied("Only the project's admins (and tenant admins) keep its secrets.")
+        raise Forbidden("Only the project's admins (and tenant admins) keep its secrets.")
 
 
 def _check(name: str, value: str) -> None:
@@ -150,7 +149,7 @@ def secret_set(
 def secret_delete(*, user: User, secret: Secret) -> None:
     _may_write(user, secret.scope, secret.project)
     if secret.scope == Secret.Scope.USER and secret.owner_id != user.pk:
-        raise PermissionDenied("A user's secrets are theirs alone.")
+        raise Forbidden("A user's secrets are theirs alone.")
     record(actor=user.username, action="secret.deleted", target=f"secret {secret}")
     secret.delete()
 
