@@ -149,7 +149,16 @@ class Report:
     accepted: int = 0  # appended now
     duplicates: int = 0  # seen before, same content: nothing changed
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (event id, why)
-    costs: list[Cost] = field(default_factory=list)  # of the events appended now, those that cost anything
+    appended: list[tuple[Any, ...]] = field(default_factory=list, repr=False)  # the ledger rows written now
+
+    def costs(self) -> list[Cost]:
+        """What each event appended now cost, and whom (those that cost anything): built when asked, since
+        a large import never needs it."""
+        return [
+            Cost(str(row[_USER_ID]), row[_PROJECT_ID], row[_COST], row[_ENDED_AT])
+            for row in self.appended
+            if row[_COST] > 0
+        ]
 
 
 class Invalid(ValueError):
@@ -407,11 +416,7 @@ def ingest(events: Iterable[Event], *, now: datetime | None = None) -> Report:
         if rows:
             appended = _append(rows, report)
             report.accepted = len(appended)
-            report.costs = [
-                Cost(str(row[_USER_ID]), row[_PROJECT_ID], row[_COST], row[_ENDED_AT])
-                for row in appended
-                if row[_COST] > 0
-            ]
+            report.appended = appended
             _roll(appended)
         Rejection.objects.bulk_create(
             [

@@ -62,7 +62,7 @@ def run_segment(
         source="scheduler",
     )
     report = ingest([event], now=max(ended_at, timezone.now()))
-    for cost in report.costs:
+    for cost in report.costs():
         cost_recorded.send(
             sender=Event,
             user_id=cost.user_id,
