@@ -1,11 +1,12 @@
-"""Websocket routes. Each consumer resolves its tenant from the Host header (see apps.core.consumers)."""
+"""Websocket routes. Each consumer resolves its tenant from the Host header (apps.accounts.consumers)."""
 
 from __future__ import annotations
 
 from django.urls import path
 
-from apps.core.consumers import EventsConsumer, TaskLogsConsumer
+from apps.accounts.consumers import EventsConsumer
 from apps.fleet.consumers import AgentConsumer
+from apps.fleet.log_follower import TaskLogsConsumer
 
 websocket_urlpatterns = [
     path("ws/v1/events/", EventsConsumer.as_asgi()),

@@ -1,4 +1,5 @@
-"""URLs of a tenant's domain (<tenant>.<base domain>)."""
+"""URLs of a tenant's domain (<tenant>.<base domain>): each app's API under api/v1/, the agents' uploads,
+the sign-in pages, the portal and the API's schema."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from apps.accounts.urls import urlpatterns as accounts_urlpatterns
-from apps.fleet.apis import agent_output_upload, agent_reports_post
+from apps.fleet.urls import agent_urlpatterns
+from apps.fleet.urls import urlpatterns as fleet_urlpatterns
 from apps.metering.urls import urlpatterns as metering_urlpatterns
 from apps.portal.urls import urlpatterns as portal_urlpatterns
+from apps.resources.urls import urlpatterns as resources_urlpatterns
 from apps.scheduling.urls import urlpatterns as scheduling_urlpatterns
-from apps.sso import views as sso
+from apps.sso.urls import sign_in_urlpatterns
+from apps.sso.urls import urlpatterns as sso_urlpatterns
 from apps.vault.urls import urlpatterns as vault_urlpatterns
 from gateway.urls import urlpatterns as gateway_urlpatterns
 from tenants.urls import tenant_urlpatterns
@@ -18,8 +22,11 @@ from tenants.urls import tenant_urlpatterns
 api_v1 = [
     *tenant_urlpatterns,
     *accounts_urlpatterns,
+    *resources_urlpatterns,
     *scheduling_urlpatterns,
+    *fleet_urlpatterns,
     *vault_urlpatterns,
+    *sso_urlpatterns,
     *gateway_urlpatterns,
     *metering_urlpatterns,
 ]
@@ -27,14 +34,8 @@ api_v1 = [
 urlpatterns = [
     path("api/v1/", include(api_v1)),
     *portal_urlpatterns,
-    path(
-        "agents/v1/tasks/<uuid:task_id>/outputs/<path:name>", agent_output_upload, name="agent-output-upload"
-    ),
-    path("agents/v1/tasks/<uuid:task_id>/reports/", agent_reports_post, name="agent-reports"),
-    path("auth/sso/login/", sso.SignIn.as_view(), name="oidc_authentication_init"),
-    path("auth/sso/callback/", sso.Callback.as_view(), name="oidc_authentication_callback"),
-    path("auth/logout/", sso.sign_out, name="sign-out"),
-    path("auth/login/", sso.password_sign_in, name="password-sign-in"),
+    *agent_urlpatterns,
+    *sign_in_urlpatterns,
     path("api/schema/", SpectacularAPIView.as_view(urlconf="config.urls"), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
 ]

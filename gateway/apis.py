@@ -13,7 +13,7 @@ from rest_framework import serializers, status
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from apps.accounts.apis import TenantAPIView
+from apps.accounts.api_base import TenantAPIView
 from apps.accounts.models import ProjectMembership, Role, User
 from apps.core.schema import AmountField, DocumentField
 from gateway import selectors, services, wallets

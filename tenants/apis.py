@@ -12,9 +12,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from apps.accounts.apis import TenantAPIView
+from apps.accounts.api_base import Audited, TenantAPIView
 from apps.accounts.permissions import ProviderAdmin
-from apps.audit.mixins import Audited
 from apps.core.errors import InvalidInput
 from tenants import selectors, serializers, services
 from tenants.models import Tenant

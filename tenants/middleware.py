@@ -9,7 +9,7 @@ from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django_tenants.utils import get_public_schema_name
 
-from config.logging import tenant_var
+from apps.core.logging import tenant_var
 from tenants.selectors import tenant_for_host
 
 

@@ -5,41 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from django.shortcuts import get_object_or_404
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import status
 from rest_framework.exceptions import PermissionDenied
-from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
 from apps.accounts import selectors, serializers, services
+from apps.accounts.api_base import TenantAPIView
 from apps.accounts.models import ApiToken, Group, Project, Role, User
-from apps.accounts.permissions import TenantRole, is_project_admin
-from apps.audit.mixins import Audited
-
-
-class TenantAPIView(Audited, APIView):
-    """Every tenant endpoint: a bearer token or session, and the role the view names."""
-
-    permission_classes = [TenantRole]
-    read_role: str = Role.VIEWER
-    write_role: str = Role.ADMIN
-
-    @property
-    def tenant(self) -> Any:
-        return self.request.tenant  # type: ignore[attr-defined]
-
-    @property
-    def user(self) -> User:
-        user = self.request.user
-        assert isinstance(user, User)
-        return user
-
-    def page(self, queryset: Any, serializer_class: Any) -> Response:
-        paginator = LimitOffsetPagination()
-        rows: list[Any] | None = paginator.paginate_queryset(queryset, self.request, view=self)
-        return paginator.get_paginated_response(serializer_class(rows, many=True).data)
+from apps.accounts.permissions import is_project_admin
+from apps.audit.models import AuditEvent
 
 
 class MeView(TenantAPIView):
@@ -280,3 +256,28 @@ class ProjectMemberDetailView(ProjectScopedView):
         membership = get_object_or_404(selectors.project_members(project), user_id=user_id)
         services.project_member_remove(tenant=self.tenant, membership=membership)
         return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+# The audit log (apps.audit records it), for tenant admins.
+
+
+class AuditListView(TenantAPIView):
+    read_role = Role.ADMIN
+
+    @extend_schema(
+        responses=serializers.AuditEventOut(many=True),
+        parameters=[
+            OpenApiParameter(
+                "action", str, description='e.g. "secret.read"; a prefix such as "secret." works'
+            ),
+            OpenApiParameter("actor", str),
+        ],
+        summary="Administrative actions and secret reads, newest first",
+    )
+    def get(self, request: Request) -> Response:
+        events = AuditEvent.objects.all()
+        if action := request.query_params.get("action"):
+            events = events.filter(action__startswith=action)
+        if actor := request.query_params.get("actor"):
+            events = events.filter(actor=actor)
+        return self.page(events, serializers.AuditEventOut)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from rest_framework import serializers
 
 from apps.accounts.models import ApiToken, Group, Project, ProjectMembership, Role, User
+from apps.audit.models import AuditEvent
 from apps.core.schema import GpusField
-from apps.resources.document import to_gpus_text
-from apps.scheduling.engine import SizeError, units
+from apps.scheduling.engine import SizeError, to_gpus_text, units
 
 
 class UserOut(serializers.ModelSerializer[User]):
@@ -152,3 +152,9 @@ class TokenIn(serializers.Serializer[ApiToken]):
             return units(value)
         except SizeError as error:
             raise serializers.ValidationError(str(error)) from None
+
+
+class AuditEventOut(serializers.ModelSerializer[AuditEvent]):
+    class Meta:
+        model = AuditEvent
+        fields = ["id", "at", "actor", "on_behalf_of", "action", "target", "detail", "request_id"]

@@ -36,4 +36,5 @@ urlpatterns = [
         apis.ProjectMemberDetailView.as_view(),
         name="project-member-detail",
     ),
+    path("audit/", apis.AuditListView.as_view(), name="audit-list"),
 ]

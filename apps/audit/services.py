@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from apps.audit.models import AuditEvent
-from config.logging import request_id_var
+from apps.core.logging import request_id_var
 
 
 def record(*, actor: str, action: str, target: str, on_behalf_of: str = "", **detail: Any) -> AuditEvent:

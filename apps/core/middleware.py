@@ -12,8 +12,8 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from apps.core.health import readiness
+from apps.core.logging import request_id_var, tenant_var
 from apps.core.metrics import HTTP_LATENCY, HTTP_REQUESTS
-from config.logging import request_id_var, tenant_var
 
 logger = logging.getLogger("klique.access")
 # A caller's X-Request-ID is kept only if it is a sane token, so nobody can inject text into the logs.

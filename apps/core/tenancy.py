@@ -10,7 +10,7 @@ from typing import Any, ParamSpec, TypeVar
 from celery import shared_task
 from django_tenants.utils import tenant_context
 
-from config.logging import tenant_var
+from apps.core.logging import tenant_var
 from tenants.models import Tenant
 
 logger = logging.getLogger(__name__)

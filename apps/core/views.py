@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
-from config.logging import request_id_var
+from apps.core.logging import request_id_var
 
 
 def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:

@@ -17,7 +17,7 @@ from rest_framework.exceptions import NotFound, PermissionDenied
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from apps.accounts.apis import TenantAPIView
+from apps.accounts.api_base import TenantAPIView
 from apps.accounts.models import Role, User
 from apps.core.ids import as_uuid
 from apps.fleet import credentials, dispatch, errors, outputs, selectors

@@ -11,8 +11,8 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.db import DatabaseError, close_old_connections
 from django_tenants.utils import schema_context
 
-from apps.core.consumers import header
 from apps.core.errors import InvalidInput, NotFound
+from apps.core.websocket import header
 from apps.fleet import credentials, dispatch, errors, notify, session
 from apps.fleet.models import AgentToken
 from protocol import messages

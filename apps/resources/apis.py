@@ -9,15 +9,15 @@ from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from apps.accounts.apis import TenantAPIView
+from apps.accounts.api_base import TenantAPIView
 from apps.accounts.models import Role, User
 from apps.core.schema import DocumentField
 from apps.fleet.selectors import NONE_REPORTED, Reported, agents_by_pool
 from apps.resources import services
-from apps.resources.document import to_gpus_text
 from apps.resources.models import ComputeResource, Pool
 from apps.resources.simulation import outcome_dict
 from apps.scheduling import selectors as scheduling_selectors
+from apps.scheduling.engine import to_gpus_text
 from apps.scheduling.models import ACTIVE_STATES, Task
 
 

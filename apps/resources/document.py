@@ -22,7 +22,6 @@ the report: errors block provisioning, warnings do not.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any
 
 from rest_framework import serializers
@@ -352,8 +351,3 @@ def _check_policies(report: Report, document: dict[str, Any], groups: set[str]) 
             f"Reservations add up to {describe(reservations)}, above the {describe(total_capacity)} of all "
             "pools; they could not all be honoured at once.",
         )
-
-
-def to_gpus_text(count: int) -> str:
-    value = Fraction(count, UNITS_PER_GPU)
-    return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"

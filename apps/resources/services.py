@@ -19,7 +19,7 @@ from rest_framework import serializers
 from apps.accounts.models import Group, User
 from apps.core.errors import InvalidInput
 from apps.core.events import publish_event
-from apps.resources.document import DocumentSerializer, Report, check, profile_size_units, to_gpus_text
+from apps.resources.document import DocumentSerializer, Report, check, profile_size_units
 from apps.resources.models import (
     ComputeResource,
     ConfigurationDraft,
@@ -31,7 +31,7 @@ from apps.resources.models import (
 )
 from apps.resources.simulation import Comparison, compare, jobs_from_csv, jobs_from_history
 from apps.scheduling import wake
-from apps.scheduling.engine import UNITS_PER_GPU, SizeError, units
+from apps.scheduling.engine import UNITS_PER_GPU, SizeError, to_gpus_text, units
 from apps.scheduling.lifecycle import tasks_end_for_removed_resources
 from apps.scheduling.selectors import active_tasks_per_pool
 from protocol.batch import TemplateInvalid, Unsafe, check_template

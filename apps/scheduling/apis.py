@@ -11,10 +11,10 @@ from rest_framework.exceptions import PermissionDenied
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from apps.accounts.apis import TenantAPIView
+from apps.accounts.api_base import TenantAPIView
 from apps.accounts.models import ApiToken, Role
-from apps.resources.document import to_gpus_text
 from apps.scheduling import selectors, services
+from apps.scheduling.engine import to_gpus_text
 from apps.scheduling.models import Task, TaskEvent, TaskState
 
 

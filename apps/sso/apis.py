@@ -8,7 +8,7 @@ from rest_framework.exceptions import NotFound
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from apps.accounts.apis import TenantAPIView
+from apps.accounts.api_base import TenantAPIView
 from apps.accounts.models import Role
 from apps.sso import services
 from apps.sso.models import Provider

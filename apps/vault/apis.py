@@ -10,7 +10,7 @@ from rest_framework import serializers, status
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from apps.accounts.apis import TenantAPIView
+from apps.accounts.api_base import TenantAPIView
 from apps.accounts.models import Group, Project, Role
 from apps.core.ids import as_uuid
 from apps.vault import selectors, services

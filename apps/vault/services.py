@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from django.db import connection, transaction
 from django.db.models import Q
@@ -29,8 +29,16 @@ from apps.vault import crypto
 from apps.vault.models import DataKey, Secret
 from protocol import environment as task_environment
 
-if TYPE_CHECKING:
-    from apps.scheduling.models import Task
+
+class SecretsHolder(Protocol):
+    """What the vault reads of a task (apps.scheduling's Task) to give it its secrets: who submitted it,
+    in which project, and the names its spec asks for."""
+
+    pk: Any
+    spec: Any
+    submitter: User
+    project: Project | None
+
 
 MAX_VALUE_BYTES = 64 * 1024
 MASKED = "***"
@@ -224,7 +232,7 @@ def secrets_check(*, user: User, project: Project | None, spec: object) -> None:
     )
 
 
-def secret_values_for(task: Task) -> dict[str, str]:
+def secret_values_for(task: SecretsHolder) -> dict[str, str]:
     """Decrypt the task's secrets to hand them to its agent, recording each read. NotFound names a
     secret deleted since the task was submitted."""
     names = secret_names(task.spec)
@@ -248,7 +256,7 @@ def secret_values_for(task: Task) -> dict[str, str]:
     return values
 
 
-def secret_values_to_mask(task: Task) -> list[str]:
+def secret_values_to_mask(task: SecretsHolder) -> list[str]:
     """The values of the secrets the task was given, longest first, to mask in what it writes. Not a read
     for anyone (the values never leave the process), so not audited."""
     names = [name for name in secret_names_quietly(task.spec) if task_environment.refusal(name) is None]

@@ -276,8 +276,8 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {
-        "json": {"()": "config.logging.JsonFormatter"},
-        "text": {"()": "config.logging.TextFormatter"},
+        "json": {"()": "apps.core.logging.JsonFormatter"},
+        "text": {"()": "apps.core.logging.TextFormatter"},
     },
     "handlers": {
         "console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT},

@@ -12,7 +12,7 @@ from django.test import override_settings
 from django_tenants.utils import schema_context
 from rest_framework.test import APIClient
 
-from config.logging import JsonFormatter
+from apps.core.logging import JsonFormatter
 from tests.world import World
 
 
@@ -97,8 +97,8 @@ def test_unknown_paths_and_missing_credentials_are_explained(
 
 
 def test_a_failing_view_answers_json_with_the_request_id(world: World, db: None) -> None:
+    from apps.core.logging import request_id_var
     from apps.core.views import server_error
-    from config.logging import request_id_var
 
     marker = request_id_var.set("req-500")
     try:

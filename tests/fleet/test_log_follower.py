@@ -11,7 +11,7 @@ from channels.testing import WebsocketCommunicator
 from django.db import connections
 from django_tenants.utils import schema_context
 
-from apps.core import consumers
+from apps.fleet import log_follower
 from apps.fleet.models import TaskReport
 from apps.scheduling.models import Task, TaskState
 from config.asgi import application
@@ -37,7 +37,7 @@ def quietly_stored(task_id: str, seq: int, line: str) -> int:
 def test_a_follower_resumes_from_its_cursor_and_sees_what_pub_sub_lost_and_the_end(
     fleet: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(consumers, "LOG_POLL_SECONDS", 0.2)
+    monkeypatch.setattr(log_follower, "LOG_POLL_SECONDS", 0.2)
     task_id = fleet["task"]
     first = quietly_stored(task_id, 1, "one")
     quietly_stored(task_id, 2, "two")

@@ -18,7 +18,7 @@ from .model import (
     Task,
 )
 from .state import task_order
-from .units import SizeError, describe, gpus, mig_fraction, units
+from .units import SizeError, describe, gpus, mig_fraction, to_gpus_text, units
 
 __all__ = [
     "UNITS_PER_GPU",
@@ -40,5 +40,6 @@ __all__ = [
     "mig_fraction",
     "schedule",
     "task_order",
+    "to_gpus_text",
     "units",
 ]

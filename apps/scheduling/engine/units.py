@@ -39,6 +39,12 @@ def gpus(count: int) -> Fraction:
     return Fraction(count, UNITS_PER_GPU)
 
 
+def to_gpus_text(count: int) -> str:
+    """A count of units as the GPUs text the API and the configuration document take back: "8", "1/4"."""
+    value = gpus(count)
+    return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
+
+
 @lru_cache(maxsize=4096)  # reasons name the same few sizes over and over
 def describe(count: int) -> str:
     """A size as a person reads it: "8 GPUs", "1 GPU", "0.25 GPU", "3/7 GPU"."""

@@ -1,15 +1,19 @@
-"""Every change made through the API is audited: who, which endpoint, what object. Bodies are never
-recorded (they may hold a secret or a password)."""
+"""The base of every tenant API view: who is asking (a bearer token or a session), the role the view
+names, paging, and the audit record of every change made through the API (who, which endpoint, what
+object; bodies are never recorded: they may hold a secret or a password)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.permissions import SAFE_METHODS
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
-from apps.accounts.models import ApiToken, User
+from apps.accounts.models import ApiToken, Role, User
+from apps.accounts.permissions import TenantRole
 from apps.audit.middleware import record_after
 from apps.audit.services import record
 
@@ -37,3 +41,26 @@ class Audited:
             on_behalf_of = user.username if acting != user.username else ""
             record(actor=acting, action=action, target=request.path, on_behalf_of=on_behalf_of)
         return response
+
+
+class TenantAPIView(Audited, APIView):
+    """Every tenant endpoint: a bearer token or session, and the role the view names."""
+
+    permission_classes = [TenantRole]
+    read_role: str = Role.VIEWER
+    write_role: str = Role.ADMIN
+
+    @property
+    def tenant(self) -> Any:
+        return self.request.tenant  # type: ignore[attr-defined]
+
+    @property
+    def user(self) -> User:
+        user = self.request.user
+        assert isinstance(user, User)
+        return user
+
+    def page(self, queryset: Any, serializer_class: Any) -> Response:
+        paginator = LimitOffsetPagination()
+        rows: list[Any] | None = paginator.paginate_queryset(queryset, self.request, view=self)
+        return paginator.get_paginated_response(serializer_class(rows, many=True).data)

@@ -1,0 +1,28 @@
+"""The fleet's API: a task's logs, metrics and outputs, the pools' agent tokens; and the agents' own
+uploads (outputs and reports, under agents/v1/, with the task's token)."""
+
+from __future__ import annotations
+
+from django.urls import path
+
+from apps.fleet import apis
+
+urlpatterns = [
+    path("tasks/<uuid:task_id>/logs/", apis.TaskLogsView.as_view(), name="task-logs"),
+    path("tasks/<uuid:task_id>/metrics/", apis.TaskMetricsView.as_view(), name="task-metrics"),
+    path("tasks/<uuid:task_id>/outputs/", apis.TaskOutputListView.as_view(), name="task-outputs"),
+    path(
+        "tasks/<uuid:task_id>/outputs/<path:name>", apis.TaskOutputDownloadView.as_view(), name="task-output"
+    ),
+    path("pools/<uuid:pool_id>/agent-tokens/", apis.PoolAgentTokensView.as_view(), name="pool-agent-tokens"),
+    path("agent-tokens/<uuid:token_id>/", apis.AgentTokenDetailView.as_view(), name="agent-token-detail"),
+]
+
+agent_urlpatterns = [
+    path(
+        "agents/v1/tasks/<uuid:task_id>/outputs/<path:name>",
+        apis.agent_output_upload,
+        name="agent-output-upload",
+    ),
+    path("agents/v1/tasks/<uuid:task_id>/reports/", apis.agent_reports_post, name="agent-reports"),
+]
