@@ -13,8 +13,9 @@ from django_tenants.utils import schema_context
 
 from apps.core.errors import InvalidInput, NotFound
 from apps.core.websocket import header
-from apps.fleet import credentials, dispatch, errors, notify, session
+from apps.fleet import credentials, dispatch, errors, session
 from apps.fleet.models import AgentToken
+from apps.scheduling import wake
 from protocol import messages
 from tenants.selectors import tenant_for_host
 
@@ -61,7 +62,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         await self.accept()
         try:
             await self.channel_layer.group_add(
-                notify.pool_group(self.schema_name, self.token.pool_id), self.channel_name
+                wake.pool_group(self.schema_name, self.token.pool_id), self.channel_name
             )
         except Exception as error:  # the channel layer (Redis) down: heartbeats still carry work and stops
             logger.warning("agent connection without live notices: the channel layer failed (%s)", error)
@@ -85,7 +86,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             return
         with contextlib.suppress(Exception):  # the channel layer may be down; its group entry expires
             await self.channel_layer.group_discard(
-                notify.pool_group(self.schema_name, self.token.pool_id), self.channel_name
+                wake.pool_group(self.schema_name, self.token.pool_id), self.channel_name
             )
         if self.agent_id:
             with contextlib.suppress(DatabaseError):  # the heartbeat's age says it anyway

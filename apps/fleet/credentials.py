@@ -19,9 +19,9 @@ from apps.accounts.tokens import hash_token
 from apps.audit.services import record
 from apps.core.events import publish_event
 from apps.core.ids import as_uuid
-from apps.fleet import notify
 from apps.fleet.models import AgentToken
 from apps.resources.models import Pool
+from apps.scheduling import wake
 from apps.scheduling.models import Task, TaskState
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ def agent_token_revoke(*, tenant: Tenant, token: AgentToken) -> AgentToken:
     if token.revoked_at is None:
         token.revoked_at = timezone.now()
         token.save(update_fields=["revoked_at"])
-        notify.notify_pool(
+        wake.notify_pool(
             tenant=tenant, pool_id=token.pool_id, message={"type": "revoked", "token_id": str(token.pk)}
         )
     return token

@@ -4,13 +4,14 @@ the write that follows), and a task's logs, metrics and outputs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from django.db.models import Count, Q, Sum
+from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
 
 from apps.core.ids import as_uuid
 from apps.fleet.models import Agent, TaskReport
-from apps.resources.models import Pool
+from apps.resources.models import SCALES_FROM_ZERO, Pool
 from apps.scheduling.models import Task, TaskRun
 
 if TYPE_CHECKING:
@@ -89,3 +90,24 @@ def task_logs(task: Task, *, after: int = 0) -> list[dict[str, Any]]:
         .order_by("pk")
         .values_list("pk", "seq", "source", "at", "body")
     ]
+
+
+class _Agents:
+    """Scheduling's view of the agents (apps.scheduling.agents), answered from the registry here."""
+
+    def connected(self) -> Any:
+        return Agent.objects.filter(connected=True).values("pk")
+
+    def silent(self, now: datetime) -> Any:
+        timeout = ExpressionWrapper(
+            F("pool__heartbeat_timeout_seconds") * timedelta(seconds=1), DurationField()
+        )
+        return (
+            Agent.objects.exclude(pool__environment__in=SCALES_FROM_ZERO)  # as their pool: never silent
+            .alias(deadline=now - timeout)
+            .filter(last_heartbeat_at__lt=F("deadline"))
+            .values("pk")
+        )
+
+
+AGENTS = _Agents()

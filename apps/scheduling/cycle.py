@@ -19,8 +19,6 @@ from django.db.models import Sum
 from django.utils import timezone
 
 from apps.core.events import publish_event
-from apps.fleet import notify
-from apps.fleet.models import Agent
 from apps.resources.models import (
     MIG_METHODS,
     ComputeResource,
@@ -29,7 +27,8 @@ from apps.resources.models import (
     ResourceProfile,
     SharingMethod,
 )
-from apps.scheduling import engine, lifecycle
+from apps.scheduling import engine, lifecycle, wake
+from apps.scheduling.agents import agents
 from apps.scheduling.models import ACTIVE_STATES, Task, TaskRun, TaskState
 from apps.scheduling.runs import LOST_REASON
 from gateway.wallets import spent_budgets
@@ -56,7 +55,7 @@ def _lock_key(schema_name: str) -> int:
 def _stopping_units() -> dict[str, int]:
     """Units still held per pool by runs the plane has stopped (aborted, preempted) whose connected agent
     has not yet let them go: their GPUs are free only when the agent says so."""
-    connected = Agent.objects.filter(connected=True).values("pk")
+    connected = agents().connected()
     rows = (
         TaskRun.objects.filter(released_at=None, agent_id__in=connected)
         .exclude(stop="")
@@ -169,9 +168,9 @@ def _tell_agents(tenant: Tenant, decision: engine.Decision, stopped: list[TaskRu
     so they can checkpoint). The stops are desired state on the runs: a heartbeat that still lists one
     is answered with it again."""
     for pool in sorted({placement.pool for placement in decision.placements}):
-        notify.notify_pool(tenant=tenant, pool_id=pool, message={"type": "dispatch"})
+        wake.notify_pool(tenant=tenant, pool_id=pool, message={"type": "dispatch"})
     for run in stopped:
-        notify.notify_pool(
+        wake.notify_pool(
             tenant=tenant,
             pool_id=run.pool_id,
             message={"type": "preempt", "task_id": str(run.task_id), "lease_id": str(run.pk),

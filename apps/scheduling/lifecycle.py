@@ -2,7 +2,7 @@
 
 Submission (services), the agent protocol (apps.fleet), provisioning (apps.resources), the scheduling
 cycle and metering call down into it; it calls only models, the run records (runs.py), run metering
-(apps.metering.runs), the request for a cycle (wake.py) and the pools' agents (apps.fleet.notify).
+(apps.metering.runs), the request for a cycle and the pools' agents (wake.py).
 
     queued -> placed -> dispatching -> running -> completed | failed | aborted
     placed, dispatching, running -> preempted -> queued (at the front of its queue)
@@ -27,10 +27,10 @@ from django.utils import timezone
 from apps.accounts.models import User
 from apps.core.errors import InvalidInput
 from apps.core.events import publish_event, publish_here
-from apps.fleet.models import Agent
 from apps.metering.runs import meter_run
-from apps.resources.models import SCALES_FROM_ZERO, ComputeResource, Pool
+from apps.resources.models import ComputeResource, Pool
 from apps.scheduling import engine, wake
+from apps.scheduling.agents import agents
 from apps.scheduling.models import (
     ACTIVE_STATES,
     ENDED_STATES,
@@ -251,18 +251,6 @@ def run_adopt(tenant: Tenant, task: Task, run: TaskRun, *, agent_id: str, ended:
     )
 
 
-def _silent_agents(now: datetime) -> list[str]:
-    """Agents whose last heartbeat is older than their pool's timeout (their pool may be online still,
-    through another agent)."""
-    return [
-        agent.pk
-        for agent in Agent.objects.select_related("pool")
-        if agent.last_heartbeat_at is not None
-        and (now - agent.last_heartbeat_at).total_seconds() > agent.pool.heartbeat_timeout_seconds
-        and agent.pool.environment not in SCALES_FROM_ZERO  # as its pool: never silent
-    ]
-
-
 @transaction.atomic
 def tasks_of_silent_pools(*, tenant: Tenant) -> int:
     """Runs dispatched to or running in a pool whose agents all stopped heartbeating beyond the pool's
@@ -271,7 +259,7 @@ def tasks_of_silent_pools(*, tenant: Tenant) -> int:
     again. Returns how many."""
     now = timezone.now()
     silent_pools = {pool.pk: pool.name for pool in Pool.objects.all() if not pool.is_online(now)}
-    silent_agents = _silent_agents(now)
+    silent_agents = agents().silent(now)
     leases = TaskRun.objects.filter(agent_id__in=silent_agents, outcome=RunOutcome.LIVE).values("pk")
     lost: dict[str, int] = {}
     for task in Task.objects.select_for_update(skip_locked=True, of=("self",)).filter(

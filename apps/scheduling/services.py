@@ -19,7 +19,6 @@ from apps.accounts.models import ApiToken, Project, User
 from apps.core.errors import InvalidInput
 from apps.core.events import publish_event
 from apps.core.ids import as_uuid
-from apps.fleet import notify
 from apps.resources.models import ComputeResource, TaskSharing
 from apps.scheduling import wake
 from apps.scheduling.engine import UNITS_PER_GPU, SizeError, describe, units
@@ -241,7 +240,7 @@ def task_cancel(*, tenant: Tenant, user: User, task: Task) -> Task:
         # Desired state: the run is asked to stop now, and again at each heartbeat that still lists it.
         run = run_request_stop(task, kind="abort")
         lease = str(run.pk) if run is not None else str(task.lease_id or "")
-        notify.notify_pool(
+        wake.notify_pool(
             tenant=tenant,
             pool_id=task.pool_id,
             message={"type": "abort", "task_id": str(task.pk), "lease_id": lease, "grace_seconds": 0},

@@ -1,17 +1,20 @@
-"""Asking for a scheduling cycle: the one thing the rest of Klique needs of the cycle.
+"""Waking what acts on a change: the scheduling cycle, and a pool's connected agents.
 
-The request sends the Celery task by its name, so that what asks (a submit, an agent's report, a pool
-coming back) never imports the cycle itself."""
+A request for a cycle sends the Celery task by its name, so that what asks (a submit, an agent's report,
+a pool coming back) never imports the cycle itself. Each pool is a channel group its agents' sessions
+join (apps.fleet.consumers); a notice to it is sent once the current transaction commits."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import redis
 from celery import current_app
 from django.conf import settings
 from django.db import transaction
+
+from apps.core.events import send_to_group
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -49,3 +52,14 @@ def request_cycle(tenant: Tenant) -> None:
             logger.warning("could not request a scheduling cycle", exc_info=True)
 
     transaction.on_commit(send)
+
+
+def pool_group(schema_name: str, pool_id: object) -> str:
+    return f"agents.{schema_name}.{pool_id}"
+
+
+def notify_pool(*, tenant: Tenant, pool_id: object, message: dict[str, Any]) -> None:
+    """Send `message` to the pool's connected agents once the current transaction commits."""
+    group = pool_group(tenant.schema_name, pool_id)
+    notice = {"type": "plane.message", "message": message}
+    transaction.on_commit(lambda: send_to_group(group, notice, what=f"a {message.get('type')} notice"))

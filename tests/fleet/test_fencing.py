@@ -20,10 +20,10 @@ from django.utils import timezone
 from django_tenants.utils import schema_context
 
 from apps.accounts.models import User
-from apps.fleet import credentials, dispatch, notify, session
+from apps.fleet import credentials, dispatch, session
 from apps.fleet.models import Agent, TaskReport
 from apps.resources.models import Pool
-from apps.scheduling import lifecycle
+from apps.scheduling import lifecycle, wake
 from apps.scheduling.cycle import run_cycle, snapshot
 from apps.scheduling.models import Task, TaskRun, TaskState
 from apps.scheduling.services import TaskRequest, task_cancel, tasks_submit
@@ -290,7 +290,7 @@ def test_an_abort_is_asked_for_until_the_agent_lets_the_run_go_and_its_gpus_wait
         (assign,) = await start(client)
 
         def cancel() -> None:
-            with mock.patch.object(notify, "notify_pool"):  # the live notice never arrives
+            with mock.patch.object(wake, "notify_pool"):  # the live notice never arrives
                 fay = User.objects.get(username="fay")
                 task_cancel(tenant=fleet["tenant"], user=fay, task=Task.objects.get(pk=assign["task_id"]))
 
