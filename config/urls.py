@@ -11,13 +11,13 @@ from apps.fleet.urls import agent_urlpatterns
 from apps.fleet.urls import urlpatterns as fleet_urlpatterns
 from apps.metering.urls import urlpatterns as metering_urlpatterns
 from apps.portal.urls import urlpatterns as portal_urlpatterns
+from apps.provider.urls import tenant_urlpatterns
 from apps.resources.urls import urlpatterns as resources_urlpatterns
 from apps.scheduling.urls import urlpatterns as scheduling_urlpatterns
 from apps.sso.urls import sign_in_urlpatterns
 from apps.sso.urls import urlpatterns as sso_urlpatterns
 from apps.vault.urls import urlpatterns as vault_urlpatterns
 from gateway.urls import urlpatterns as gateway_urlpatterns
-from tenants.urls import tenant_urlpatterns
 
 api_v1 = [
     *tenant_urlpatterns,

@@ -8,7 +8,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from apps.accounts.urls import identity_urlpatterns
 from apps.billing.urls import urlpatterns as billing_urlpatterns
 from apps.portal.provider_urls import urlpatterns as center_urlpatterns
-from tenants.urls import provider_urlpatterns
+from apps.provider.urls import provider_urlpatterns
 
 api_v1 = [*provider_urlpatterns, *billing_urlpatterns, *identity_urlpatterns]
 

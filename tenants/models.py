@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.db import models
 from django_tenants.models import DomainMixin, TenantMixin
 
-from apps.metering.models import Totals
+from apps.core.models import Totals
 
 
 class Tenant(TenantMixin):

@@ -33,6 +33,7 @@ from apps.accounts.services import (
 from apps.fleet.credentials import agent_token_create
 from apps.fleet.models import TaskOutput
 from apps.metering.ledger import Event, ingest
+from apps.provider.services import public_tenant_ensure, tenant_create
 from apps.resources.models import ComputeResource, Pool
 from apps.resources.services import draft_provision, draft_save
 from apps.scheduling.services import TaskRequest, tasks_submit
@@ -40,7 +41,6 @@ from apps.vault.services import secret_set
 from gateway.models import Usage
 from gateway.services import budget_create
 from tenants.models import Tenant
-from tenants.services import public_tenant_ensure, tenant_create
 from tests.scheduling.config import acme_document
 
 BASE = "klique.test"

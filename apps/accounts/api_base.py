@@ -1,11 +1,12 @@
-"""The base of every tenant API view: who is asking (a bearer token or a session), the role the view
-names, paging, and the audit record of every change made through the API (who, which endpoint, what
-object; bodies are never recorded: they may hold a secret or a password)."""
+"""The bases of every API view: a tenant's (who is asking, by bearer token or session; the role the view
+names; paging) and the provider's; and the audit record of every change made through either (who, which
+endpoint, what object; bodies are never recorded: they may hold a secret or a password)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from django.http import Http404
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.permissions import SAFE_METHODS
 from rest_framework.request import Request
@@ -13,9 +14,11 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from apps.accounts.models import ApiToken, Role, User
-from apps.accounts.permissions import TenantRole
+from apps.accounts.permissions import ProviderAdmin, TenantRole
 from apps.audit.middleware import record_after
 from apps.audit.services import record
+from tenants import selectors as tenants
+from tenants.models import Tenant
 
 
 class Audited:
@@ -64,3 +67,15 @@ class TenantAPIView(Audited, APIView):
         paginator = LimitOffsetPagination()
         rows: list[Any] | None = paginator.paginate_queryset(queryset, self.request, view=self)
         return paginator.get_paginated_response(serializer_class(rows, many=True).data)
+
+
+class ProviderView(Audited, APIView):
+    """Every endpoint of the provider's Platform Management Center (the public domain): its admins only."""
+
+    permission_classes = [ProviderAdmin]
+
+    def tenant_or_404(self, slug: str) -> Tenant:
+        tenant = tenants.tenant_get(slug=slug)
+        if tenant is None:
+            raise Http404
+        return tenant

@@ -1,10 +1,10 @@
-"""Background work of accounts. Each task takes a tenant's schema name first (see apps.core.tenancy)."""
+"""Background work of accounts. Each task takes a tenant's schema name first (see tenants.tenancy)."""
 
 from __future__ import annotations
 
 from apps.accounts import services
-from apps.core.tenancy import tenant_task
 from tenants.models import Tenant
+from tenants.tenancy import tenant_task
 
 
 @tenant_task("accounts.token_purge_expired", autoretry_for=(ConnectionError,), max_retries=3)

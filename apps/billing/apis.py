@@ -9,11 +9,11 @@ from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from apps.accounts.api_base import ProviderView
 from apps.billing import services
 from apps.billing.models import StripePush
 from apps.core.errors import InvalidInput
 from apps.metering.services import period_of
-from tenants.apis import ProviderView
 
 
 class PushOut(serializers.ModelSerializer[StripePush]):

@@ -13,14 +13,18 @@ import concurrent.futures
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from channels.layers import get_channel_layer
 from django.db import connection, transaction
 from django.utils import timezone
 
-if TYPE_CHECKING:
-    from tenants.models import Tenant
+
+class Tenant(Protocol):
+    """What an event needs of its tenant (tenants.models.Tenant): the schema whose clients hear it."""
+
+    schema_name: str
+
 
 logger = logging.getLogger(__name__)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from django.db import models
 
+from apps.core.models import Totals
+
 
 class Kind(models.TextChoices):
     GPU = "gpu"  # a run segment: a task's GPUs from when it started running to when it stopped
@@ -85,21 +87,6 @@ class Rejection(models.Model):
 
     def __str__(self) -> str:
         return f"{self.event_id}: {self.reason}"
-
-
-class Totals(models.Model):
-    """Sums of ledger events: how many, and each amount (numeric, so no sum can overflow). Kept per
-    tenant in rollups and for the provider per tenant and day (tenants.models.TenantUsageDay)."""
-
-    events = models.BigIntegerField(default=0)
-    gpu_unit_ms = models.DecimalField(max_digits=38, decimal_places=0, default=0)
-    tokens_in = models.DecimalField(max_digits=38, decimal_places=0, default=0)
-    tokens_out = models.DecimalField(max_digits=38, decimal_places=0, default=0)
-    byte_ms = models.DecimalField(max_digits=38, decimal_places=0, default=0)
-    cost_nano_usd = models.DecimalField(max_digits=38, decimal_places=0, default=0)
-
-    class Meta:
-        abstract = True
 
 
 class Rollup(Totals):

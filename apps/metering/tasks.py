@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from apps.core.tenancy import tenant_task
 from apps.metering import runs, services
 from tenants.models import Tenant
+from tenants.tenancy import tenant_task
 
 
 @tenant_task("metering.gateway_calls")

@@ -21,10 +21,11 @@ from apps.accounts.models import Role, User
 from apps.accounts.services import SignInLimited, sign_in_check, sign_in_failed, sign_in_succeeded
 from apps.audit.services import record
 from apps.core.errors import KliqueError
+from apps.provider import services as tenancy
+from apps.provider.selectors import usage_by_tenant
 from apps.scheduling.engine import UNITS_PER_GPU
-from tenants import services as tenancy
 from tenants.models import Tenant
-from tenants.selectors import tenant_list, usage_by_tenant
+from tenants.selectors import tenant_list
 
 View = Callable[..., HttpResponse]
 DAYS = 30

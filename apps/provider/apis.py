@@ -5,34 +5,22 @@ from __future__ import annotations
 from datetime import date
 from typing import Any
 
-from django.http import Http404
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
-from apps.accounts.api_base import Audited, TenantAPIView
-from apps.accounts.permissions import ProviderAdmin
+from apps.accounts.api_base import ProviderView, TenantAPIView
 from apps.core.errors import InvalidInput
-from tenants import selectors, serializers, services
-from tenants.models import Tenant
+from apps.provider import serializers, services
+from apps.provider.selectors import usage_by_tenant
+from tenants import selectors
 
 
 class CurrentTenantView(TenantAPIView):
     @extend_schema(responses=serializers.TenantOut, summary="The tenant this address serves")
     def get(self, request: Request) -> Response:
         return Response(serializers.TenantOut(self.tenant).data)
-
-
-class ProviderView(Audited, APIView):
-    permission_classes = [ProviderAdmin]
-
-    def tenant_or_404(self, slug: str) -> Tenant:
-        tenant = selectors.tenant_get(slug=slug)
-        if tenant is None:
-            raise Http404
-        return tenant
 
 
 class ProviderTenantListView(ProviderView):
@@ -107,7 +95,7 @@ class ProviderUsageView(ProviderView):
         "public schema; filter with since and until (days)",
     )
     def get(self, request: Request) -> Response:
-        return Response(selectors.usage_by_tenant(**_days(request)))
+        return Response(usage_by_tenant(**_days(request)))
 
 
 def _days(request: Request) -> dict[str, Any]:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from tenants import apis
+from apps.provider import apis
 
 tenant_urlpatterns = [
     path("tenant/", apis.CurrentTenantView.as_view(), name="tenant"),

@@ -6,9 +6,9 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 
-from apps.core.tenancy import tenant_task
 from apps.scheduling.cycle import run_cycle
 from apps.scheduling.wake import CYCLE_TASK, send_cycle
+from tenants.tenancy import tenant_task
 
 if TYPE_CHECKING:
     from tenants.models import Tenant

@@ -59,6 +59,7 @@ SHARED_APPS = [
     "apps.accounts",
     "apps.audit",  # the provider's actions are audited in the public schema, a tenant's in its own
     "apps.billing",  # the provider's Stripe customers and usage pushes
+    "apps.provider",  # tenants' lifecycle, the Platform Management Center's API, the provider's commands
 ]
 TENANT_APPS = [
     "django.contrib.contenttypes",

@@ -101,7 +101,7 @@ def test_refused_connections_say_why(
 def test_a_suspended_tenant_s_websocket_is_refused_with_the_reason(world: World, db: None) -> None:
     from apps.accounts.consumers import resolve_identity
     from apps.core.websocket import WebsocketRejected
-    from tenants.services import tenant_suspend
+    from apps.provider.services import tenant_suspend
 
     tenant_suspend(tenant=world.tenant_a, reason="Maintenance of the billing system.")
     scope = {

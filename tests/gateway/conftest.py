@@ -32,11 +32,11 @@ from apps.accounts.services import (
     token_create,
     user_create,
 )
+from apps.provider.services import tenant_create, tenant_delete
 from apps.vault.services import secret_set
 from gateway import services
 from gateway.cache import sync_redis
 from tenants.models import Tenant
-from tenants.services import tenant_create, tenant_delete
 from tests.e2e.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

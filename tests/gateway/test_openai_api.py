@@ -455,8 +455,8 @@ def test_n_is_checked(a: Any) -> None:
 
 
 def test_a_suspended_tenant_stops_at_its_next_call(a: Any) -> None:
+    from apps.provider.services import tenant_resume, tenant_suspend
     from tenants.models import Tenant
-    from tenants.services import tenant_resume, tenant_suspend
 
     assert a.client("ben").models.list().data
     a.run(lambda: tenant_suspend(tenant=Tenant.objects.get(slug=a.slug), reason="invoice overdue"))

@@ -201,7 +201,7 @@ def test_the_providers_totals_match_the_tenants_ledgers(acme: World) -> None:
 
 
 def test_the_provider_reads_usage_per_tenant_without_tenant_schemas(acme: World) -> None:
-    from tenants.selectors import usage_by_tenant
+    from apps.provider.selectors import usage_by_tenant
 
     ingest([gpu("provider-run", gpus=2, hours=1)], now=NOW)
     rows = {(row["tenant"], row["kind"]): row for row in usage_by_tenant()}

@@ -78,8 +78,8 @@ def test_the_provider_creates_suspends_and_resumes_a_tenant(page: Any, portal: P
     finally:
 
         def delete() -> None:
+            from apps.provider.services import tenant_delete
             from tenants.models import Tenant
-            from tenants.services import tenant_delete
 
             with schema_context(get_public_schema_name()):
                 made = Tenant.objects.filter(slug="pmc-made").first()

@@ -15,6 +15,7 @@ from django_tenants.utils import schema_context
 from apps.accounts.models import User
 from apps.accounts.services import group_save
 from apps.metering.models import LedgerEvent
+from apps.provider.services import tenant_create, tenant_delete
 from apps.resources.models import ComputeResource, Pool
 from apps.resources.services import draft_provision, draft_save
 from apps.scheduling import engine
@@ -23,7 +24,6 @@ from apps.scheduling.lifecycle import transition
 from apps.scheduling.models import Task, TaskEvent, TaskState
 from apps.scheduling.services import TaskRequest, tasks_submit
 from tenants.models import Tenant
-from tenants.services import tenant_create, tenant_delete
 from tests.scheduling.config import acme_document
 from tests.world import World
 

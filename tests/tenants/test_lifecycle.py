@@ -11,7 +11,7 @@ from rest_framework.test import APIClient
 
 from apps.accounts.models import User
 from apps.core.errors import Conflict, InvalidInput
-from tenants import services
+from apps.provider import services
 from tenants.models import Domain, Tenant, TokenRoute
 from tests.world import World
 

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from apps.core.errors import InvalidInput
-from tenants.services import validate_slug
+from apps.provider.services import validate_slug
 
 SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 HOST_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")

@@ -10,7 +10,7 @@ from django_tenants.utils import get_public_schema_name, schema_context
 
 from apps.accounts.models import Role, User
 from apps.accounts.services import token_create
-from tenants.services import public_tenant_ensure
+from apps.provider.services import public_tenant_ensure
 
 
 class Command(BaseCommand):

@@ -9,8 +9,9 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from apps.core.errors import KliqueError
-from tenants import selectors, services
-from tenants.serializers import TenantOut
+from apps.provider import services
+from apps.provider.serializers import TenantOut
+from tenants import selectors
 
 
 class Command(BaseCommand):
