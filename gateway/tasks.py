@@ -1,4 +1,5 @@
-"""Periodic work for the gateway: usage rows that waited in Redis, and holds whose process died."""
+"""Periodic work for the gateway: usage rows that waited in Redis, holds whose process died, and its calls
+into the ledger."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from celery import shared_task
 from django.db import connection
 from django_tenants.utils import get_public_schema_name, schema_context
 
-from gateway import budgets
+from gateway import budgets, services
 from gateway.cache import USAGE_OUTBOX, UsageRow, insert_sql, sync_redis
 from tenants.models import Tenant
+from tenants.tenancy import tenant_task
 
 log = logging.getLogger("klique.gateway")
 DRAIN_BATCH = 500
@@ -45,3 +47,9 @@ def sweep_holds() -> int:
     if released:
         log.warning("released %d budget holds of calls that never settled", released)
     return released
+
+
+@tenant_task("metering.gateway_calls")
+def meter_calls(tenant: Tenant) -> int:
+    """The gateway's calls since the last run, into the ledger; how many were new."""
+    return services.meter_calls().accepted

@@ -9,6 +9,7 @@ import hashlib
 import logging
 import os
 import tempfile
+from datetime import datetime, timedelta
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -18,6 +19,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from apps.fleet.models import TaskOutput
+from apps.metering.ledger import Event, Report, ingest
+from apps.metering.models import Kind
 from apps.scheduling.models import Task
 
 if TYPE_CHECKING:
@@ -131,3 +134,33 @@ def _write_atomically(target: Path, name: str, content: Readable, expected: str 
             os.unlink(temporary)
         raise
     return written
+
+
+def meter_outputs(*, now: datetime | None = None, hours: int = 3) -> Report:
+    """Meter task outputs kept over the last `hours` whole hours: bytes x time, one event per output and
+    hour (so a rerun of this after a missed hour still meters it, once)."""
+
+    now = now or timezone.now()
+    end = now.replace(minute=0, second=0, microsecond=0)
+    events = []
+    outputs = TaskOutput.objects.select_related("task", "task__project", "task__submitter").filter(at__lt=end)
+    for output in outputs:
+        for hour in range(hours, 0, -1):
+            window_start, window_end = end - timedelta(hours=hour), end - timedelta(hours=hour - 1)
+            start = max(window_start, output.at)
+            if start >= window_end:
+                continue
+            task = output.task
+            events.append(
+                Event(
+                    event_id=f"storage:{output.pk}:{window_start:%Y%m%d%H}",
+                    kind=Kind.STORAGE,
+                    started_at=start,
+                    ended_at=window_end,
+                    user=task.submitter.username,
+                    project=task.project.name if task.project else "",
+                    bytes=output.size,
+                    source="storage",
+                )
+            )
+    return ingest(events, now=now) if events else Report()

@@ -1,32 +1,22 @@
-"""Run metering: the GPU time of tasks' runs, into the ledger as segments named by their ids.
+"""Run metering: the GPU time of a task's run, into the ledger as segments named by ids.
 
-A run is metered hour by hour while it runs (`meter_running`, from Celery beat) and the rest when it
-ends (`meter_run`, called by apps.scheduling.lifecycle in the transaction that ends it); a preempted
-run's next run starts segments of its own. A segment's start names it, so writing one twice counts once.
-What a segment costs goes to the wallets it draws from through the `cost_recorded` signal.
+Scheduling says which segments are due (apps.scheduling.meter: the rest of a run when it ends, each whole
+hour while it runs) and sends each here by the ids of its task, submitter, project and pool. A segment's
+start names it, so writing one twice counts once. What a segment costs goes to the wallets it draws from
+through the `cost_recorded` signal.
 """
 
 from __future__ import annotations
 
-import logging
-from datetime import datetime, timedelta
+from datetime import datetime
 from fractions import Fraction
-from typing import Any
 
-from django.db import OperationalError, connection, transaction
-from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from apps.metering.ledger import Event, Report, ingest
 from apps.metering.models import Kind
 from apps.metering.signals import cost_recorded
-from apps.scheduling.models import Task, TaskState
 from protocol.units import UNITS_PER_GPU
-
-logger = logging.getLogger(__name__)
-
-ONE_HOUR, ONE_MS = timedelta(hours=1), timedelta(milliseconds=1)  # running runs are metered by the hour
-METER_LOCK_TIMEOUT = "500ms"  # how long an hourly metering pass waits for a lock before moving on
 
 
 def segment_prefix(task_id: object) -> str:
@@ -71,85 +61,6 @@ def run_segment(
             at=cost.ended_at,
         )
     return report
-
-
-def meter_segment(task: Task, *, started_at: datetime, ended_at: datetime) -> Report:
-    """One segment of the task's run in the task's pool (the caller sets `task.pool` to the run's)."""
-    resource = task.compute_resource
-    return run_segment(
-        task_id=str(task.pk),
-        started_at=started_at,
-        ended_at=ended_at,
-        user_id=str(task.submitter_id),
-        project_id=str(task.project_id) if task.project_id else "",
-        group=resource.policy.group.name if resource is not None else "",
-        pool_id=str(task.pool_id) if task.pool_id else "",
-        compute_resource=task.compute_resource_name,
-        units=task.size_units,
-    )
-
-
-def meter_run(task: Task, *, ended_at: datetime) -> None:
-    """What the run that ends now has not yet metered (all of it, or since the last whole hour that
-    meter_running wrote) goes to the ledger as a GPU segment (data flow, step 5). Every way a run ends
-    calls this in the transaction that ends it: the lifecycle's `transition` and `tasks_preempt`."""
-    with transaction.atomic():  # the row lock orders this after a meter_running pass on the same run
-        metered = (
-            Task.objects.select_for_update()
-            .filter(pk=task.pk)
-            .values_list("metered_until", flat=True)
-            .first()
-        )
-        start = unmetered_from(task.started_at or ended_at, metered)
-        meter_segment(task, started_at=start, ended_at=ended_at)
-        task.metered_until = ended_at  # so that the caller's save() keeps the row's value current
-
-
-def meter_running(*, now: datetime | None = None) -> int:
-    """Meter each running run hour by hour up to the last whole hour: a long run's GPU time reaches the
-    ledger, the hourly rollups and its wallet while it runs, not all at once when it stops. Each hour's
-    segment ends at that hour's last millisecond, so that it counts in the hour it covers (the rollups
-    count an event in the hour it ended); the next segment starts there. Returns how many segments were
-    written. Celery beat runs it every few minutes; a pass that finds nothing new writes nothing.
-
-    It gives way to the paths that end runs: a run whose row or ledger rows another transaction holds for
-    over METER_LOCK_TIMEOUT is left to the next pass (or to its stop), rather than waiting behind a
-    scheduling cycle or deadlocking with one."""
-    last = (now or timezone.now()).replace(minute=0, second=0, microsecond=0) - ONE_MS
-    due = Task.objects.alias(metered=Coalesce("metered_until", "started_at")).filter(
-        state=TaskState.RUNNING, metered__lt=last
-    )  # a run metered to the end of the last hour has nothing due until the next one ends
-    written = 0
-    for pk in due.order_by().values_list("pk", flat=True):
-        try:
-            with transaction.atomic():
-                with connection.cursor() as cursor:
-                    cursor.execute(f"SET LOCAL lock_timeout = '{METER_LOCK_TIMEOUT}'")
-                written += _meter_hours(pk, last)
-        except OperationalError as error:  # a lock not granted in time, or a deadlock PostgreSQL broke
-            logger.warning("run of task %s left to the next metering pass: %s", pk, error)
-    return written
-
-
-def _meter_hours(pk: Any, last: datetime) -> int:
-    """Write the whole hours of one running run up to `last`; how many segments."""
-    task = (
-        Task.objects.select_for_update(of=("self",))
-        .select_related("compute_resource__policy__group")
-        .filter(pk=pk, state=TaskState.RUNNING)
-        .first()
-    )
-    if task is None or task.started_at is None:
-        return 0  # it stopped meanwhile, and its stop metered it
-    start = unmetered_from(task.started_at, task.metered_until)
-    end = start.replace(minute=0, second=0, microsecond=0) + ONE_HOUR - ONE_MS
-    end = end if end > start else end + ONE_HOUR
-    written = 0
-    while end <= last:
-        meter_segment(task, started_at=start, ended_at=end)
-        start, end, written = end, end + ONE_HOUR, written + 1
-    Task.objects.filter(pk=pk).update(metered_until=start)
-    return written
 
 
 def unmetered_from(started_at: datetime, metered_until: datetime | None) -> datetime:

@@ -1,9 +1,10 @@
-"""The ledger's writers for the rest of Klique: gateway calls and storage (run segments: runs.py), imports,
-the price book and closing a period. What is read is in selectors.py."""
+"""The ledger's writers for administrators: imports, the price book and closing a period. The apps whose
+usage it is write their own events (the gateway its calls, fleet its outputs, scheduling its runs through
+runs.py); what is read is in selectors.py."""
 
 from __future__ import annotations
 
-from datetime import date, datetime, timedelta
+from datetime import date, datetime
 from decimal import Decimal
 from typing import Any
 
@@ -11,69 +12,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from apps.core.errors import InvalidInput
-from apps.fleet.models import TaskOutput
 from apps.metering.ledger import Event, Report, ingest
-from apps.metering.models import Kind, LedgerEvent, Period, PriceBook, Rejection
-from gateway.models import Usage
-
-
-def gateway_calls() -> Report:
-    """Move the gateway's metered calls into the ledger (each call's request id is its event id), up to
-    5,000 a run; the ones already there, or refused before, are skipped."""
-
-    pending = (
-        Usage.objects.exclude(status=Usage.Status.FAILED)
-        .exclude(request_id__in=LedgerEvent.objects.filter(kind=Kind.TOKENS).values("event_id"))
-        .exclude(request_id__in=Rejection.objects.values("event_id"))
-        .order_by("at")[:5000]
-    )
-    events = [
-        Event(
-            event_id=row.request_id,
-            kind=Kind.TOKENS,
-            started_at=row.at,
-            user=str(row.user_id),
-            project=str(row.project_id) if row.project_id else "",
-            model=row.model,
-            tokens_in=row.tokens_in,
-            tokens_out=row.tokens_out,
-            cost_nano_usd=row.cost_nano_usd,
-            source="gateway",
-        )
-        for row in pending
-    ]
-    return ingest(events) if events else Report()
-
-
-def storage(*, now: datetime | None = None, hours: int = 3) -> Report:
-    """Meter task outputs kept over the last `hours` whole hours: bytes x time, one event per output and
-    hour (so a rerun of this after a missed hour still meters it, once)."""
-
-    now = now or timezone.now()
-    end = now.replace(minute=0, second=0, microsecond=0)
-    events = []
-    outputs = TaskOutput.objects.select_related("task", "task__project", "task__submitter").filter(at__lt=end)
-    for output in outputs:
-        for hour in range(hours, 0, -1):
-            window_start, window_end = end - timedelta(hours=hour), end - timedelta(hours=hour - 1)
-            start = max(window_start, output.at)
-            if start >= window_end:
-                continue
-            task = output.task
-            events.append(
-                Event(
-                    event_id=f"storage:{output.pk}:{window_start:%Y%m%d%H}",
-                    kind=Kind.STORAGE,
-                    started_at=start,
-                    ended_at=window_end,
-                    user=task.submitter.username,
-                    project=task.project.name if task.project else "",
-                    bytes=output.size,
-                    source="storage",
-                )
-            )
-    return ingest(events, now=now) if events else Report()
-
+from apps.metering.models import Period, PriceBook, Rejection
 
 MAX_PRICE = Decimal(1_000_000)  # USD per unit: more is a typo, and would overflow what it prices
 

@@ -2,7 +2,7 @@
 
 Submission (services), the agent protocol (apps.fleet), provisioning (apps.resources), the scheduling
 cycle and metering call down into it; it calls only models, the run records (runs.py), run metering
-(apps.metering.runs), the request for a cycle and the pools' agents (wake.py).
+(meter.py, into apps.metering.runs), the request for a cycle and the pools' agents (wake.py).
 
     queued -> placed -> dispatching -> running -> completed | failed | aborted
     placed, dispatching, running -> preempted -> queued (at the front of its queue)
@@ -27,10 +27,10 @@ from django.utils import timezone
 from apps.accounts.models import User
 from apps.core.errors import InvalidInput
 from apps.core.events import publish_event, publish_here
-from apps.metering.runs import meter_run
 from apps.resources.models import ComputeResource, Pool
 from apps.scheduling import engine, wake
 from apps.scheduling.agents import agents
+from apps.scheduling.meter import meter_run
 from apps.scheduling.models import (
     ACTIVE_STATES,
     ENDED_STATES,
@@ -77,7 +77,7 @@ def _record(task: Task, *, to_state: str, actor: str, message: str, at: datetime
 
 def transition(task: Task, *, to_state: str, actor: str, message: str = "", **fields: Any) -> Task:
     """Move a task to `to_state` if its lifecycle allows it, recording who, what and when. A running run
-    that ends here is metered (apps.metering.runs.meter_run) in the same transaction."""
+    that ends here is metered (meter.py, into apps.metering.runs) in the same transaction."""
     if to_state not in TRANSITIONS.get(task.state, frozenset()):
         raise InvalidInput(f"Task {task.pk} is {task.state}; it cannot become {to_state}.")
     now = timezone.now()

@@ -68,7 +68,7 @@ class Task(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     ended_at = models.DateTimeField(null=True, blank=True)
     # How far the running run's GPU time is in the ledger: it is metered hour by hour while it runs
-    # (apps.metering.runs.meter_running), and the rest when it stops.
+    # (apps.scheduling.meter.meter_running), and the rest when it stops.
     metered_until = models.DateTimeField(null=True, blank=True)
 
     class Meta:

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 from django.utils import timezone
 
 from apps.core.events import publish_event
-from apps.metering.runs import meter_segment
 from apps.resources.models import Pool
+from apps.scheduling.meter import meter_segment
 from apps.scheduling.models import RunOutcome, Task, TaskEvent, TaskRun, TaskState
 
 if TYPE_CHECKING:

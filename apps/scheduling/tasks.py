@@ -1,4 +1,5 @@
-"""Scheduling cycles as Celery tasks, run on events (debounced, see wake.py) and by beat as a safety net."""
+"""Scheduling cycles as Celery tasks, run on events (debounced, see wake.py) and by beat as a safety net;
+and the hourly metering of running tasks."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 
+from apps.scheduling import meter
 from apps.scheduling.cycle import run_cycle
 from apps.scheduling.wake import CYCLE_TASK, send_cycle
 from tenants.tenancy import tenant_task
@@ -27,3 +29,9 @@ def scheduling_cycle(tenant: Tenant) -> dict[str, object]:
         "preempted": result.preempted,
         "ms": result.milliseconds,
     }
+
+
+@tenant_task("metering.running_gpus")
+def meter_running(tenant: Tenant) -> int:
+    """Running tasks' GPU time up to the last whole hour, into the ledger; how many segments were new."""
+    return meter.meter_running()

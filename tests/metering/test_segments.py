@@ -15,9 +15,9 @@ from django_tenants.utils import schema_context
 from apps.accounts.models import User
 from apps.metering.ledger import gpu_hours
 from apps.metering.models import LedgerEvent
-from apps.metering.runs import meter_running
 from apps.resources.models import Pool
 from apps.scheduling.lifecycle import transition
+from apps.scheduling.meter import meter_running
 from apps.scheduling.models import Task, TaskState
 from tests.world import World
 
@@ -39,7 +39,7 @@ def test_a_long_run_is_metered_hour_by_hour_while_it_runs_and_the_rest_when_it_s
     world: World, django_assert_num_queries: Any
 ) -> None:
     from apps.metering.models import Rollup
-    from apps.metering.tasks import running_gpus
+    from apps.scheduling.tasks import meter_running as running_gpus
 
     hour, ms = timezone.now().replace(minute=0, second=0, microsecond=0), timedelta(milliseconds=1)
     with schema_context("acme"):
@@ -170,10 +170,11 @@ def test_a_run_that_never_started_is_not_metered(world: World) -> None:
 
 
 def test_gateway_calls_and_kept_outputs_reach_the_ledger_once(world: World) -> None:
-    from apps.metering import services
+    from apps.fleet.outputs import meter_outputs
+    from gateway.services import meter_calls
 
     with schema_context("acme"):
-        first = services.gateway_calls()
+        first = meter_calls()
         assert (first.accepted, first.rejected) == (1, [])  # the world's one call by bob
         call = LedgerEvent.objects.get(event_id=world.usage_a)
         assert (call.kind, call.username, call.project_name, call.tokens_in, call.tokens_out) == (
@@ -184,11 +185,11 @@ def test_gateway_calls_and_kept_outputs_reach_the_ledger_once(world: World) -> N
             30,
         )
         assert call.cost_nano_usd == 72_000  # no price in the book: the gateway's own cost
-        assert services.gateway_calls().accepted == 0
+        assert meter_calls().accepted == 0
         now = timezone.now() + timedelta(hours=2)
-        kept = services.storage(now=now)
+        kept = meter_outputs(now=now)
         assert kept.accepted >= 1
         output = LedgerEvent.objects.filter(kind="storage").order_by("started_at").last()
         assert output is not None
         assert output.byte_ms == 14 * ((output.ended_at - output.started_at) // timedelta(milliseconds=1))
-        assert services.storage(now=now).accepted == 0
+        assert meter_outputs(now=now).accepted == 0

@@ -125,7 +125,7 @@ def test_a_tasks_page_shows_the_gpu_time_metered_so_far_hour_by_hour(world: Worl
     hour while it runs."""
     from apps.accounts.models import User
     from apps.metering.models import PriceBook
-    from apps.metering.runs import meter_running
+    from apps.scheduling.meter import meter_running
     from apps.scheduling.models import TaskState
     from tests.world import HOST_A
 
