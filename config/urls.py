@@ -7,12 +7,12 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from apps.accounts.urls import urlpatterns as accounts_urlpatterns
+from apps.configuration.urls import urlpatterns as configuration_urlpatterns
 from apps.fleet.urls import agent_urlpatterns
 from apps.fleet.urls import urlpatterns as fleet_urlpatterns
 from apps.metering.urls import urlpatterns as metering_urlpatterns
 from apps.portal.urls import urlpatterns as portal_urlpatterns
 from apps.provider.urls import tenant_urlpatterns
-from apps.resources.urls import urlpatterns as resources_urlpatterns
 from apps.scheduling.urls import urlpatterns as scheduling_urlpatterns
 from apps.sso.urls import sign_in_urlpatterns
 from apps.sso.urls import urlpatterns as sso_urlpatterns
@@ -22,7 +22,7 @@ from gateway.urls import urlpatterns as gateway_urlpatterns
 api_v1 = [
     *tenant_urlpatterns,
     *accounts_urlpatterns,
-    *resources_urlpatterns,
+    *configuration_urlpatterns,
     *scheduling_urlpatterns,
     *fleet_urlpatterns,
     *vault_urlpatterns,

@@ -6,7 +6,6 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from django.db.models import Q, QuerySet
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
@@ -14,7 +13,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from apps.accounts.api_base import TenantAPIView
-from apps.accounts.models import ProjectMembership, Role, User
+from apps.accounts.models import Role
 from apps.core.schema import AmountField, DocumentField
 from gateway import selectors, services, wallets
 from gateway.budgets import usd
@@ -93,21 +92,12 @@ class TopUpIn(serializers.Serializer[Budget]):
     amount = AmountField()
 
 
-def budgets_visible_to(user: User) -> QuerySet[Budget]:
-    """Admins see every budget; others the tenant's, their own and their projects'."""
-    rows = Budget.objects.select_related("project", "user")
-    if user.has_role(Role.ADMIN):
-        return rows
-    projects = ProjectMembership.objects.filter(user=user).values("project_id")
-    return rows.filter(Q(scope=Budget.Scope.TENANT) | Q(user=user) | Q(project__in=projects))
-
-
 class BudgetListView(TenantAPIView):
     @extend_schema(
         responses=BudgetOut(many=True), summary="Gateway budgets and wallets that apply to you (admins: all)"
     )
     def get(self, request: Request) -> Response:
-        return self.page(budgets_visible_to(self.user), BudgetOut)
+        return self.page(selectors.budgets_visible_to(self.user), BudgetOut)
 
     @extend_schema(
         request=BudgetIn, responses={201: BudgetOut}, summary="Set a budget or wallet (period none)"
@@ -122,11 +112,13 @@ class BudgetListView(TenantAPIView):
 class BudgetDetailView(TenantAPIView):
     @extend_schema(responses=BudgetOut)
     def get(self, request: Request, budget_id: str) -> Response:
-        return Response(BudgetOut(get_object_or_404(budgets_visible_to(self.user), pk=budget_id)).data)
+        return Response(
+            BudgetOut(get_object_or_404(selectors.budgets_visible_to(self.user), pk=budget_id)).data
+        )
 
     @extend_schema(request=BudgetPatch, responses=BudgetOut, summary="Change a budget's limit")
     def patch(self, request: Request, budget_id: str) -> Response:
-        budget = get_object_or_404(budgets_visible_to(self.user), pk=budget_id)
+        budget = get_object_or_404(selectors.budgets_visible_to(self.user), pk=budget_id)
         data = BudgetPatch(data=request.data)
         data.is_valid(raise_exception=True)
         if not data.validated_data:  # a PATCH that changes nothing
@@ -135,14 +127,14 @@ class BudgetDetailView(TenantAPIView):
 
     @extend_schema(responses={204: None}, summary="Remove a budget")
     def delete(self, request: Request, budget_id: str) -> Response:
-        get_object_or_404(budgets_visible_to(self.user), pk=budget_id).delete()
+        get_object_or_404(selectors.budgets_visible_to(self.user), pk=budget_id).delete()
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
 class BudgetTopUpView(TenantAPIView):
     @extend_schema(request=TopUpIn, responses=BudgetOut, summary="Add to a wallet")
     def post(self, request: Request, budget_id: str) -> Response:
-        budget = get_object_or_404(budgets_visible_to(self.user), pk=budget_id)
+        budget = get_object_or_404(selectors.budgets_visible_to(self.user), pk=budget_id)
         data = TopUpIn(data=request.data)
         data.is_valid(raise_exception=True)
         return Response(BudgetOut(services.budget_top_up(budget=budget, **data.validated_data)).data)

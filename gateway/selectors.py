@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 
-from apps.accounts.models import Role, User
-from gateway.models import GatewaySettings, Usage
+from apps.accounts.models import ProjectMembership, Role, User
+from gateway.models import Budget, GatewaySettings, Usage
 
 
 def settings_get() -> GatewaySettings:
@@ -16,3 +16,12 @@ def usage_for(user: User) -> QuerySet[Usage]:
     """Usage rows a user may read: everyone's for admins, their own for everyone else."""
     rows = Usage.objects.all()
     return rows if user.has_role(Role.ADMIN) else rows.filter(user_id=user.pk)
+
+
+def budgets_visible_to(user: User) -> QuerySet[Budget]:
+    """Admins see every budget; others the tenant's, their own and their projects'."""
+    rows = Budget.objects.select_related("project", "user")
+    if user.has_role(Role.ADMIN):
+        return rows
+    projects = ProjectMembership.objects.filter(user=user).values("project_id")
+    return rows.filter(Q(scope=Budget.Scope.TENANT) | Q(user=user) | Q(project__in=projects))

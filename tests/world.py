@@ -30,12 +30,12 @@ from apps.accounts.services import (
     token_create,
     user_create,
 )
+from apps.configuration.services import draft_provision, draft_save
 from apps.fleet.credentials import agent_token_create
 from apps.fleet.models import TaskOutput
 from apps.metering.ledger import Event, ingest
 from apps.provider.services import public_tenant_ensure, tenant_create
 from apps.resources.models import ComputeResource, Pool
-from apps.resources.services import draft_provision, draft_save
 from apps.scheduling.services import TaskRequest, tasks_submit
 from apps.vault.services import secret_set
 from gateway.models import Usage

@@ -35,17 +35,17 @@ from typing import TYPE_CHECKING, Any
 from django.db import transaction
 from django.utils import timezone
 
+from apps.core.events import publish_event
 from apps.core.ids import as_uuid
 from apps.fleet.models import Agent, AgentToken
+from apps.fleet.selectors import pool_task
 from apps.resources.models import Pool
-from apps.resources.services import pool_heartbeat
-from apps.scheduling import lifecycle, runs
+from apps.scheduling import lifecycle, runs, wake
 from apps.scheduling.models import RunOutcome, Task, TaskRun
 from protocol import messages
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
-from apps.fleet.selectors import pool_task
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,20 @@ LEASE_SECONDS = 30
 
 
 MAX_COUNT = 100_000_000  # the most CPUs or nodes an agent may report
+
+
+def pool_heartbeat(*, tenant: Tenant, pool: Pool) -> Pool:
+    """Record that the pool's agent is alive (each hello and heartbeat of its agents). A pool that comes
+    back online is an event for the scheduler: its capacity is usable again. A pool whose heartbeats stop is
+    noticed by beat's periodic cycle, which reads online-ness from the heartbeat's age."""
+    now = timezone.now()
+    was_online = pool.is_online(now)
+    pool.last_heartbeat_at = now
+    pool.save(update_fields=["last_heartbeat_at"])
+    if not was_online:
+        publish_event(tenant=tenant, kind="pool.online", data={"pool": pool.name})
+        wake.request_cycle(tenant)
+    return pool
 
 
 @transaction.atomic

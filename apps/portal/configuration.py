@@ -19,11 +19,11 @@ from django.views.decorators.http import require_POST
 from rest_framework.exceptions import ValidationError
 
 from apps.accounts.models import Group, User
+from apps.configuration.services import draft_get, draft_provision, draft_save, draft_validate
 from apps.core.api_errors import error_lines
 from apps.core.errors import KliqueError
 from apps.portal.views import admin_only
 from apps.resources.models import Environment, ResourcePolicy, SharingMethod, TaskSharing
-from apps.resources.services import draft_get, draft_provision, draft_save, draft_validate
 from apps.scheduling.engine import describe
 
 SIZE_FIELDS = ("gpus", "nodes", "gpus_per_node", "min_gpus", "max_gpus", "mig_profile")

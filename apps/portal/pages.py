@@ -14,17 +14,18 @@ from django.views.decorators.http import require_POST
 from apps.accounts import services as accounts
 from apps.accounts.models import ApiToken, Role, User
 from apps.accounts.selectors import service_account_list
+from apps.configuration.apis import ComputeResourceOut
+from apps.configuration.selectors import compute_resource_figures
 from apps.core.errors import KliqueError
 from apps.portal.views import admin_only, signed_in
-from apps.resources.apis import ComputeResourceOut, _resource_context
 from apps.resources.models import ResourcePolicy
 from apps.scheduling import selectors
 from apps.scheduling.engine import describe
 from apps.scheduling.models import ACTIVE_STATES, Task
 from apps.vault.selectors import secrets_visible_to
 from apps.vault.services import secret_set
-from gateway.apis import BudgetOut, budgets_visible_to
-from gateway.selectors import usage_for
+from gateway.apis import BudgetOut
+from gateway.selectors import budgets_visible_to, usage_for
 
 
 def _user(request: HttpRequest) -> User:
@@ -56,7 +57,7 @@ def _access(user: User) -> list[dict[str, Any]]:
 
 def _queues(user: User) -> list[dict[str, Any]]:
     data: Any = ComputeResourceOut(
-        selectors.compute_resources(), many=True, context=_resource_context(user)
+        selectors.compute_resources(), many=True, context=compute_resource_figures(user)
     ).data
     return [dict(row) for row in data]
 

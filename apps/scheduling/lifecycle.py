@@ -1,6 +1,6 @@
 """The one owner of a task's state: every change of `Task.state` is made here, and nowhere else.
 
-Submission (services), the agent protocol (apps.fleet), provisioning (apps.resources), the scheduling
+Submission (services), the agent protocol (apps.fleet), provisioning (apps.configuration), the scheduling
 cycle and metering call down into it; it calls only models, the run records (runs.py), run metering
 (meter.py, into apps.metering.runs), the request for a cycle and the pools' agents (wake.py).
 

@@ -67,6 +67,7 @@ TENANT_APPS = [
     "django.contrib.sessions",
     "apps.accounts",
     "apps.resources",
+    "apps.configuration",  # the draft and its provisioning, the pools' and compute resources' API
     "apps.scheduling",
     "apps.fleet",
     "apps.audit",

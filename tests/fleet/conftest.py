@@ -16,10 +16,10 @@ from django_tenants.utils import schema_context
 
 from apps.accounts.models import User
 from apps.accounts.services import group_save
+from apps.configuration.services import draft_provision, draft_save
 from apps.fleet.credentials import agent_token_create
 from apps.provider.services import tenant_create, tenant_delete
 from apps.resources.models import Pool
-from apps.resources.services import draft_provision, draft_save
 from apps.scheduling.cycle import run_cycle
 from apps.scheduling.services import TaskRequest, tasks_submit
 from config.asgi import application

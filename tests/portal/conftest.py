@@ -74,9 +74,9 @@ def _make_tenant() -> None:
 
     from apps.accounts.models import User
     from apps.accounts.services import group_save
+    from apps.configuration.services import draft_provision, draft_save
     from apps.provider.services import tenant_create
     from apps.resources.models import Pool
-    from apps.resources.services import draft_provision, draft_save
     from tests.scheduling.config import acme_document
 
     with schema_context(get_public_schema_name()):  # the provider's admin signs in to the PMC

@@ -14,10 +14,10 @@ from django_tenants.utils import schema_context
 
 from apps.accounts.models import User
 from apps.accounts.services import group_save
+from apps.configuration.services import draft_provision, draft_save
 from apps.metering.models import LedgerEvent
 from apps.provider.services import tenant_create, tenant_delete
 from apps.resources.models import ComputeResource, Pool
-from apps.resources.services import draft_provision, draft_save
 from apps.scheduling import engine
 from apps.scheduling.cycle import _apply, run_cycle, snapshot
 from apps.scheduling.lifecycle import transition

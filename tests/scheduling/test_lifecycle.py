@@ -113,7 +113,7 @@ def test_a_pool_coming_back_online_asks_for_a_cycle(
     monkeypatch: pytest.MonkeyPatch,
     django_capture_on_commit_callbacks: Callable[..., AbstractContextManager[object]],
 ) -> None:
-    from apps.resources.services import pool_heartbeat
+    from apps.fleet.session import pool_heartbeat
 
     asked: list[str] = []
     monkeypatch.setattr(wake, "request_cycle", lambda tenant: asked.append(tenant.schema_name))

@@ -17,10 +17,10 @@ from django_tenants.utils import get_public_schema_name, schema_context
 
 from apps.accounts.models import Group, Project, Role, User
 from apps.accounts.services import group_save, project_member_set, project_save, token_create, user_create
+from apps.configuration.services import draft_provision, draft_save
 from apps.fleet.credentials import agent_token_create
 from apps.provider import services
 from apps.resources.models import ComputeResource, Pool
-from apps.resources.services import draft_provision, draft_save
 from apps.scheduling.models import Task
 from apps.scheduling.services import TaskRequest, tasks_submit
 from gateway.models import Budget

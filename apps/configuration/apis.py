@@ -10,12 +10,12 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from apps.accounts.api_base import TenantAPIView
-from apps.accounts.models import Role, User
+from apps.accounts.models import Role
+from apps.configuration import selectors, services
+from apps.configuration.simulation import outcome_dict
 from apps.core.schema import DocumentField
 from apps.fleet.selectors import NONE_REPORTED, Reported, agents_by_pool
-from apps.resources import services
 from apps.resources.models import ComputeResource, Pool
-from apps.resources.simulation import outcome_dict
 from apps.scheduling import selectors as scheduling_selectors
 from apps.scheduling.engine import to_gpus_text
 from apps.scheduling.models import ACTIVE_STATES, Task
@@ -260,21 +260,13 @@ class ComputeResourceOut(serializers.ModelSerializer[ComputeResource]):
         return None if stats is None else stats.p95_seconds
 
 
-def _resource_context(user: User) -> dict[str, object]:
-    return {
-        "open": set(scheduling_selectors.compute_resources_for(user).values_list("pk", flat=True)),
-        "depths": scheduling_selectors.queue_depths(),
-        "waits": scheduling_selectors.queue_wait(by="compute_resource"),
-    }
-
-
 class ComputeResourceListView(TenantAPIView):
     @extend_schema(
         responses=ComputeResourceOut(many=True),
         summary="Compute resources; open_to_you says where you may submit",
     )
     def get(self, request: Request) -> Response:
-        context = _resource_context(self.user)
+        context = selectors.compute_resource_figures(self.user)
         return self.page(
             scheduling_selectors.compute_resources(),
             lambda rows, many: ComputeResourceOut(rows, many=many, context=context),
@@ -285,7 +277,9 @@ class ComputeResourceDetailView(TenantAPIView):
     @extend_schema(responses=ComputeResourceOut)
     def get(self, request: Request, resource_id: str) -> Response:
         resource = get_object_or_404(scheduling_selectors.compute_resources(), pk=resource_id)
-        return Response(ComputeResourceOut(resource, context=_resource_context(self.user)).data)
+        return Response(
+            ComputeResourceOut(resource, context=selectors.compute_resource_figures(self.user)).data
+        )
 
 
 class BatchPreviewIn(serializers.Serializer[object]):

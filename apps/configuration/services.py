@@ -1,4 +1,5 @@
-"""Writes to the resource configuration: the draft document, validation and provisioning.
+"""Writes to the resource configuration: the draft document, validation and provisioning; and the batch
+script preview.
 
 Provisioning rewrites pools, profiles, policies and compute resources from the draft in one transaction:
 rows are matched by name (so a pool keeps its id and its tasks across provisions), what the draft no
@@ -17,6 +18,7 @@ from django.utils import timezone
 from rest_framework import serializers
 
 from apps.accounts.models import Group, User
+from apps.configuration.simulation import Comparison, compare, jobs_from_csv, jobs_from_history
 from apps.core.errors import InvalidInput
 from apps.core.events import publish_event
 from apps.resources.document import DocumentSerializer, Report, check, profile_size_units
@@ -29,7 +31,6 @@ from apps.resources.models import (
     ResourceProfile,
     TaskSharing,
 )
-from apps.resources.simulation import Comparison, compare, jobs_from_csv, jobs_from_history
 from apps.scheduling import wake
 from apps.scheduling.engine import UNITS_PER_GPU, SizeError, to_gpus_text, units
 from apps.scheduling.lifecycle import tasks_end_for_removed_resources
@@ -279,20 +280,6 @@ def draft_provision(*, tenant: Tenant, user: User) -> Provisioned:
     publish_event(tenant=tenant, kind="configuration.provisioned", data={"by": user.username})
     wake.request_cycle(tenant)
     return Provisioned(report=report, created=created, deleted=deleted, ended_tasks=ended)
-
-
-def pool_heartbeat(*, tenant: Tenant, pool: Pool) -> Pool:
-    """Record that the pool's agent is alive (the agents' connection calls this). A pool that comes back
-    online is an event for the scheduler: its capacity is usable again. A pool whose heartbeats stop is
-    noticed by beat's periodic cycle, which reads online-ness from the heartbeat's age."""
-    now = timezone.now()
-    was_online = pool.is_online(now)
-    pool.last_heartbeat_at = now
-    pool.save(update_fields=["last_heartbeat_at"])
-    if not was_online:
-        publish_event(tenant=tenant, kind="pool.online", data={"pool": pool.name})
-        wake.request_cycle(tenant)
-    return pool
 
 
 HPC_ENVIRONMENTS = ("slurm", "pbs", "lsf")

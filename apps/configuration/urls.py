@@ -1,10 +1,10 @@
-"""The resources API: the configuration document, pools, compute resources and their queues."""
+"""The configuration API: the configuration document, pools, compute resources and their queues."""
 
 from __future__ import annotations
 
 from django.urls import path
 
-from apps.resources import apis
+from apps.configuration import apis
 
 urlpatterns = [
     path("configuration/", apis.ActiveConfigurationView.as_view(), name="configuration"),
