@@ -73,6 +73,22 @@ def _components(graph: Any, modules: set[str]) -> list[list[str]]:
     return found
 
 
+def _lines(graph: Any, importer: str, imported: str) -> list[int]:
+    return sorted(
+        detail["line_number"] for detail in graph.get_import_details(importer=importer, imported=imported)
+    )
+
+
+def _print(title: str, imports: list[tuple[str, str, list[int]]]) -> None:
+    """A breach: what is wrong, then each import behind it with its lines."""
+    output.print_error(title)
+    output.new_line()
+    for importer, imported, lines in imports:
+        where = ", ".join(f"l.{line}" for line in lines)
+        output.print_error(f"-   {importer} -> {imported} ({where})", bold=False)
+    output.new_line()
+
+
 class AcyclicModulesContract(Contract):
     """No import cycle among the modules of `containers` (all their descendants), leaving out modules whose
     name holds one of `skip` (Django's migrations)."""
@@ -97,20 +113,13 @@ class AcyclicModulesContract(Contract):
             edges = []
             for importer in component:
                 for imported in sorted(graph.find_modules_directly_imported_by(importer) & members):
-                    details = graph.get_import_details(importer=importer, imported=imported)
-                    lines = sorted(detail["line_number"] for detail in details)
-                    edges.append((importer, imported, lines))
+                    edges.append((importer, imported, _lines(graph, importer, imported)))
             cycles.append({"modules": component, "imports": edges})
         return ContractCheck(kept=not cycles, metadata={"cycles": cycles})
 
     def render_broken_contract(self, check: ContractCheck) -> None:
         for cycle in check.metadata["cycles"]:
-            output.print_error(f"{len(cycle['modules'])} modules import each other, round a cycle:")
-            output.new_line()
-            for importer, imported, lines in cycle["imports"]:
-                where = ", ".join(f"l.{line}" for line in lines)
-                output.print_error(f"-   {importer} -> {imported} ({where})", bold=False)
-            output.new_line()
+            _print(f"{len(cycle['modules'])} modules import each other, round a cycle:", cycle["imports"])
 
 
 def _owner(module: str, packages: list[str]) -> str | None:
@@ -122,12 +131,6 @@ def _owner(module: str, packages: list[str]) -> str | None:
         ):
             best = package
     return best
-
-
-def _lines(graph: Any, importer: str, imported: str) -> list[int]:
-    return sorted(
-        detail["line_number"] for detail in graph.get_import_details(importer=importer, imported=imported)
-    )
 
 
 class _PackageGraph:
@@ -182,12 +185,7 @@ class AcyclicPackagesContract(Contract):
 
     def render_broken_contract(self, check: ContractCheck) -> None:
         for cycle in check.metadata["cycles"]:
-            output.print_error(f"{', '.join(cycle['packages'])} import each other, round a cycle:")
-            output.new_line()
-            for importer, imported, lines in cycle["imports"]:
-                where = ", ".join(f"l.{line}" for line in lines)
-                output.print_error(f"-   {importer} -> {imported} ({where})", bold=False)
-            output.new_line()
+            _print(f"{', '.join(cycle['packages'])} import each other, round a cycle:", cycle["imports"])
 
 
 class PublicModulesContract(Contract):
@@ -229,9 +227,4 @@ class PublicModulesContract(Contract):
         return ContractCheck(kept=not reached, metadata={"reached": reached})
 
     def render_broken_contract(self, check: ContractCheck) -> None:
-        output.print_error("These imports reach into another package's internals:")
-        output.new_line()
-        for importer, imported, lines in check.metadata["reached"]:
-            where = ", ".join(f"l.{line}" for line in lines)
-            output.print_error(f"-   {importer} -> {imported} ({where})", bold=False)
-        output.new_line()
+        _print("These imports reach into another package's internals:", check.metadata["reached"])
