@@ -15,11 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 from django.utils import timezone
-from rest_framework import serializers
 
 from apps.accounts.models import Group, User
 from apps.configuration.simulation import Comparison, compare, jobs_from_csv, jobs_from_history
-from apps.core.errors import InvalidInput
+from apps.core.errors import InvalidInput, error_lines
 from apps.core.events import publish_event
 from apps.resources.document import DocumentSerializer, Report, check, profile_size_units
 from apps.resources.models import (
@@ -121,10 +120,20 @@ def draft_get() -> ConfigurationDraft:
 
 
 def parse_document(document: Any) -> dict[str, Any]:
-    """The document's validated form (sizes in units), or a ValidationError naming what is malformed."""
+    """The document's validated form (sizes in units), or InvalidInput naming each malformed value (its
+    `errors` nested as the document is)."""
     parsed = DocumentSerializer(data=document)
-    parsed.is_valid(raise_exception=True)
+    if not parsed.is_valid():
+        raise InvalidInput("Invalid input: " + "; ".join(error_lines(parsed.errors)), errors=parsed.errors)
     return dict(parsed.validated_data)
+
+
+def _parse_draft(document: Any) -> dict[str, Any]:
+    try:
+        return parse_document(document)
+    except InvalidInput as error:
+        lines = "; ".join(error_lines(error.errors))
+        raise InvalidInput(f"The draft is malformed; save a corrected one first ({lines}).") from None
 
 
 @transaction.atomic
@@ -152,10 +161,7 @@ def _report(document: dict[str, Any]) -> Report:
 
 def draft_simulate(*, days: int | None, trace: str | None, interval: float) -> Comparison:
     """Replay recent history (or a trace) against the provisioned configuration and the draft."""
-    try:
-        draft = parse_document(draft_get().document)
-    except serializers.ValidationError as error:
-        raise InvalidInput(f"The draft is malformed; save a corrected one first ({error.detail}).") from None
+    draft = _parse_draft(draft_get().document)
     jobs = jobs_from_csv(trace) if trace else jobs_from_history(days or 7)
     return compare(draft=draft, jobs=jobs, interval=interval)
 
@@ -168,10 +174,7 @@ def draft_validate() -> Report:
 def draft_provision(*, tenant: Tenant, user: User) -> Provisioned:
     """Make the draft the configuration, atomically, or refuse with the report's errors."""
     draft = ConfigurationDraft.objects.select_for_update().get(pk=draft_get().pk)
-    try:
-        document = parse_document(draft.document)
-    except serializers.ValidationError as error:
-        raise InvalidInput(f"The draft is malformed; save a corrected one first ({error.detail}).") from None
+    document = _parse_draft(draft.document)
     report = _report(document)
     if not report.ok:
         raise InvalidInput(

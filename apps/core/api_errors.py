@@ -14,33 +14,15 @@ from rest_framework import exceptions
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from apps.core.errors import KliqueError
-
-
-def error_lines(errors: Any, path: str = "") -> list[str]:
-    """A serializer's nested errors as "path: message" lines, one per message: fields by name, items of
-    a list by position ("pools[1].capacity_gpus: A valid integer is required.")."""
-
-    def step(key: object) -> str:
-        if isinstance(key, int):
-            return f"{path}[{key}]"
-        if key == "non_field_errors":
-            return path
-        return f"{path}.{key}" if path else str(key)
-
-    if isinstance(errors, dict):
-        return [line for key, value in errors.items() for line in error_lines(value, step(key))]
-    if isinstance(errors, list) and any(isinstance(item, dict | list) for item in errors):
-        return [line for index, item in enumerate(errors) for line in error_lines(item, step(index))]
-    if isinstance(errors, list):
-        return [line for item in errors for line in error_lines(item, path)]
-    return [f"{path}: {errors}" if path else str(errors)]
+from apps.core.errors import KliqueError, error_lines
 
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     if isinstance(exc, KliqueError):
         body: dict[str, Any] = {"detail": exc.message}
-        if exc.field:
+        if exc.errors is not None:
+            body["errors"] = exc.errors
+        elif exc.field:
             body["errors"] = {exc.field: [exc.message]}
         return Response(body, status=int(exc.status_code))
     if isinstance(exc, Http404):

@@ -16,12 +16,10 @@ from typing import Any
 from django.http import Http404, HttpRequest, HttpResponse, QueryDict
 from django.shortcuts import render
 from django.views.decorators.http import require_POST
-from rest_framework.exceptions import ValidationError
 
 from apps.accounts.models import Group, User
 from apps.configuration.services import draft_get, draft_provision, draft_save, draft_validate
-from apps.core.api_errors import error_lines
-from apps.core.errors import KliqueError
+from apps.core.errors import InvalidInput, KliqueError, error_lines
 from apps.portal.views import admin_only
 from apps.resources.models import Environment, ResourcePolicy, SharingMethod, TaskSharing
 from apps.scheduling.engine import describe
@@ -102,8 +100,8 @@ SECTIONS: dict[str, Callable[[QueryDict, dict[str, Any]], dict[str, Any]]] = {
 }
 
 
-def _malformed(error: ValidationError) -> str:
-    return "The draft is not well formed, so nothing was saved: " + "; ".join(error_lines(error.detail))
+def _malformed(error: InvalidInput) -> str:
+    return "The draft is not well formed, so nothing was saved: " + "; ".join(error_lines(error.errors))
 
 
 def _policies() -> list[dict[str, Any]]:
@@ -163,7 +161,7 @@ def _save(request: HttpRequest, document: Any) -> HttpResponse | None:
     assert isinstance(user, User)
     try:
         draft_save(tenant=request.tenant, user=user, document=document)  # type: ignore[attr-defined]
-    except ValidationError as error:
+    except InvalidInput as error:
         return _refused(request, _malformed(error))
     return None
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from django.http import QueryDict
 
-from apps.core.api_errors import error_lines
+from apps.core.errors import error_lines
 from apps.portal.configuration import policy_from, profile_from
 from tests.portal.conftest import Portal, screenshot, sign_in
 from tests.portal.test_portal import UNLABELLED

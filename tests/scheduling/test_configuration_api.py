@@ -56,6 +56,7 @@ def test_malformed_documents_are_refused_on_save(api: Callable[..., APIClient], 
     response = api("alice").put("/api/v1/configuration/draft/", {"document": document}, format="json")
     assert response.status_code == 400
     assert "is not a number of GPUs" in response.json()["detail"]
+    assert "gpus" in str(response.json()["errors"]["profiles"])  # the service's InvalidInput keeps the tree
     both = acme_document()
     both["profiles"][0]["min_gpus"] = "1"
     response = api("alice").put("/api/v1/configuration/draft/", {"document": both}, format="json")
