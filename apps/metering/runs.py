@@ -61,8 +61,3 @@ def run_segment(
             at=cost.ended_at,
         )
     return report
-
-
-def unmetered_from(started_at: datetime, metered_until: datetime | None) -> datetime:
-    """Where the part of a run not yet in the ledger starts: its start, or where the hourly passes left it."""
-    return max(started_at, metered_until) if metered_until else started_at

@@ -16,7 +16,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from apps.metering.ledger import Report
-from apps.metering.runs import run_segment, unmetered_from
+from apps.metering.runs import run_segment
 from apps.scheduling.models import Task, TaskState
 
 logger = logging.getLogger(__name__)
@@ -102,3 +102,8 @@ def _meter_hours(pk: Any, last: datetime) -> int:
         start, end, written = end, end + ONE_HOUR, written + 1
     Task.objects.filter(pk=pk).update(metered_until=start)
     return written
+
+
+def unmetered_from(started_at: datetime, metered_until: datetime | None) -> datetime:
+    """Where the part of a run not yet in the ledger starts: its start, or where the hourly passes left it."""
+    return max(started_at, metered_until) if metered_until else started_at
