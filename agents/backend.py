@@ -7,10 +7,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from agents.state import State
+from agents.state import Position, State
 
-# (task id, kind, body, log offset reached or None) -> sent when it may be
-Report = Callable[[str, str, dict[str, Any], int | None], Awaitable[None]]
+# (task id, kind, body, log offset or pod log cursor reached, or None) -> sent when it may be
+Report = Callable[[str, str, dict[str, Any], Position | None], Awaitable[None]]
 # (task id, name relative to its folder, file) -> upload it to the plane's file store
 Upload = Callable[[str, str, Path], Awaitable[None]]
 
@@ -35,7 +35,7 @@ class Backend(Protocol):
     @property
     def name(self) -> str: ...
     def inventory(self) -> dict[str, Any]: ...
-    async def capacity(self) -> dict[str, int]: ...  # cpus, cpus_in_use, nodes; {} when unknown
+    async def capacity(self) -> dict[str, Any]: ...  # cpus, cpus_in_use, nodes (gpus); {} when unknown
     def running(self) -> list[str]: ...
     def queue(self) -> list[dict[str, Any]]: ...
     def adopt(self, report: Report) -> list[str]: ...

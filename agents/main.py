@@ -46,7 +46,7 @@ from agents import __version__
 from agents.backend import Backend, Refused
 from agents.baremetal import BareMetal, detect_gpus
 from agents.hpc import DIALECTS, Batch, Settings
-from agents.state import State
+from agents.state import Position, State
 from klique.sdk import loopback
 from protocol import messages
 
@@ -128,7 +128,7 @@ class Agent:
         self.socket: Any = None
         self.stopping = asyncio.Event()
         self.heartbeat_seconds = 10.0
-        self.capacity: dict[str, int] = {}  # as last asked of the environment; hello and heartbeats send it
+        self.capacity: dict[str, Any] = {}  # as last asked of the environment; hello and heartbeats send it
         self.upload_patience = UPLOAD_PATIENCE_SECONDS
 
     async def _follow_capacity(self) -> None:
@@ -274,7 +274,9 @@ class Agent:
             return
         await self._send(messages.Accepted(task_id, lease).as_json())
 
-    async def report(self, task_id: str, kind: str, body: dict[str, Any], offset: int | None = None) -> None:
+    async def report(
+        self, task_id: str, kind: str, body: dict[str, Any], offset: Position | None = None
+    ) -> None:
         """Keep the report in the outbox (with the log offset it reaches) and send it if connected."""
         await self._send(self.state.enqueue(task_id, kind, body, offset=offset))
 
@@ -325,10 +327,16 @@ class Agent:
             await self.socket.close()
 
 
+class Checked(str):
+    """What --check found: the configuration is usable (the agent exits 0 after saying so)."""
+
+
 def _backend(args: argparse.Namespace) -> Backend | str:
     """The backend the arguments ask for, or a sentence saying what is missing."""
     work_dir = args.work_dir.resolve()
     state = State(work_dir / "agent.sqlite")
+    if args.backend == "kubernetes":
+        return _kubernetes(args, state)
     if args.backend in DIALECTS:
         try:
             config = tomllib.loads(args.config.read_text()) if args.config else {}
@@ -341,6 +349,26 @@ def _backend(args: argparse.Namespace) -> Backend | str:
         return "klique-agent: NVML finds no GPU here; pass --gpus N to offer a configured inventory."
     gpus, mig = detected if detected is not None else (args.gpus, [])
     return BareMetal(gpus, work_dir, state, "nvml" if detected is not None else "configured", mig=mig)
+
+
+def _kubernetes(args: argparse.Namespace, state: State) -> Backend | str:
+    """The Kubernetes backend, its pod templates checked; or a sentence saying what is wrong."""
+    try:
+        from agents.kubernetes import Api, Kubernetes, KubeSettings  # noqa: PLC0415 -- the kubernetes extra
+    except ImportError as missing:
+        return f"klique-agent: the Kubernetes backend needs the kubernetes extra ({missing})."
+    try:
+        config = tomllib.loads(args.config.read_text()) if args.config else {}
+        settings = KubeSettings.read(config, args.agent_id)
+    except (OSError, tomllib.TOMLDecodeError, ValueError, TypeError) as error:
+        return f"klique-agent: the configuration {args.config} cannot be used: {error}"
+    if args.check:
+        return Checked(f"klique-agent: {len(settings.templates)} pod template(s) render and pass the schema")
+    try:
+        api = Api(settings)
+    except Exception as error:  # the kubeconfig or in-cluster credentials, unreadable
+        return f"klique-agent: the Kubernetes credentials cannot be loaded: {error}"
+    return Kubernetes(settings, state, api)
 
 
 TOKEN_VARIABLE = "KLIQUE_AGENT_TOKEN"  # noqa: S105 -- the variable's name, not a token
@@ -400,8 +428,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--token", help="the agent token itself: visible to every user of this host (prefer --token-file)"
     )
-    parser.add_argument("--backend", choices=["baremetal", *DIALECTS], default="baremetal")
-    parser.add_argument("--config", type=Path, help="a TOML file: [agent.slurm] (or pbs, lsf) settings")
+    parser.add_argument("--backend", choices=["baremetal", *DIALECTS, "kubernetes"], default="baremetal")
+    parser.add_argument(
+        "--config", type=Path, help="a TOML file: [agent.slurm] (or pbs, lsf, kubernetes) settings"
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="check the configuration (pod templates too) and exit"
+    )
     parser.add_argument("--gpus", type=int, help="GPUs to offer when NVML finds none (tests, demos)")
     parser.add_argument("--agent-id", default=socket.gethostname())
     parser.add_argument("--work-dir", type=Path, default=Path(".klique-agent"))
@@ -414,6 +447,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+    if args.check:
+        checked = _backend(args)
+        if isinstance(checked, Checked):
+            print(checked)
+            return 0
+        print(checked if isinstance(checked, str) else "klique-agent: the configuration is usable")
+        return 2 if isinstance(checked, str) else 0
     token = agent_token(args.token_file, args.token, os.environ)
     if token.startswith("klique-agent:"):
         print(token, file=sys.stderr)

@@ -32,14 +32,28 @@ class RunRecord:
 
 @dataclass(frozen=True)
 class JobRecord:
-    """A task handed to a batch system (Slurm, PBS, LSF) as a job, followed by its job id."""
+    """A task handed to a batch system (Slurm, PBS, LSF) or to Kubernetes as a job, followed by its id."""
 
     task_id: str
-    job_id: str
-    folder: str  # the task's folder on the cluster: token, script, output, exit code
-    account: str  # the Linux account it runs as
+    job_id: str  # the batch system's job id; on Kubernetes, the Job's name
+    folder: str  # the task's folder on the cluster (token, script, output, exit code); on Kubernetes, the
+    # namespace the Job is in
+    account: str  # the Linux account it runs as; on Kubernetes, the submitter
     stopping: bool = False
     last: str = ""  # the state and reason last reported, so that only changes go out
+
+
+@dataclass(frozen=True)
+class LogCursor:
+    """How far a pod's log has been read: the timestamp of the last line sent and how many lines with that
+    very timestamp were sent (the kubelet stamps lines to the nanosecond, but two can still share one)."""
+
+    pod: str
+    since: str  # RFC 3339 with nanoseconds, as the kubelet wrote it; "" before the first line
+    seen: int
+
+
+Position = int | LogCursor  # where a report leaves its task's output: a file offset, or a pod's log cursor
 
 
 class State:
@@ -59,6 +73,8 @@ class State:
                 task_id TEXT, lease_id TEXT, last INTEGER, PRIMARY KEY (task_id, lease_id));
             CREATE TABLE IF NOT EXISTS jobs (task_id TEXT PRIMARY KEY, job_id TEXT, folder TEXT,
                 account TEXT, stopping INTEGER DEFAULT 0, last TEXT DEFAULT '');
+            CREATE TABLE IF NOT EXISTS pod_logs (task_id TEXT, pod TEXT, since TEXT, seen INTEGER,
+                PRIMARY KEY (task_id, pod));
             """
         )
 
@@ -157,16 +173,23 @@ class State:
 
     def remove_job(self, task_id: str) -> None:
         self.db.execute("DELETE FROM jobs WHERE task_id = ?", (task_id,))
+        self.db.execute("DELETE FROM pod_logs WHERE task_id = ?", (task_id,))
+
+    def log_cursor(self, task_id: str, pod: str) -> LogCursor:
+        row = self.db.execute(
+            "SELECT since, seen FROM pod_logs WHERE task_id = ? AND pod = ?", (task_id, pod)
+        ).fetchone()
+        return LogCursor(pod, str(row[0]), int(row[1])) if row else LogCursor(pod, "", 0)
 
     def offset(self, task_id: str) -> int:
         row = self.db.execute('SELECT "offset" FROM runs WHERE task_id = ?', (task_id,)).fetchone()
         return int(row[0]) if row else 0
 
     def enqueue(
-        self, task_id: str, kind: str, body: dict[str, Any], *, offset: int | None = None
+        self, task_id: str, kind: str, body: dict[str, Any], *, offset: Position | None = None
     ) -> dict[str, Any]:
-        """Number the report in its run and keep it until answered; move the log offset in the same
-        transaction."""
+        """Number the report in its run and keep it until answered; move the log offset (or the pod's log
+        cursor) in the same transaction, so a line is neither lost nor sent twice across a crash."""
         self.db.execute("BEGIN IMMEDIATE")
         try:
             lease = self.lease(task_id)
@@ -179,7 +202,12 @@ class State:
             self.db.execute(
                 "INSERT INTO reports VALUES (?, ?, ?, ?)", (task_id, lease, seq, json.dumps(message))
             )
-            if offset is not None:
+            if isinstance(offset, LogCursor):
+                self.db.execute(
+                    "INSERT OR REPLACE INTO pod_logs VALUES (?, ?, ?, ?)",
+                    (task_id, offset.pod, offset.since, offset.seen),
+                )
+            elif offset is not None:
                 self.db.execute('UPDATE runs SET "offset" = ? WHERE task_id = ?', (offset, task_id))
             self.db.execute("COMMIT")
         except BaseException:

@@ -79,6 +79,8 @@ def dispatch(*, pool: Pool, schema_name: str, agent_id: str = "") -> list[dict[s
             "user": task.submitter.username,
             "project": task.project.name if task.project else "",
             "batch": task.compute_resource.batch if task.compute_resource else {},
+            "compute_resource": task.compute_resource.name if task.compute_resource else "",
+            "tenant": schema_name,
             "task_token": task_token(schema_name=schema_name, task=task),
             "secrets": secrets,
         }
@@ -259,6 +261,9 @@ def task_report(
                 "lines": body.get("lines", []),
             },
         )
+    if kind == TaskReport.Kind.RESULT and body.get("requeue") is True and task.state == TaskState.DISPATCHING:
+        _requeued(tenant, task, lease, str(body.get("reason") or "the cluster gave it back"))
+        return True
     if (
         kind == TaskReport.Kind.STATUS
         and body.get("state") == "pending"
@@ -299,6 +304,26 @@ def task_report(
         if task.state in ENDED_STATES:  # a failed attempt that is retried is not the end of the task
             publish_log(tenant=tenant, task_id=str(task.pk), chunk={"type": "end", "state": task.state})
     return True
+
+
+def _requeued(tenant: Tenant, task: Task, run: TaskRun | None, reason: str) -> None:
+    """The agent took back a run that never started (a multi-node job only partly placed by the cluster):
+    the task waits in the queue again, saying why; the attempt is not counted against it."""
+    runs.run_ended(run, outcome=RunOutcome.REFUSED, exit_code=None, now=timezone.now())
+    pool = task.pool.name if task.pool else "its pool"
+    transition(
+        task,
+        to_state=TaskState.QUEUED,
+        actor="agent",
+        message=reason[:500],
+        pool=None,
+        lease_id=None,
+        lease_expires_at=None,
+        queued_at=timezone.now(),
+        reason_code="requeued_by_agent",
+        reason=f"The agent of pool {pool} gave it back to the queue: {reason[:500]}",
+    )
+    wake.request_cycle(tenant)
 
 
 def _outputs_not_stored(task: Task, failed: object) -> None:

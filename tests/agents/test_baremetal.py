@@ -13,7 +13,7 @@ import pytest
 
 from agents.baremetal import MAX_LINE, BareMetal, Refused, split_lines
 from agents.main import Agent, Backoff, websocket_address
-from agents.state import State
+from agents.state import Position, State
 from protocol import messages
 from protocol.units import UNITS_PER_GPU
 
@@ -40,7 +40,7 @@ class Recorder:
         self.state, self.finished = state, asyncio.Event()
         self.reports: Reports = []
 
-    async def __call__(self, task_id: str, kind: str, body: dict[str, Any], offset: int | None) -> None:
+    async def __call__(self, task_id: str, kind: str, body: dict[str, Any], offset: Position | None) -> None:
         self.state.enqueue(task_id, kind, body, offset=offset)
         self.reports.append((kind, body))
         if kind == "result":

@@ -14,7 +14,7 @@ import pytest
 
 from agents.backend import Refused
 from agents.hpc import Batch, Completed, Lsf, Settings
-from agents.state import State
+from agents.state import Position, State
 
 OUTPUTS = Path(__file__).parent / "lsf_outputs"
 TASK = "6f1c9a0e-0000-4000-8000-000000000001"
@@ -74,7 +74,7 @@ class Reports:
     def __init__(self) -> None:
         self.sent: list[tuple[str, str, dict[str, Any]]] = []
 
-    async def __call__(self, task_id: str, kind: str, body: dict[str, Any], offset: int | None) -> None:
+    async def __call__(self, task_id: str, kind: str, body: dict[str, Any], offset: Position | None) -> None:
         self.sent.append((task_id, kind, body))
 
 

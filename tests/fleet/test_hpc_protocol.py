@@ -1,8 +1,10 @@
-"""The plane's side of the HPC backends: what an assign carries, the cluster's pending reason, permanent
-refusals, node reporters posting with the task's token, and the pool's view of its cluster's queue."""
+"""The plane's side of the cluster backends (HPC and Kubernetes): what an assign carries, the cluster's
+pending reason, permanent refusals, a run the cluster could only partly place given back to the queue,
+node reporters posting with the task's token, and the pool's view of its cluster's queue."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -225,8 +227,15 @@ def test_a_pool_shows_its_clusters_queue_as_the_agent_last_saw_it(
 ) -> None:
     import asyncio
 
-    jobs = [{"task_id": fleet["task"], "job_id": "17", "state": "pending", "cluster_state": "PENDING",
-             "reason": "Priority"}]  # fmt: skip
+    jobs = [
+        {
+            "task_id": fleet["task"],
+            "job_id": "17",
+            "state": "pending",
+            "cluster_state": "PENDING",
+            "reason": "Priority",
+        }
+    ]
 
     async def scenario() -> None:
         client = agent(fleet["token"].secret)
@@ -264,3 +273,70 @@ def test_an_unknown_task_token_is_refused() -> None:
         "/agents/v1/tasks/00000000-0000-0000-0000-000000000000/reports/", "kqt_0000_x", {"reports": []}
     )
     assert response.status_code in (403, 404)
+
+
+def test_an_assign_names_its_compute_resource_and_tenant(fleet: dict[str, Any]) -> None:
+    async def scenario() -> dict[str, Any]:
+        client = agent(fleet["token"].secret)
+        message = await assigned(client)
+        await client.disconnect()
+        return message
+
+    message = asyncio.run(scenario())
+    task = task_row(fleet["task"])
+    assert message["tenant"] == "fleet"
+    expected = task.compute_resource.name if task.compute_resource else ""
+    assert message["compute_resource"] == expected
+
+
+def give_back(fleet: dict[str, Any], *, running_first: bool) -> None:
+    task_id = fleet["task"]
+
+    async def scenario() -> None:
+        client = agent(fleet["token"].secret)
+        lease = (await assigned(client))["lease_id"]
+        await client.send_json_to({"type": "accepted", "task_id": task_id, "lease_id": lease})
+        seq = 1
+        if running_first:
+            await client.send_json_to(
+                {"type": "status", "task_id": task_id, "lease_id": lease, "seq": seq, "state": "running"}
+            )
+            assert (await client.receive_json_from(timeout=10))["verdict"] == "applied"
+            seq += 1
+        reason = "only part of the multi-node job could be placed for 120 s (1 of 2 pods placed)"
+        await client.send_json_to(
+            {
+                "type": "result",
+                "task_id": task_id,
+                "lease_id": lease,
+                "seq": seq,
+                "exit_code": None,
+                "requeue": True,
+                "reason": reason,
+                "stopped": False,
+                "outputs": [],
+            }
+        )
+        ack = await client.receive_json_from(timeout=10)
+        assert (ack["type"], ack["verdict"]) == ("ack", "applied")
+        await client.disconnect()
+
+    asyncio.run(scenario())
+
+
+def test_a_run_given_back_before_it_started_waits_in_the_queue_again(fleet: dict[str, Any]) -> None:
+    give_back(fleet, running_first=False)
+    task = task_row(fleet["task"])
+    assert (task.state, task.reason_code) == (TaskState.QUEUED, "requeued_by_agent")
+    assert task.reason.startswith("The agent of pool h100 gave it back to the queue: only part of")
+    assert task.lease_id is None
+    assert task.pool_id is None
+    assert task.attempts == 0
+
+
+def test_a_run_that_started_cannot_be_given_back_it_ended(fleet: dict[str, Any]) -> None:
+    give_back(fleet, running_first=True)
+    task = task_row(fleet["task"])
+    assert task.reason_code != "requeued_by_agent"
+    assert task.attempts == 1  # it ran and failed (no exit code): retried or failed by its own policy
+    assert task.state != TaskState.RUNNING

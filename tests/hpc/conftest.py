@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from agents.hpc import DIALECTS, Batch, Settings
-from agents.state import State
+from agents.state import Position, State
 
 
 @dataclass
@@ -98,7 +98,7 @@ class Reports:
     def __init__(self) -> None:
         self.sent: list[tuple[str, str, dict[str, Any]]] = []
 
-    async def __call__(self, task_id: str, kind: str, body: dict[str, Any], offset: int | None) -> None:
+    async def __call__(self, task_id: str, kind: str, body: dict[str, Any], offset: Position | None) -> None:
         self.sent.append((task_id, kind, body))
 
     def of(self, task_id: str, kind: str) -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ from rest_framework.test import APIClient
 from agents.backend import Refused
 from agents.baremetal import BareMetal
 from agents.hpc import SYSTEM_PATH, Batch, Completed, Settings, Slurm, agent_environment, execute
-from agents.state import State
+from agents.state import Position, State
 from apps.accounts.models import User
 from apps.vault.models import Secret
 from protocol import environment as rule
@@ -133,7 +133,7 @@ def test_the_bare_metal_agent_refuses_what_the_plane_should_have(
 ) -> None:
     bare = BareMetal(1, tmp_path / "work", State(tmp_path / "agent.sqlite"))
 
-    async def report(task_id: str, kind: str, body: dict[str, Any], offset: int | None) -> None:
+    async def report(task_id: str, kind: str, body: dict[str, Any], offset: Position | None) -> None:
         raise AssertionError("nothing starts")
 
     with pytest.raises(Refused, match=r"cannot be set by a task|not an environment variable name") as refused:
@@ -156,7 +156,7 @@ def test_on_bare_metal_only_the_tasks_command_has_its_variables(tmp_path: Path) 
     )
     seen: list[tuple[str, dict[str, Any]]] = []
 
-    async def report(task_id: str, kind: str, body: dict[str, Any], offset: int | None) -> None:
+    async def report(task_id: str, kind: str, body: dict[str, Any], offset: Position | None) -> None:
         seen.append((kind, body))
 
     async def scenario() -> bytes:
@@ -221,7 +221,7 @@ def test_the_hpc_agent_refuses_such_a_secret_instead_of_failing(name: str, tmp_p
     cluster = Recorded()
     batch = _slurm(tmp_path, cluster)
 
-    async def report(task_id: str, kind: str, body: dict[str, Any], offset: int | None) -> None:
+    async def report(task_id: str, kind: str, body: dict[str, Any], offset: Position | None) -> None:
         pass
 
     async def scenario() -> None:
@@ -243,7 +243,7 @@ def test_the_submission_runs_as_the_account_with_a_fixed_path_and_no_privileged_
     cluster = Recorded()
     batch = _slurm(tmp_path, cluster)
 
-    async def report(task_id: str, kind: str, body: dict[str, Any], offset: int | None) -> None:
+    async def report(task_id: str, kind: str, body: dict[str, Any], offset: Position | None) -> None:
         pass
 
     async def scenario() -> None:

@@ -1,0 +1,1133 @@
+"""The Kubernetes backend: each task becomes a `batch/v1` Job in the agent's namespace, which the cluster's
+own scheduler (kube-scheduler, Kueue, Volcano, KAI) places.
+
+The agent renders the compute resource's pod template (protocol.pods) into the Job, a Secret that holds
+the task's environment and secrets (the pod takes them with `envFrom`; they are never values in the pod
+spec), and for a multi-node task a headless Service its pods meet through. It follows its objects with one
+watch of Jobs and one of Pods, labelled `klique.io/agent=<agent>`, resumed from the last resource version
+after a drop and listed again on `410 Gone`; what it sees is reduced to the task's state (waiting with the
+cluster's reason, running, ended with the exit code) and reported only when it changes. Each pod's log is
+read with its timestamps and sent home through the outbox with a cursor that moves in the same SQLite
+transaction, so after a crash nothing is sent twice or skipped. A restarted agent adopts the Jobs it
+labelled instead of creating them again.
+
+A multi-node task is gang-placed: until every pod of its Job runs, the task waits; when some pods run and
+others cannot be placed for `gang_seconds`, the Job is deleted and the task goes back to Klique's queue,
+so half a job never holds GPUs. Preemption deletes the pods with the stop's grace period (the kubelet
+sends SIGTERM, waits, then SIGKILL); an abort deletes them at once.
+
+The official `kubernetes` client is synchronous: every call runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from agents.backend import Refused, Report, Upload
+from agents.baremetal import split_lines
+from agents.state import JobRecord, LogCursor, State
+from protocol import environment as task_environment
+from protocol import pods
+
+logger = logging.getLogger("klique.agent.kubernetes")
+
+T = TypeVar("T")
+
+JOB_NAME_LABELS = ("batch.kubernetes.io/job-name", "job-name")
+INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+# Waiting reasons of a container that no wait will cure: the task fails at once, saying why.
+HOPELESS = frozenset({"InvalidImageName", "ErrImageNeverPull"})
+# Waiting reasons that may pass (a registry down, a tag pushed late): the task fails after image_pull_seconds.
+IMAGE_PULL = frozenset({"ErrImagePull", "ImagePullBackOff", "RegistryUnavailable"})
+GPU_RESOURCE = re.compile(r"nvidia\.com/gpu|nvidia\.com/gpu\.shared|nvidia\.com/mig-[a-z0-9.+]+|amd\.com/gpu")
+
+
+@dataclass
+class KubeSettings:
+    """The `[agent.kubernetes]` table of the agent's configuration."""
+
+    cluster: pods.ClusterSettings
+    templates: dict[str, pods.Template]  # by compute resource; "default" for every other
+    kubeconfig: str = ""  # a kubeconfig file; "" for the pod's service account, else ~/.kube/config
+    context: str = ""
+    api_url: str = ""  # an API server to reach without credentials (a local proxy, `kubectl proxy`)
+    outputs_dir: Path | None = None  # where the agent mounts the work volume: outputs are read there
+    poll_seconds: float = 1.0  # how often running pods' logs are read
+    gang_seconds: float = 120.0
+    image_pull_seconds: float = 300.0
+    watch_seconds: int = 300  # each watch's server-side timeout; the watch resumes after it
+
+    @classmethod
+    def read(cls, config: Mapping[str, Any], agent_id: str) -> KubeSettings:
+        """The settings from the agent's TOML; every pod template is parsed and its manifests checked
+        against the Kubernetes schema. Raises ValueError (PodTemplateInvalid names the template and line)."""
+        table = dict((config.get("agent") or {}).get("kubernetes") or {})
+        known = {
+            "namespace",
+            "kubeconfig",
+            "context",
+            "api_url",
+            "templates",
+            "local_queue",
+            "gpu_resource",
+            "shared_gpu_resource",
+            "ttl_seconds_after_finished",
+            "default_image",
+            "shared_path",
+            "shared_volume",
+            "work_volume",
+            "outputs_dir",
+            "scratch_size",
+            "poll_seconds",
+            "gang_seconds",
+            "image_pull_seconds",
+            "watch_seconds",
+        }
+        unknown = sorted(set(table) - known)
+        if unknown:
+            raise ValueError(f"[agent.kubernetes] has unknown settings: {', '.join(unknown)}.")
+        cluster = pods.ClusterSettings(
+            namespace=str(table.get("namespace") or "default"),
+            agent=agent_id,
+            gpu_resource=str(table.get("gpu_resource") or "nvidia.com/gpu"),
+            shared_gpu_resource=str(table.get("shared_gpu_resource") or "nvidia.com/gpu.shared"),
+            local_queue=str(table.get("local_queue") or ""),
+            ttl_seconds_after_finished=int(table.get("ttl_seconds_after_finished", 3600)),
+            default_image=str(table.get("default_image") or "python:3.11-slim"),
+            shared_path=str(table.get("shared_path") or ""),
+            shared_volume=dict(table.get("shared_volume") or {}),
+            work_volume=dict(table.get("work_volume") or {}),
+            scratch_size=str(table.get("scratch_size") or ""),
+        )
+        texts = {
+            "default": pods.DEFAULT_TEMPLATE,
+            **{str(k): str(v) for k, v in (table.get("templates") or {}).items()},
+        }
+        templates = {name: pods.check(name, text, cluster) for name, text in texts.items()}
+        outputs = table.get("outputs_dir")
+        return cls(
+            cluster=cluster,
+            templates=templates,
+            kubeconfig=str(table.get("kubeconfig") or ""),
+            context=str(table.get("context") or ""),
+            api_url=str(table.get("api_url") or ""),
+            outputs_dir=Path(outputs) if outputs else None,
+            poll_seconds=float(table.get("poll_seconds", 1.0)),
+            gang_seconds=float(table.get("gang_seconds", 120.0)),
+            image_pull_seconds=float(table.get("image_pull_seconds", 300.0)),
+            watch_seconds=int(table.get("watch_seconds", 300)),
+        )
+
+    def template_for(self, compute_resource: str) -> pods.Template:
+        return self.templates.get(compute_resource) or self.templates["default"]
+
+
+# The API -------------------------------------------------------------------------------------------------
+
+
+class ApiProblem(Exception):
+    """The API server refused or could not be reached; the message says what an administrator can do."""
+
+    def __init__(self, message: str, *, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def permanent(self) -> bool:
+        return self.status in (400, 422)  # the object itself is wrong: sending it again fails again
+
+
+def explain(error: BaseException, verb: str, resource: str, namespace: str, where: str) -> ApiProblem:
+    """An API error in words an administrator can act on."""
+    from kubernetes.client.exceptions import ApiException  # noqa: PLC0415 -- the kubernetes extra
+
+    if isinstance(error, ApiException):
+        status = int(error.status or 0)
+        said = _status_message(error)
+        if status == 401:
+            return ApiProblem(
+                f"the Kubernetes API at {where} refused the agent's credentials (401 Unauthorized): "
+                "give it a valid kubeconfig or service-account token",
+                status=status,
+            )
+        if status == 403:
+            return ApiProblem(
+                f"the agent's service account may not {verb} {resource} in namespace {namespace}: apply the "
+                f"chart's Role (deploy/helm/klique-agent) or grant it. Kubernetes said: {said}",
+                status=status,
+            )
+        if status == 404 and resource != "pods/log":
+            return ApiProblem(
+                f"namespace {namespace} or the {resource} API is not found at {where}: create the namespace "
+                f"or name another in [agent.kubernetes]. Kubernetes said: {said}",
+                status=status,
+            )
+        return ApiProblem(
+            f"Kubernetes refused to {verb} {resource} in namespace {namespace} ({status}): {said}",
+            status=status,
+        )
+    return ApiProblem(f"the Kubernetes API at {where} cannot be reached ({type(error).__name__}: {error})")
+
+
+def _status_message(error: Any) -> str:
+    try:
+        body = json.loads(error.body or "{}")
+    except (TypeError, ValueError):
+        body = {}
+    message = body.get("message") if isinstance(body, dict) else None
+    return str(message or error.reason or "no reason given")[:500]
+
+
+class Api:
+    """The few calls the backend makes, through the official client; each is synchronous."""
+
+    def __init__(self, settings: KubeSettings) -> None:
+        from kubernetes import client, config  # noqa: PLC0415 -- the kubernetes extra, this backend only
+
+        if settings.api_url:
+            configuration = client.Configuration()
+            configuration.host = settings.api_url.rstrip("/")
+        elif settings.kubeconfig:
+            configuration = client.Configuration()
+            config.load_kube_config(settings.kubeconfig, settings.context or None, configuration)
+        else:
+            configuration = client.Configuration()
+            try:
+                config.load_incluster_config(configuration)
+            except config.ConfigException:
+                config.load_kube_config(None, settings.context or None, configuration)
+        self.where = configuration.host
+        self.client = client.ApiClient(configuration)
+        self.batch = client.BatchV1Api(self.client)
+        self.core = client.CoreV1Api(self.client)
+        self.namespace = settings.cluster.namespace
+        self.selector = f"klique.io/agent={pods.label_value(settings.cluster.agent)}"
+
+    def _raw(self, response: Any) -> dict[str, Any]:
+        data = json.loads(response.data or b"{}")
+        return data if isinstance(data, dict) else {}
+
+    def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        kind, ns = manifest["kind"], self.namespace
+        create = {
+            "Job": self.batch.create_namespaced_job,
+            "Secret": self.core.create_namespaced_secret,
+            "Service": self.core.create_namespaced_service,
+        }[kind]
+        return self._raw(create(ns, dict(manifest), _preload_content=False, _request_timeout=30))
+
+    def replace_secret(self, manifest: Mapping[str, Any]) -> None:
+        name = manifest["metadata"]["name"]
+        self.core.replace_namespaced_secret(
+            name, self.namespace, dict(manifest), _preload_content=False, _request_timeout=30
+        )
+
+    def own(self, kind: str, name: str, job: Mapping[str, Any]) -> None:
+        """Make the Job the owner of its Secret or Service, so Kubernetes deletes them with it."""
+        uid = (job.get("metadata") or {}).get("uid")
+        if not uid:
+            return
+        owner = {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "name": job["metadata"]["name"],
+            "uid": uid,
+            "blockOwnerDeletion": False,
+        }
+        patch = {"metadata": {"ownerReferences": [owner]}}
+        if kind == "Secret":
+            self.core.patch_namespaced_secret(name, self.namespace, patch, _preload_content=False)
+        else:
+            self.core.patch_namespaced_service(name, self.namespace, patch, _preload_content=False)
+
+    def delete(
+        self, kind: str, name: str, *, grace: int | None = None, propagation: str = "Background"
+    ) -> None:
+        """Delete the object; one already gone is no error."""
+        from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
+
+        call: Callable[..., Any] = {
+            "Job": self.batch.delete_namespaced_job,
+            "Pod": self.core.delete_namespaced_pod,
+            "Secret": self.core.delete_namespaced_secret,
+            "Service": self.core.delete_namespaced_service,
+        }[kind]
+        options: dict[str, Any] = {"propagation_policy": propagation}
+        if grace is not None:
+            options["grace_period_seconds"] = grace
+        try:
+            call(name, self.namespace, _preload_content=False, _request_timeout=30, **options)
+        except ApiException as error:
+            if error.status != 404:
+                raise
+
+    def listing(self, kind: str) -> tuple[list[dict[str, Any]], str]:
+        """Klique's Jobs or Pods of this agent, and the resource version to watch from."""
+        call = self.batch.list_namespaced_job if kind == "Job" else self.core.list_namespaced_pod
+        data = self._raw(
+            call(self.namespace, label_selector=self.selector, _preload_content=False, _request_timeout=60)
+        )
+        items = [item for item in data.get("items") or [] if _ours(item, self.selector)]
+        return items, str((data.get("metadata") or {}).get("resourceVersion") or "")
+
+    def watch(
+        self, kind: str, version: str, seconds: int, stopper: list[Any]
+    ) -> Iterable[tuple[str, dict[str, Any]]]:
+        """Events (type, object) of Klique's Jobs or Pods from the resource version, as plain JSON (no
+        models: a field the client does not know must not stop the watch); ends when the server closes
+        it. Raises ApiException(410) when the version is too old to watch from."""
+        from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
+        from kubernetes.watch.watch import iter_resp_lines  # noqa: PLC0415
+
+        call = self.batch.list_namespaced_job if kind == "Job" else self.core.list_namespaced_pod
+        options: dict[str, Any] = {
+            "label_selector": self.selector,
+            "timeout_seconds": seconds,
+            "watch": True,
+            "allow_watch_bookmarks": True,
+            "_preload_content": False,
+            "_request_timeout": seconds + 30,
+        }
+        if version:
+            options["resource_version"] = version
+        response = call(self.namespace, **options)
+        stopper[:] = [response]
+        try:
+            for line in iter_resp_lines(response):
+                event = json.loads(line) if line else {}
+                item = event.get("object") if isinstance(event, dict) else None
+                if not isinstance(item, dict):
+                    continue
+                if event.get("type") == "ERROR":
+                    raise ApiException(
+                        status=int(item.get("code") or 500), reason=str(item.get("message") or "")
+                    )
+                if _ours(item, self.selector) or event.get("type") == "BOOKMARK":
+                    yield str(event.get("type")), item
+        finally:
+            stopper.clear()
+            response.close()
+            response.release_conn()
+
+    def log(self, pod: str, since: str) -> str:
+        """The pod's main container's log with timestamps, from the second of `since` on."""
+        query: list[tuple[str, str]] = [("container", pods.MAIN_CONTAINER), ("timestamps", "true")]
+        if since:
+            query.append(("sinceTime", since[:19] + "Z"))  # whole seconds; lines before are skipped here
+        response = self.client.call_api(
+            "/api/v1/namespaces/{namespace}/pods/{name}/log",
+            "GET",
+            path_params={"namespace": self.namespace, "name": pod},
+            query_params=query,
+            header_params={"Accept": "text/plain"},
+            response_types_map={},
+            auth_settings=["BearerToken"],
+            _preload_content=False,
+            _request_timeout=60,
+            _return_http_data_only=True,
+        )
+        return bytes(response.data or b"").decode(errors="replace")
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return list(
+            self._raw(self.core.list_node(_preload_content=False, _request_timeout=30)).get("items") or []
+        )
+
+    def all_pods(self) -> list[dict[str, Any]]:
+        data = self._raw(
+            self.core.list_pod_for_all_namespaces(
+                field_selector="status.phase=Running", _preload_content=False, _request_timeout=60
+            )
+        )
+        return list(data.get("items") or [])
+
+
+def _ours(item: Mapping[str, Any], selector: str) -> bool:
+    """The object carries this agent's label (the selector is checked here too, not only by the server)."""
+    key, _, value = selector.partition("=")
+    return ((item.get("metadata") or {}).get("labels") or {}).get(key) == value
+
+
+# Reading objects ------------------------------------------------------------------------------------------
+
+
+def _labels(item: Mapping[str, Any]) -> dict[str, str]:
+    return dict((item.get("metadata") or {}).get("labels") or {})
+
+
+def _name(item: Mapping[str, Any]) -> str:
+    return str((item.get("metadata") or {}).get("name") or "")
+
+
+def _condition(item: Mapping[str, Any], kind: str) -> dict[str, Any] | None:
+    for condition in (item.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == kind and condition.get("status") == "True":
+            return dict(condition)
+    return None
+
+
+def _main_status(pod: Mapping[str, Any]) -> dict[str, Any]:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return dict(
+        next((s for s in statuses if s.get("name") == pods.MAIN_CONTAINER), statuses[0] if statuses else {})
+    )
+
+
+def _index(pod: Mapping[str, Any]) -> int:
+    value = ((pod.get("metadata") or {}).get("annotations") or {}).get(INDEX_ANNOTATION)
+    value = value or _labels(pod).get(INDEX_ANNOTATION)
+    try:
+        return int(value or 0)
+    except ValueError:
+        return 0
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What the Job and its pods say of the task, reduced to what the plane is told."""
+
+    state: str  # pending, running, ended, failed (cannot run: fails without waiting), requeue
+    reason: str = ""
+    exit_code: int | None = None
+    lines: tuple[str, ...] = ()  # what Kubernetes said of how it ended, for the task's log
+
+    @property
+    def key(self) -> str:
+        return f"{self.state}|{self.reason}"
+
+
+def what_is_seen(job: Mapping[str, Any], task_pods: list[dict[str, Any]], *, local_queue: str) -> Seen:
+    """The task's state from its Job and pods, as the cluster's own controllers left them."""
+    spec = job.get("spec") or {}
+    ended = _ended(job, task_pods)
+    if ended is not None:
+        return ended
+    if spec.get("suspend"):
+        queue = f" {local_queue}" if local_queue else ""
+        said = ((job.get("metadata") or {}).get("annotations") or {}).get("klique.io/admission") or ""
+        return Seen(
+            "pending", f"waiting for Kueue to admit it into LocalQueue{queue}" + (f": {said}" if said else "")
+        )
+    return _waiting(task_pods, wanted=int(spec.get("parallelism") or spec.get("completions") or 1))
+
+
+def _ended(job: Mapping[str, Any], task_pods: list[dict[str, Any]]) -> Seen | None:
+    """How the Job ended (the Job controller's conditions), or None while it has not."""
+    failed = _condition(job, "Failed")
+    ended = _exit(task_pods)
+    if _condition(job, "Complete") or _condition(job, "SuccessCriteriaMet"):
+        return Seen("ended", "", 0, ended.lines)
+    if failed:
+        said = f"kubernetes: the Job failed: {failed.get('reason')}: {failed.get('message') or ''}"
+        reason = ended.reason or str(failed.get("reason") or "")
+        return Seen("ended", reason, ended.exit_code or 1, ended.lines or (said.strip(": "),))
+    phases = [(pod.get("status") or {}).get("phase") for pod in task_pods]
+    if task_pods and not any(_alive(pod) for pod in task_pods) and "Failed" in phases:
+        return Seen("ended", ended.reason, ended.exit_code or 1, ended.lines)  # the Job's verdict to come
+    return None
+
+
+def _waiting(task_pods: list[dict[str, Any]], *, wanted: int) -> Seen:  # noqa: PLR0911 -- one per state
+    """Running once every pod runs; else why not: an image, the scheduler's reason, half a gang."""
+    images, unschedulable = [], []
+    for pod in task_pods:
+        why = (_main_status(pod).get("state") or {}).get("waiting") or {}
+        reason = str(why.get("reason") or "")
+        said = f"{reason}: {why.get('message') or ''}".strip(": ")
+        if reason in HOPELESS:
+            return Seen("failed", said)
+        if reason in IMAGE_PULL:
+            images.append(said)
+        conditions = (pod.get("status") or {}).get("conditions") or []
+        scheduled: dict[str, Any] = next(
+            (item for item in conditions if item.get("type") == "PodScheduled"), {}
+        )
+        if scheduled.get("status") == "False":
+            said = (
+                f"{scheduled.get('reason') or 'Unschedulable'}: {scheduled.get('message') or 'no node fits'}"
+            )
+            unschedulable.append(said)
+    phases = [(pod.get("status") or {}).get("phase") for pod in task_pods]
+    running = phases.count("Running")
+    done = running + phases.count("Succeeded")  # pods done before the Job controller's verdict
+    if done and done >= wanted:
+        return Seen("running")
+    if images:
+        return Seen("image", images[0])
+    placed = [pod for pod in task_pods if (pod.get("spec") or {}).get("nodeName")]
+    if unschedulable and (placed or running):
+        placed_count = max(len(placed), running)
+        return Seen("gang", f"{placed_count} of {wanted} pods placed; the rest wait: {unschedulable[0]}")
+    if unschedulable:
+        return Seen("pending", unschedulable[0])
+    if task_pods:
+        return Seen("pending", f"starting: {running} of {wanted} pods running")
+    return Seen("pending", "submitted")
+
+
+def _exit(task_pods: list[dict[str, Any]]) -> Seen:
+    """The first failing pod's exit code (the lowest index), else 0; and what Kubernetes said of it."""
+    codes: list[tuple[int, int]] = []
+    lines: list[str] = []
+    for pod in sorted(task_pods, key=_index):
+        terminated = (_main_status(pod).get("state") or {}).get("terminated") or {}
+        status = pod.get("status") or {}
+        if status.get("reason") == "Evicted":
+            lines.append(f"kubernetes: pod {_name(pod)} was evicted: {status.get('message') or ''}".strip())
+            codes.append((_index(pod), 137))
+            continue
+        if not terminated:
+            continue
+        code = int(terminated.get("exitCode") or 0)
+        codes.append((_index(pod), code))
+        if terminated.get("reason") == "OOMKilled":
+            lines.append(
+                f"kubernetes: pod {_name(pod)} was killed for using more memory than its limit "
+                "(OOMKilled): ask for a larger memory limit in the compute resource's pod template"
+            )
+        elif code and terminated.get("message"):
+            lines.append(f"kubernetes: pod {_name(pod)}: {terminated['message']}"[:2000])
+    failing = [code for _, code in codes if code]
+    reason = (
+        "OOMKilled"
+        if any("OOMKilled" in line for line in lines)
+        else ("Evicted" if any("evicted" in line for line in lines) else "")
+    )
+    return Seen("ended", reason, failing[0] if failing else (0 if codes else None), tuple(lines))
+
+
+def log_lines(text: str, cursor: LogCursor) -> tuple[list[str], LogCursor]:
+    """The lines of a timestamped log after the cursor, and the cursor after them. A last line without its
+    newline is left for the next read: the kubelet may still be writing it."""
+    complete = text[: text.rfind("\n") + 1] if "\n" in text else ""
+    lines, since, seen = [], cursor.since, cursor.seen
+    at_cursor = 0
+    for raw in complete.split("\n")[:-1]:
+        stamp, _, line = raw.partition(" ")
+        if since and stamp < since:
+            continue
+        if stamp == cursor.since and cursor.since:
+            at_cursor += 1
+            if at_cursor <= cursor.seen:
+                continue
+        if stamp == since:
+            seen += 1
+        else:
+            since, seen = stamp, 1
+        lines.append(line)
+    return lines, LogCursor(cursor.pod, since, seen)
+
+
+# The backend ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Kubernetes:
+    name = "kubernetes"
+    settings: KubeSettings
+    state: State
+    api: Api
+    upload: Upload | None = None
+    reporter: Report | None = None
+    seen_jobs: dict[str, dict[str, Any]] = field(default_factory=dict)  # Job name -> as last seen
+    seen_pods: dict[str, dict[str, Any]] = field(default_factory=dict)  # pod name -> as last seen
+    synced: set[str] = field(default_factory=set)  # "Job", "Pod" once listed
+    problem: str = ""  # the API's last complaint, for the pool's status
+    since: dict[str, tuple[str, float]] = field(default_factory=dict)  # task -> (waiting kind, since when)
+    closing: threading.Event = field(default_factory=threading.Event)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    workers: list[asyncio.Task[None]] = field(default_factory=list)
+    watchers: dict[str, list[Any]] = field(default_factory=lambda: {"Job": [], "Pod": []})
+    ending: set[str] = field(default_factory=set)
+    loop: asyncio.AbstractEventLoop | None = None
+
+    # What the agent loop asks ---------------------------------------------------------------------------
+
+    def inventory(self) -> dict[str, Any]:
+        return {
+            "scheduler": "kubernetes",
+            "source": "kubernetes",
+            "namespace": self.settings.cluster.namespace,
+            "api": self.api.where,
+            "jobs": len(self.state.jobs()),
+            "problem": self.problem,
+        }
+
+    def running(self) -> list[str]:
+        return sorted(job.task_id for job in self.state.jobs())
+
+    def queue(self) -> list[dict[str, Any]]:
+        rows = []
+        for record in self.state.jobs():
+            state, _, reason = record.last.partition("|")
+            rows.append(
+                {
+                    "task_id": record.task_id,
+                    "job_id": record.job_id,
+                    "state": state or "pending",
+                    "cluster_state": state,
+                    "reason": reason,
+                }
+            )
+        return rows
+
+    async def capacity(self) -> dict[str, Any]:
+        """Nodes, their CPUs and GPUs (allocatable, and requested by running pods) per GPU class and MIG
+        profile; {} while the nodes cannot be read (the agent's ClusterRole grants it)."""
+        try:
+            nodes, running = await self._call(self.api.nodes), await self._call(self.api.all_pods)
+        except ApiProblem as problem:
+            logger.warning("the cluster's nodes cannot be read: %s", problem)
+            return {}
+        return capacity_of(nodes, running)
+
+    # Starting -------------------------------------------------------------------------------------------
+
+    async def _call(
+        self,
+        function: Callable[..., T],
+        *args: Any,
+        verb: str = "read",
+        resource: str = "nodes",
+        **kwargs: Any,
+    ) -> T:
+        try:
+            return await asyncio.to_thread(function, *args, **kwargs)
+        except Exception as error:  # every client error, worded for an administrator
+            if isinstance(error, ApiProblem):
+                raise
+            raise explain(error, verb, resource, self.settings.cluster.namespace, self.api.where) from None
+
+    async def start(self, assignment: dict[str, Any], report: Report) -> None:
+        """Create the task's Secret, Service and Job, or raise Refused with the reason."""
+        self._follow(report)
+        task_id = str(assignment["task_id"])
+        if any(job.task_id == task_id for job in self.state.jobs()):
+            return  # a repeated assignment of a task whose Job is already in the cluster
+        spec = assignment.get("spec") or {}
+        try:  # the one rule, checked again here: the agent trusts no one to have checked it
+            environment = {
+                **task_environment.checked(spec.get("environment")),
+                **task_environment.checked(assignment.get("secrets") or {}, "The task's secrets"),
+            }
+        except task_environment.NameRefused as error:
+            raise Refused(f"The task's environment cannot be set: {error}", permanent=True) from None
+        template = self.settings.template_for(str(assignment.get("compute_resource") or ""))
+        try:
+            manifests = pods.render(
+                template,
+                assignment,
+                self.settings.cluster,
+                tenant=str(assignment.get("tenant") or ""),
+                environment=environment,
+            )
+        except pods.PodTemplateInvalid as error:
+            raise Refused(str(error), permanent=True) from None
+        name = manifests.job["metadata"]["name"]
+        try:
+            await self._create(manifests)
+        except ApiProblem as problem:
+            self.problem = str(problem)
+            with contextlib.suppress(ApiProblem):  # nothing of a run that was not made is left behind
+                await self._call(self.api.delete, "Secret", name, verb="delete", resource="secrets")
+            raise Refused(f"The Job was not created: {problem}", permanent=problem.permanent) from None
+        self.problem = ""
+        user = str(assignment.get("user") or "")
+        self.state.add_job(JobRecord(task_id, name, self.settings.cluster.namespace, user))
+        logger.info("task %s is Job %s in namespace %s", task_id, name, self.settings.cluster.namespace)
+        await report(task_id, "status", {"state": "pending", "reason": "submitted", "job_id": name}, None)
+        self.state.job_seen(task_id, "pending|submitted")
+        self.changed.set()
+
+    async def _create(self, manifests: pods.Manifests) -> None:
+        """The Secret first (the pods need it), the Service, then the Job, which then owns the other two.
+        One that exists already is this run's own (the name carries the lease): an assignment repeated."""
+        name = manifests.job["metadata"]["name"]
+        if await self._create_one(manifests.secret, "secrets") is None:
+            await self._call(self.api.replace_secret, manifests.secret, verb="replace", resource="secrets")
+        if manifests.service is not None:
+            await self._create_one(manifests.service, "services")
+        job = await self._create_one(manifests.job, "jobs") or {}
+        for kind in ("Secret", "Service") if manifests.service is not None else ("Secret",):
+            with contextlib.suppress(ApiProblem):  # the agent deletes them itself anyway
+                await self._call(self.api.own, kind, name, job, verb="patch", resource=kind.lower() + "s")
+
+    async def _create_one(self, manifest: Mapping[str, Any], resource: str) -> dict[str, Any] | None:
+        """The object as created, or None where it exists already."""
+        from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
+
+        try:
+            return await asyncio.to_thread(self.api.create, manifest)
+        except ApiException as error:
+            if error.status == 409:
+                return None
+            raise explain(
+                error, "create", resource, self.settings.cluster.namespace, self.api.where
+            ) from None
+        except Exception as error:  # the API server unreachable, a timeout
+            raise explain(
+                error, "create", resource, self.settings.cluster.namespace, self.api.where
+            ) from None
+
+    # Following ------------------------------------------------------------------------------------------
+
+    def adopt(self, report: Report) -> list[str]:
+        """Follow the Jobs a previous agent process made: those in its state now, and, once the Jobs are
+        listed, those it labelled but did not live to record."""
+        self._follow(report)
+        return self.running()
+
+    def _follow(self, report: Report) -> None:
+        self.reporter = report
+        if self.workers and not all(worker.done() for worker in self.workers):
+            return
+        self.loop = asyncio.get_running_loop()
+        self.closing.clear()
+        for kind in ("Job", "Pod"):  # their own threads: a watch holds one for as long as it lasts
+            threading.Thread(
+                target=self._watch_forever, args=(kind,), name=f"watch-{kind}", daemon=True
+            ).start()
+        self.workers = [asyncio.create_task(self._follow_forever())]
+
+    def _post(self, function: Callable[..., None], *args: Any) -> None:
+        if self.loop is not None and not self.loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(function, *args)
+
+    def _watch_forever(self, kind: str) -> None:
+        """In a thread: list the kind, then watch it from the listing's version; after a drop watch on
+        from the last version seen, and list again on 410 Gone."""
+        from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
+
+        version, failures = "", 0
+        while not self.closing.is_set():
+            try:
+                if not version:
+                    items, version = self.api.listing(kind)
+                    self._post(self._synced, kind, items)
+                for kind_of_event, item in self.api.watch(
+                    kind, version, self.settings.watch_seconds, self.watchers[kind]
+                ):
+                    if self.closing.is_set():
+                        return
+                    version = str((item.get("metadata") or {}).get("resourceVersion") or version)
+                    if kind_of_event in ("ADDED", "MODIFIED", "DELETED"):
+                        self._post(self._event, kind, kind_of_event, item)
+                failures = 0
+            except ApiException as error:
+                if error.status == 410:
+                    version = ""  # too old to watch from: list again
+                    continue
+                failures += 1
+                self._post(
+                    self._trouble,
+                    str(explain(error, "watch", kind.lower() + "s", self.api.namespace, self.api.where)),
+                )
+                version = "" if failures > 3 else version
+                self.closing.wait(min(30.0, 0.5 * 2**failures))
+            except Exception as error:  # a cut connection, a timeout: watch on from where it was
+                if self.closing.is_set():
+                    return
+                failures += 1
+                self._post(
+                    self._trouble,
+                    str(explain(error, "watch", kind.lower() + "s", self.api.namespace, self.api.where)),
+                )
+                self.closing.wait(min(30.0, 0.2 * 2**failures))
+
+    def _synced(self, kind: str, items: list[dict[str, Any]]) -> None:
+        store = self.seen_jobs if kind == "Job" else self.seen_pods
+        store.clear()
+        store.update({_name(item): item for item in items})
+        self.synced.add(kind)
+        self.problem = ""
+        if kind == "Job":
+            self._adopt_labelled()
+        self.changed.set()
+
+    def _event(self, kind: str, event: str, item: dict[str, Any]) -> None:
+        store = self.seen_jobs if kind == "Job" else self.seen_pods
+        if event == "DELETED":
+            store.pop(_name(item), None)
+        else:
+            store[_name(item)] = item
+        self.changed.set()
+
+    def _trouble(self, problem: str) -> None:
+        if problem != self.problem:
+            logger.warning("%s", problem)
+        self.problem = problem
+
+    def _adopt_labelled(self) -> None:
+        """Jobs this agent labelled for a run it holds but never recorded (it was killed between creating
+        the Job and recording it): recorded now, so they are followed, not made again."""
+        recorded = {job.task_id for job in self.state.jobs()}
+        for name, job in self.seen_jobs.items():
+            labels = _labels(job)
+            task = labels.get("klique.io/task", "")
+            lease = self.state.lease(task) if task else ""
+            if (
+                task
+                and task not in recorded
+                and lease
+                and pods.label_value(lease) == labels.get("klique.io/lease")
+            ):
+                annotations = (job.get("metadata") or {}).get("annotations") or {}
+                self.state.add_job(
+                    JobRecord(
+                        task,
+                        name,
+                        self.settings.cluster.namespace,
+                        str(annotations.get("klique.io/submitter") or ""),
+                    )
+                )
+                logger.info("adopted Job %s of task %s", name, task)
+
+    async def _follow_forever(self) -> None:
+        while not self.closing.is_set():
+            self.changed.clear()
+            try:
+                await self.look()
+            except Exception:  # a surprise in one pass must not stop the following of every Job
+                logger.exception("following the Kubernetes Jobs failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), timeout=self.settings.poll_seconds)
+
+    def pods_of(self, record: JobRecord) -> list[dict[str, Any]]:
+        return [
+            pod
+            for pod in self.seen_pods.values()
+            if any(_labels(pod).get(label) == record.job_id for label in JOB_NAME_LABELS)
+        ]
+
+    async def look(self) -> None:
+        """One pass over Klique's Jobs: read new log lines, report what changed, end what ended."""
+        if self.reporter is None or {"Job", "Pod"} - self.synced:
+            return
+        records = self.state.jobs()
+        await asyncio.gather(
+            *(self._look_at(record) for record in records if record.task_id not in self.ending)
+        )
+
+    async def _look_at(self, record: JobRecord) -> None:  # noqa: PLR0911 -- one return per outcome
+        assert self.reporter is not None
+        job, task_pods = self.seen_jobs.get(record.job_id), self.pods_of(record)
+        await self._read_logs(record, task_pods)
+        if job is None:
+            if record.stopping and not any(_alive(pod) for pod in task_pods):
+                await self._end(record, Seen("ended", "stopped", _exit(task_pods).exit_code), task_pods)
+            elif not record.stopping:
+                gone = Seen(
+                    "ended",
+                    "deleted",
+                    None,
+                    (
+                        f"kubernetes: Job {record.job_id} was deleted outside "
+                        "Klique (kubectl delete?); the task ended with it",
+                    ),
+                )
+                await self._end(record, gone, task_pods)
+            return
+        seen = what_is_seen(job, task_pods, local_queue=self.settings.cluster.local_queue)
+        if record.stopping:
+            if seen.state == "ended":
+                await self._end(record, seen, task_pods)
+            return
+        if seen.state == "ended":
+            await self._end(record, seen, task_pods)
+            return
+        if seen.state == "failed":
+            await self._give_up(record, seen.reason, task_pods)
+            return
+        waited = self._waited(record.task_id, seen.state)
+        if seen.state == "image" and waited > self.settings.image_pull_seconds:
+            await self._give_up(record, f"{seen.reason} (for {waited:.0f} s)", task_pods)
+            return
+        if seen.state == "gang" and waited > self.settings.gang_seconds:
+            await self._requeue(
+                record,
+                f"only part of the multi-node job could be placed for {waited:.0f} s "
+                f"({seen.reason}); it was taken back so it holds no GPUs",
+            )
+            return
+        if seen.state == "pending" and record.last.startswith("running|"):
+            return  # a pod done before the Job's verdict: still running, as far as the task goes
+        if seen.key != record.last:
+            body: dict[str, Any] = {
+                "state": "running" if seen.state == "running" else "pending",
+                "job_id": record.job_id,
+                "cluster_state": seen.state,
+            }
+            if seen.state != "running":
+                body["reason"] = seen.reason
+            await self.reporter(record.task_id, "status", body, None)
+            self.state.job_seen(record.task_id, seen.key)
+
+    def _waited(self, task_id: str, kind: str) -> float:
+        now = time.monotonic()
+        last = self.since.get(task_id)
+        if last is None or last[0] != kind:
+            self.since[task_id] = (kind, now)
+            return 0.0
+        return now - last[1]
+
+    async def _read_logs(self, record: JobRecord, task_pods: list[dict[str, Any]]) -> None:
+        assert self.reporter is not None
+        many = (
+            len(task_pods) > 1
+            or int(((self.seen_jobs.get(record.job_id) or {}).get("spec") or {}).get("completions") or 1) > 1
+        )
+        for pod in sorted(task_pods, key=_index):
+            if not _started(pod):
+                continue
+            name = _name(pod)
+            cursor = self.state.log_cursor(record.task_id, name)
+            try:
+                text = await self._call(self.api.log, name, cursor.since, verb="read", resource="pods/log")
+            except ApiProblem as problem:
+                if problem.status != 404:
+                    self._trouble(str(problem))
+                continue
+            lines, after = log_lines(text, cursor)
+            if lines:
+                stream = f"rank-{_index(pod)}" if many else "stdout"
+                pieces = [piece for line in lines for piece in split_lines(line)]
+                await self.reporter(record.task_id, "log", {"stream": stream, "lines": pieces}, after)
+
+    async def _end(self, record: JobRecord, seen: Seen, task_pods: list[dict[str, Any]]) -> None:
+        """The Job ended: its last log lines, its outputs, its result; then its Secret and Service go."""
+        assert self.reporter is not None
+        self.ending.add(record.task_id)
+        try:
+            await self._read_logs(record, task_pods)
+            if seen.lines:
+                await self.reporter(
+                    record.task_id, "log", {"stream": "cluster", "lines": list(seen.lines)}, None
+                )
+            uploaded, failed = await self._upload_outputs(record)
+            cluster = {
+                "scheduler": "kubernetes",
+                "job_id": record.job_id,
+                "namespace": record.folder,
+                "state": seen.reason or seen.state,
+            }
+            result = {
+                "exit_code": seen.exit_code,
+                "stopped": record.stopping,
+                "outputs": uploaded,
+                "outputs_failed": failed,
+                "cluster": cluster,
+            }
+            await self.reporter(record.task_id, "result", result, None)
+            self.state.remove_job(record.task_id)
+            self.since.pop(record.task_id, None)
+            await self._clean(record.job_id, job=False)
+        finally:
+            self.ending.discard(record.task_id)
+
+    async def _clean(self, name: str, *, job: bool) -> None:
+        """The run's Secret and Service (and its Job, when asked) are deleted; the Job itself otherwise
+        stays until its TTL, for `kubectl describe`."""
+        kinds = ("Secret", "Service", "Job") if job else ("Secret", "Service")
+        for kind in kinds:
+            try:
+                await self._call(self.api.delete, kind, name, verb="delete", resource=kind.lower() + "s")
+            except ApiProblem as problem:
+                logger.warning("%s %s was not deleted: %s", kind, name, problem)
+
+    async def _give_up(self, record: JobRecord, reason: str, task_pods: list[dict[str, Any]]) -> None:
+        """The task cannot run as asked (an image that cannot be pulled): its Job goes, the task fails."""
+        await self._delete_pods(record, task_pods, grace=0)
+        line = f"kubernetes: the task cannot start: {reason}"
+        await self._end(record, Seen("ended", "cannot start", None, (line,)), [])
+        await self._clean(record.job_id, job=True)
+
+    async def _requeue(self, record: JobRecord, reason: str) -> None:
+        """Give the task back to Klique's queue: its Job goes at once, nothing of it runs on."""
+        assert self.reporter is not None
+        await self._delete_pods(record, self.pods_of(record), grace=0)
+        await self._clean(record.job_id, job=True)
+        await self.reporter(
+            record.task_id, "log", {"stream": "cluster", "lines": [f"kubernetes: {reason}"]}, None
+        )
+        await self.reporter(
+            record.task_id,
+            "result",
+            {"exit_code": None, "requeue": True, "reason": reason, "stopped": False, "outputs": []},
+            None,
+        )
+        self.state.remove_job(record.task_id)
+        self.since.pop(record.task_id, None)
+
+    async def _upload_outputs(self, record: JobRecord) -> tuple[list[str], list[dict[str, str]]]:
+        """The files the task wrote to its folder on the work volume that match its declared outputs.
+        Without a work volume they cannot be read: each declared pattern is said to be not stored."""
+        patterns = [str(pattern) for pattern in self._outputs.get(record.task_id, [])]
+        return await upload_outputs(self.settings.outputs_dir, record, patterns, self.upload, self.reporter)
+
+    @property
+    def _outputs(self) -> dict[str, list[str]]:
+        found: dict[str, list[str]] = {}
+        for job in self.seen_jobs.values():
+            task = _labels(job).get("klique.io/task", "")
+            annotation = ((job.get("metadata") or {}).get("annotations") or {}).get("klique.io/outputs")
+            if task and annotation:
+                with contextlib.suppress(ValueError):
+                    found[task] = list(json.loads(annotation))
+        return found
+
+    # Stopping -------------------------------------------------------------------------------------------
+
+    async def stop(self, task_id: str, grace_seconds: float) -> None:
+        """Delete the task's pods with the grace period (SIGTERM, then SIGKILL after it), and its Job."""
+        record = next((job for job in self.state.jobs() if job.task_id == task_id), None)
+        if record is None:
+            return
+        self.state.job_stopping(task_id)
+        task_pods = self.pods_of(record)
+        waiting = not any((pod.get("status") or {}).get("phase") == "Running" for pod in task_pods)
+        grace = 0 if waiting else max(0, int(grace_seconds))
+        try:  # the Job first, orphaning its pods, so no controller starts another while they stop
+            await self._call(
+                self.api.delete, "Job", record.job_id, propagation="Orphan", verb="delete", resource="jobs"
+            )
+        except ApiProblem as problem:
+            logger.warning("the Job %s was not deleted: %s", record.job_id, problem)
+        await self._delete_pods(record, task_pods, grace=grace)
+        self.changed.set()
+
+    async def _delete_pods(self, record: JobRecord, task_pods: list[dict[str, Any]], *, grace: int) -> None:
+        for pod in task_pods:
+            try:
+                await self._call(
+                    self.api.delete, "Pod", _name(pod), grace=grace, verb="delete", resource="pods"
+                )
+            except ApiProblem as problem:
+                logger.warning("pod %s of task %s was not deleted: %s", _name(pod), record.task_id, problem)
+
+    async def stop_all(self, grace_seconds: float) -> None:
+        """An agent that stops leaves its Jobs to the cluster; the next agent adopts them."""
+        self.closing.set()
+        for stopper in self.watchers.values():
+            for response in list(stopper):
+                # Closing a response that another thread reads blocks on that thread; shutting its socket
+                # down wakes the reader, which sees `closing` and ends.
+                sock = getattr(getattr(response, "connection", None), "sock", None)
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+        for worker in self.workers:
+            worker.cancel()
+
+
+def _alive(pod: Mapping[str, Any]) -> bool:
+    return (pod.get("status") or {}).get("phase") in ("Pending", "Running", None)
+
+
+def _started(pod: Mapping[str, Any]) -> bool:
+    state = _main_status(pod).get("state") or {}
+    return "running" in state or "terminated" in state
+
+
+async def upload_outputs(
+    folder_root: Path | None,
+    record: JobRecord,
+    patterns: list[str],
+    upload: Upload | None,
+    report: Report | None,
+) -> tuple[list[str], list[dict[str, str]]]:
+    if not patterns:
+        return [], []
+    if folder_root is None:
+        why = "the agent has no work volume (outputs_dir and work_volume in [agent.kubernetes])"
+        return [], [{"name": pattern, "error": why} for pattern in patterns]
+    folder = folder_root / record.task_id
+    names = sorted(
+        {
+            str(path.relative_to(folder))
+            for pattern in patterns
+            for path in folder.glob(pattern)
+            if path.is_file() and path.resolve().is_relative_to(folder.resolve())
+        }
+    )
+    uploaded: list[str] = []
+    failed: list[dict[str, str]] = []
+    for name in names:
+        if upload is None:
+            break
+        try:
+            await upload(record.task_id, name, folder / name)
+            uploaded.append(name)
+        except Exception as error:  # the result still goes out, saying what could not be stored
+            failed.append({"name": name, "error": str(error)[:500]})
+            if report is not None:
+                lines = [f"klique: output {name} was not stored: {error}; it is kept on the work volume"]
+                await report(record.task_id, "log", {"stream": "klique", "lines": lines}, None)
+    return uploaded, failed
+
+
+def _quantity(value: object) -> float:
+    """A Kubernetes quantity as a number ("4", "3500m", "2k")."""
+    text = str(value or "0")
+    units = {"m": 0.001, "k": 1e3, "M": 1e6, "G": 1e9, "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3}
+    for suffix in sorted(units, key=len, reverse=True):
+        if text.endswith(suffix):
+            try:
+                return float(text[: -len(suffix)]) * units[suffix]
+            except ValueError:
+                return 0.0
+    try:
+        return float(text)
+    except ValueError:
+        return 0.0
+
+
+def capacity_of(nodes: list[dict[str, Any]], running: list[dict[str, Any]]) -> dict[str, Any]:
+    """The capacity message of a cluster: nodes, CPUs (those requested by running pods), and per GPU class
+    (the node's `nvidia.com/gpu.product` label, else its resource name) and MIG profile, how many are
+    allocatable and how many running pods ask for."""
+    cpus, cpus_in_use, ready = 0.0, 0.0, 0
+    gpus: dict[tuple[str, str], list[int]] = {}
+    node_class: dict[str, str] = {}
+    for node in nodes:
+        name = _name(node)
+        status = node.get("status") or {}
+        if (node.get("spec") or {}).get("unschedulable"):
+            continue
+        ready += 1
+        allocatable = status.get("allocatable") or {}
+        cpus += _quantity(allocatable.get("cpu"))
+        product = _labels(node).get("nvidia.com/gpu.product", "")
+        node_class[name] = product
+        for resource, amount in allocatable.items():
+            if GPU_RESOURCE.fullmatch(str(resource)) and _quantity(amount) > 0:
+                gpus.setdefault((product or resource, resource), [0, 0])[0] += int(_quantity(amount))
+    for pod in running:
+        product = node_class.get(str((pod.get("spec") or {}).get("nodeName") or ""), "")
+        for container in (pod.get("spec") or {}).get("containers") or []:
+            resources = container.get("resources") or {}
+            asked = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+            cpus_in_use += _quantity(asked.get("cpu"))
+            for resource, amount in asked.items():
+                if GPU_RESOURCE.fullmatch(str(resource)):
+                    gpus.setdefault((product or resource, resource), [0, 0])[1] += int(_quantity(amount))
+    return {
+        "nodes": ready,
+        "cpus": round(cpus),
+        "cpus_in_use": min(round(cpus), round(cpus_in_use)),
+        "gpus": [
+            {"class": gpu_class, "resource": resource, "allocatable": counts[0], "allocated": counts[1]}
+            for (gpu_class, resource), counts in sorted(gpus.items())
+        ],
+    }

@@ -1,0 +1,555 @@
+"""Pod templates for Kubernetes: a task rendered into a `batch/v1` Job, its Secret and, for a multi-node
+task, the headless Service its pods meet through.
+
+A compute resource's pod template is YAML shaped like a pod template (`metadata` with labels and
+annotations, `spec` a PodSpec): node selectors, tolerations, affinity, a priority class, a service account,
+a `schedulerName` with its gang annotations, volumes, an image. Klique owns the rest and merges it in:
+
+- the Job: its name, namespace, labels and annotations (tenant, task, lease, submitter), `backoffLimit: 0`
+  (a failed attempt is the plane's to retry), `ttlSecondsAfterFinished`, `suspend` and the Kueue queue
+  label where the pool names a LocalQueue, and for a multi-node task an Indexed Job of one pod per node;
+- the task's container (the one named `main`, else the first): its command, its GPUs from the task's size
+  (whole GPUs, a MIG slice, or a share of one: see `gpu_limits`), Klique's variables, and the task's
+  environment and secrets from the task's Secret (`envFrom`), never as values in the pod spec;
+- `restartPolicy: Never`, the shared file system at the same path as on every pool, the task's folder on
+  the work volume, and an `emptyDir` scratch.
+
+Placeholders `${name}` (see VARIABLES) are replaced inside string values only, after the YAML is parsed,
+so a value can never change the document's structure; `$${` writes a literal `${`. The template may not use
+anchors or aliases (a few lines of them expand to gigabytes), must be at most MAX_TEMPLATE_BYTES, and may
+not name GPUs other than what the task's profile counts. Every refusal names the template and the line.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from protocol.units import UNITS_PER_GPU
+
+KUBERNETES_VERSION = "1.34"  # the API the manifests are validated against (kubernetes-validate's schemas)
+MAX_TEMPLATE_BYTES = 64 * 1024
+MAIN_CONTAINER = "main"
+WORK_PATH = "/klique"  # the task's folder is WORK_PATH/<task id> on the work volume
+SCRATCH_PATH = "/scratch"
+RENDEZVOUS_PORT = 29500  # torch.distributed's default
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # on each pod of an Indexed Job
+
+VARIABLES = {
+    "task_id": "the task's id",
+    "task_name": "the task's name as its submitter gave it",
+    "job_name": "the Job's name (also the headless Service's, for multi-node tasks)",
+    "namespace": "the namespace the Job is created in",
+    "lease_id": "the run's lease",
+    "user": "the submitter's user name",
+    "project": "the task's project, or empty",
+    "compute_resource": "the compute resource the task was submitted to",
+    "image": "the task's image (its spec's `image`), else the agent's default image",
+    "gpus": "GPUs per node, whole or a fraction (`0.5`)",
+    "nodes": "how many nodes (pods) the task spans",
+}
+
+DEFAULT_TEMPLATE = """\
+metadata:
+  labels: {}
+spec:
+  containers:
+    - name: main
+      image: ${image}
+"""
+
+# Resources that are GPUs, whatever the vendor or slicing: only Klique sets them.
+GPU_RESOURCE = re.compile(r"(nvidia\.com/(gpu(\.shared)?|mig-[a-z0-9.]+)|amd\.com/gpu|gpu\.intel\.com/\w+)")
+PLACEHOLDER = re.compile(r"\$(\$\{|\{([A-Za-z_][A-Za-z0-9_]*)\})")
+LABEL_VALUE = re.compile(r"[^A-Za-z0-9_.-]+")
+NAME_PIECE = re.compile(r"[^a-z0-9-]+")
+
+
+class PodTemplateInvalid(ValueError):
+    """A template that cannot be used: the message names the template and the line."""
+
+    def __init__(self, template: str, line: int | None, problem: str) -> None:
+        where = f"line {line}" if line else "the template"
+        super().__init__(f"Pod template {template!r}, {where}: {problem}")
+        self.template, self.line, self.problem = template, line, problem
+
+
+class ManifestRefused(ValueError):
+    """A rendered manifest the Kubernetes schema refuses; `path` is where in it."""
+
+    def __init__(self, problem: str, path: tuple[str | int, ...]) -> None:
+        super().__init__(f"{'.'.join(str(step) for step in path) or 'the manifest'}: {problem}")
+        self.problem, self.path = problem, path
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """What rendering needs to know of the cluster and the pool (the agent's configuration)."""
+
+    namespace: str = "default"
+    agent: str = "klique-agent"  # this agent's label value: its objects carry it
+    gpu_resource: str = "nvidia.com/gpu"  # amd.com/gpu on AMD clusters
+    shared_gpu_resource: str = "nvidia.com/gpu.shared"  # the device plugin's time-sliced GPUs
+    local_queue: str = ""  # Kueue's LocalQueue for this pool's Jobs; "" where Kueue is not used
+    ttl_seconds_after_finished: int = 3600
+    default_image: str = "python:3.11-slim"
+    shared_path: str = ""  # the shared file system's path, the same on every pool
+    shared_volume: Mapping[str, Any] = field(default_factory=dict)  # its volume source, e.g. a PVC
+    work_volume: Mapping[str, Any] = field(default_factory=dict)  # where outputs are written; the agent
+    # mounts the same volume, so it can upload them. Without one, outputs cannot be collected.
+    scratch_size: str = ""  # the emptyDir's sizeLimit, e.g. "100Gi"; "" for none
+
+
+# Parsing -------------------------------------------------------------------------------------------------
+
+
+class _NoAliases(yaml.SafeLoader):
+    """SafeLoader that refuses anchors and aliases: the billion-laughs expansion has no way in."""
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        event = self.peek_event()  # type: ignore[no-untyped-call]
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+            raise yaml.MarkedYAMLError(
+                problem="anchors and aliases (& and *) are not allowed in a pod template",
+                problem_mark=event.start_mark,
+            )
+        return super().compose_node(parent, index)
+
+
+@dataclass(frozen=True)
+class Template:
+    """A parsed pod template: its YAML nodes, kept with their lines, so every error can name one."""
+
+    name: str
+    root: yaml.MappingNode
+
+    @classmethod
+    def parse(cls, name: str, text: str) -> Template:
+        if len(text.encode()) > MAX_TEMPLATE_BYTES:
+            raise PodTemplateInvalid(name, None, f"it is over {MAX_TEMPLATE_BYTES // 1024} KiB.")
+        try:
+            root = yaml.compose(text, Loader=_NoAliases)
+        except yaml.MarkedYAMLError as error:
+            line = error.problem_mark.line + 1 if error.problem_mark else None
+            raise PodTemplateInvalid(name, line, f"it is not valid YAML: {error.problem}.") from None
+        except yaml.YAMLError as error:
+            raise PodTemplateInvalid(name, None, f"it is not valid YAML: {error}.") from None
+        if root is None:
+            root = yaml.compose(DEFAULT_TEMPLATE, Loader=_NoAliases)
+        if not isinstance(root, yaml.MappingNode):
+            line = root.start_mark.line + 1 if root is not None else None
+            raise PodTemplateInvalid(name, line, "it must be a mapping with metadata and spec.")
+        template = cls(name, root)
+        unknown = sorted(set(_placeholders(root)) - set(VARIABLES))
+        if unknown:
+            line, variable = min(
+                (line, variable) for variable, line in _placeholders(root).items() if variable in unknown
+            )
+            raise PodTemplateInvalid(
+                name, line, f"unknown variable ${{{variable}}}; it may use {', '.join(sorted(VARIABLES))}."
+            )
+        built, _ = template.render(dict.fromkeys(VARIABLES, "0"))
+        for key in built:
+            if key not in ("metadata", "spec"):
+                raise PodTemplateInvalid(
+                    name, template.line(key), f"{key!r} is not part of a pod template (metadata, spec)."
+                )
+        if not isinstance(built.get("spec") or {}, dict) or not isinstance(built.get("metadata") or {}, dict):
+            raise PodTemplateInvalid(name, None, "metadata and spec must be mappings.")
+        return template
+
+    def line(self, *path: str | int) -> int:
+        """The template's line of the deepest node on the path that it has (1 for the top)."""
+        node: yaml.Node = self.root
+        for step in path:
+            if isinstance(node, yaml.MappingNode) and isinstance(step, str):
+                found = next((value for key, value in node.value if key.value == step), None)
+            elif isinstance(node, yaml.SequenceNode) and isinstance(step, int) and step < len(node.value):
+                found = node.value[step]
+            else:
+                found = None
+            if found is None:
+                break
+            node = found
+        return int(node.start_mark.line) + 1
+
+    def render(self, values: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, int]]:
+        """The template as data, its placeholders replaced; and the line of each placeholder used."""
+        used: dict[str, int] = {}
+        built = _build(self.name, self.root, values, used)
+        return (built if isinstance(built, dict) else {}), used
+
+
+def _placeholders(node: yaml.Node, found: dict[str, int] | None = None) -> dict[str, int]:
+    found = {} if found is None else found
+    if isinstance(node, yaml.ScalarNode):
+        for match in PLACEHOLDER.finditer(str(node.value)):
+            if match.group(2):
+                found.setdefault(match.group(2), node.start_mark.line + 1)
+    elif isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            _placeholders(key, found)
+            _placeholders(value, found)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _placeholders(item, found)
+    return found
+
+
+_SCALARS = yaml.SafeLoader("")  # constructs plain scalars (ints, bools, nulls) as YAML 1.1 reads them
+
+
+def _build(name: str, node: yaml.Node, values: Mapping[str, str], used: dict[str, int]) -> Any:
+    line = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        built: dict[str, Any] = {}
+        for key, value in node.value:
+            if not isinstance(key, yaml.ScalarNode):
+                raise PodTemplateInvalid(name, key.start_mark.line + 1, "keys must be plain text.")
+            key_text = str(key.value)
+            if key_text in built:
+                raise PodTemplateInvalid(name, key.start_mark.line + 1, f"{key_text!r} is given twice.")
+            if key_text == "<<":
+                raise PodTemplateInvalid(name, key.start_mark.line + 1, "merge keys (<<) are not allowed.")
+            built[key_text] = _build(name, value, values, used)
+        return built
+    if isinstance(node, yaml.SequenceNode):
+        return [_build(name, item, values, used) for item in node.value]
+    assert isinstance(node, yaml.ScalarNode)
+    if node.tag != "tag:yaml.org,2002:str":
+        try:
+            return _SCALARS.construct_object(node)
+        except yaml.constructor.ConstructorError as error:
+            raise PodTemplateInvalid(name, line, f"{error.problem}.") from None
+
+    def replace(match: re.Match[str]) -> str:
+        if match.group(1) == "${":
+            return "${"
+        variable = match.group(2)
+        used.setdefault(variable, line)
+        if variable not in values:
+            raise PodTemplateInvalid(
+                name, line, f"unknown variable ${{{variable}}}; it may use {', '.join(sorted(VARIABLES))}."
+            )
+        return str(values[variable])
+
+    return PLACEHOLDER.sub(replace, str(node.value))
+
+
+# Rendering -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Manifests:
+    job: dict[str, Any]
+    secret: dict[str, Any]
+    service: dict[str, Any] | None  # the headless Service of a multi-node task
+
+
+def job_name(task_id: str, lease_id: str) -> str:
+    """`k-<task>-<lease>`: one name per run, at most 52 characters, a DNS label (Service names too)."""
+    task = NAME_PIECE.sub("", task_id.lower())[:36] or "task"
+    lease = NAME_PIECE.sub("", lease_id.lower())[:8] or "0"
+    return f"k-{task}-{lease}".strip("-")
+
+
+def label_value(text: str) -> str:
+    """Text as a label value: at most 63 of letters, digits, `-_.`, starting and ending alphanumeric."""
+    cleaned = LABEL_VALUE.sub("-", text)[:63]
+    return cleaned.strip("-_.")
+
+
+def gpus_per_node(assignment: Mapping[str, Any]) -> tuple[int, int]:
+    """(units per node, nodes) of the task's size; a size that does not split evenly over its nodes is
+    refused, as the batch systems refuse it."""
+    units, nodes = int(assignment.get("size_units") or 0), max(1, int(assignment.get("nodes") or 1))
+    if nodes > 1 and units % (UNITS_PER_GPU * nodes):
+        raise ValueError(
+            f"{units / UNITS_PER_GPU:g} GPUs do not split evenly over {nodes} nodes in whole GPUs."
+        )
+    return units // nodes, nodes
+
+
+def gpu_limits(assignment: Mapping[str, Any], settings: ClusterSettings) -> tuple[dict[str, str], str]:
+    """The container's GPU limits for the task's size, and the memory fraction of a shared GPU ("" else).
+
+    Whole GPUs are `gpu_resource: N`; a MIG slice is `nvidia.com/mig-<profile>: 1`; a fraction of a GPU is
+    one `shared_gpu_resource` (the NVIDIA device plugin's time-sliced GPU, renamed `.shared`), with the
+    share in KLIQUE_GPU_MEMORY_FRACTION for frameworks that cap their memory, as on bare metal."""
+    units, _ = gpus_per_node(assignment)
+    if units <= 0:
+        return {}, ""
+    if assignment.get("sharing") == "mig" and assignment.get("mig_profile"):
+        profile = str(assignment["mig_profile"]).lower()
+        if not re.fullmatch(r"[0-9]+g\.[0-9]+gb(\+[a-z]+)?", profile):
+            raise ValueError(f"MIG profile {profile!r} is not one Kubernetes names (like 1g.10gb).")
+        return {f"nvidia.com/mig-{profile}": "1"}, ""
+    if units % UNITS_PER_GPU:
+        return {settings.shared_gpu_resource: "1"}, f"{units / UNITS_PER_GPU:.4f}"
+    return {settings.gpu_resource: str(units // UNITS_PER_GPU)}, ""
+
+
+def values_for(assignment: Mapping[str, Any], settings: ClusterSettings) -> dict[str, str]:
+    spec = assignment.get("spec") or {}
+    units, nodes = gpus_per_node(assignment)
+    return {
+        "task_id": str(assignment["task_id"]),
+        "task_name": str(assignment.get("name") or ""),
+        "job_name": job_name(str(assignment["task_id"]), str(assignment.get("lease_id") or "")),
+        "namespace": settings.namespace,
+        "lease_id": str(assignment.get("lease_id") or ""),
+        "user": str(assignment.get("user") or ""),
+        "project": str(assignment.get("project") or ""),
+        "compute_resource": str(assignment.get("compute_resource") or ""),
+        "image": str(spec.get("image") or settings.default_image),
+        "gpus": f"{units / UNITS_PER_GPU:g}",
+        "nodes": str(nodes),
+    }
+
+
+def render(
+    template: Template,
+    assignment: Mapping[str, Any],
+    settings: ClusterSettings,
+    *,
+    tenant: str = "",
+    environment: Mapping[str, str] | None = None,
+) -> Manifests:
+    """The Job, Secret and Service of one run of the task. `environment` is the task's variables and
+    secrets, checked by the caller: they go into the Secret only. Raises PodTemplateInvalid."""
+    try:
+        values = values_for(assignment, settings)
+        limits, fraction = gpu_limits(assignment, settings)
+    except ValueError as error:
+        raise PodTemplateInvalid(template.name, None, str(error)) from None
+    _, nodes = gpus_per_node(assignment)
+    pod = copy.deepcopy(template.render(values)[0])
+    name = values["job_name"]
+    labels = {
+        "app.kubernetes.io/managed-by": "klique",
+        "klique.io/agent": label_value(settings.agent),
+        "klique.io/task": label_value(values["task_id"]),
+        "klique.io/lease": label_value(values["lease_id"]),
+        "klique.io/tenant": label_value(tenant),
+        "klique.io/submitter": label_value(values["user"]),
+    }
+    annotations = {
+        "klique.io/task-name": values["task_name"][:1000],
+        "klique.io/submitter": values["user"],
+        "klique.io/compute-resource": values["compute_resource"],
+        "klique.io/project": values["project"],
+    }
+    outputs = (assignment.get("spec") or {}).get("outputs") or []
+    if outputs:  # what the agent uploads from the task's folder when it ends, also after a restart
+        annotations["klique.io/outputs"] = json.dumps([str(pattern) for pattern in outputs])
+    metadata = _mapping(pod, "metadata")
+    metadata["labels"] = {**(metadata.get("labels") or {}), **labels}
+    metadata["annotations"] = {**(metadata.get("annotations") or {}), **annotations}
+    spec = _mapping(pod, "spec")
+    spec["restartPolicy"] = "Never"
+    if nodes > 1:
+        spec["subdomain"] = name  # pods are <job>-<index>.<job>: the headless Service's names
+    containers = _listed(spec, "containers")
+    if not containers:
+        containers.append({"name": MAIN_CONTAINER, "image": values["image"]})
+    index = next((at for at, item in enumerate(containers) if item.get("name") == MAIN_CONTAINER), 0)
+    _check_gpus(template, ("spec", "containers", index), containers[index], limits)
+    _main_container(containers[index], assignment, values, limits, fraction=fraction, settings=settings)
+    _volumes(spec, containers[index], values["task_id"], settings)
+    return Manifests(
+        job=_job(pod, name, labels, annotations, nodes=nodes, settings=settings),
+        secret={
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": name, "namespace": settings.namespace, "labels": labels},
+            "type": "Opaque",
+            "stringData": dict(environment or {}),
+        },
+        service=_service(name, labels, settings) if nodes > 1 else None,
+    )
+
+
+def _mapping(parent: dict[str, Any], key: str) -> dict[str, Any]:
+    value = parent.get(key)
+    parent[key] = value if isinstance(value, dict) else {}
+    return parent[key]  # type: ignore[no-any-return]
+
+
+def _listed(parent: dict[str, Any], key: str) -> list[Any]:
+    value = parent.get(key)
+    parent[key] = value if isinstance(value, list) else []
+    return parent[key]  # type: ignore[no-any-return]
+
+
+def _main_container(
+    main: dict[str, Any],
+    assignment: Mapping[str, Any],
+    values: Mapping[str, str],
+    limits: Mapping[str, str],
+    *,
+    fraction: str,
+    settings: ClusterSettings,
+) -> None:
+    """The task's command, its GPUs, Klique's variables and the task's Secret in the task's container."""
+    main.setdefault("image", values["image"])
+    command = (assignment.get("spec") or {}).get("command")
+    if command:
+        main["command"] = [str(word) for word in command]
+        main.pop("args", None)
+    resources = _mapping(main, "resources")
+    resources["limits"] = {**(resources.get("limits") or {}), **limits}
+    if resources.get("requests"):
+        resources["requests"] = {**resources["requests"], **limits}
+    task_id, name, nodes = values["task_id"], values["job_name"], int(values["nodes"])
+    klique_env: list[dict[str, Any]] = [
+        {"name": "KLIQUE_TASK_ID", "value": task_id},
+        {"name": "KLIQUE_WORK_DIR", "value": f"{WORK_PATH}/{task_id}"},
+        {"name": "KLIQUE_SCRATCH_DIR", "value": SCRATCH_PATH},
+    ]
+    if fraction:
+        klique_env.append({"name": "KLIQUE_GPU_MEMORY_FRACTION", "value": fraction})
+    if nodes > 1:
+        rank = {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}}
+        klique_env += [
+            {"name": "WORLD_SIZE", "value": str(nodes)},
+            {"name": "RANK", "valueFrom": rank},
+            {"name": "NODE_RANK", "valueFrom": rank},
+            {"name": "MASTER_ADDR", "value": f"{name}-0.{name}.{settings.namespace}.svc"},
+            {"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
+            {"name": "KLIQUE_GPUS_PER_NODE", "value": values["gpus"]},
+        ]
+    ours = {variable["name"] for variable in klique_env}
+    # The template's own variables stay, but not under Klique's names; env overrides envFrom.
+    main["env"] = [item for item in _listed(main, "env") if item.get("name") not in ours] + klique_env
+    main["envFrom"] = [*_listed(main, "envFrom"), {"secretRef": {"name": name}}]
+
+
+def _volumes(spec: dict[str, Any], main: dict[str, Any], task_id: str, settings: ClusterSettings) -> None:
+    """Scratch, the task's folder on the work volume, and the shared file system at its usual path."""
+    mounts, volumes = _listed(main, "volumeMounts"), _listed(spec, "volumes")
+    mounts.append({"name": "klique-scratch", "mountPath": SCRATCH_PATH})
+    scratch: dict[str, Any] = {"sizeLimit": settings.scratch_size} if settings.scratch_size else {}
+    volumes.append({"name": "klique-scratch", "emptyDir": scratch})
+    if settings.work_volume:
+        mounts.append({"name": "klique-work", "mountPath": f"{WORK_PATH}/{task_id}", "subPath": task_id})
+        volumes.append({"name": "klique-work", **copy.deepcopy(dict(settings.work_volume))})
+        main.setdefault("workingDir", f"{WORK_PATH}/{task_id}")
+    if settings.shared_path and settings.shared_volume:
+        mounts.append({"name": "klique-shared", "mountPath": settings.shared_path})
+        volumes.append({"name": "klique-shared", **copy.deepcopy(dict(settings.shared_volume))})
+
+
+def _job(
+    pod: dict[str, Any],
+    name: str,
+    labels: Mapping[str, str],
+    annotations: Mapping[str, str],
+    *,
+    nodes: int,
+    settings: ClusterSettings,
+) -> dict[str, Any]:
+    job_labels = dict(labels)
+    spec: dict[str, Any] = {
+        "backoffLimit": 0,  # a failed attempt is the plane's to retry, on whichever pool
+        "ttlSecondsAfterFinished": settings.ttl_seconds_after_finished,
+        "template": pod,
+    }
+    if nodes > 1:
+        spec.update(completionMode="Indexed", completions=nodes, parallelism=nodes)
+    if settings.local_queue:
+        job_labels["kueue.x-k8s.io/queue-name"] = settings.local_queue
+        spec["suspend"] = True  # Kueue admits it when the queue's quota allows
+    metadata = {
+        "name": name,
+        "namespace": settings.namespace,
+        "labels": job_labels,
+        "annotations": annotations,
+    }
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": spec}
+
+
+def _service(name: str, labels: Mapping[str, str], settings: ClusterSettings) -> dict[str, Any]:
+    """The headless Service of a multi-node task: `<job>-<index>.<job>` names each pod."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": settings.namespace, "labels": dict(labels)},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,  # rank 0 is found before every pod is ready
+            "selector": {key: labels[key] for key in ("klique.io/task", "klique.io/lease")},
+            "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT}],
+        },
+    }
+
+
+def _check_gpus(
+    template: Template, path: tuple[str | int, ...], container: Mapping[str, Any], limits: Mapping[str, str]
+) -> None:
+    """A template may name the task's GPUs only as the profile counts them."""
+    for part in ("limits", "requests"):
+        asked = ((container.get("resources") or {}).get(part)) or {}
+        for resource, amount in asked.items():
+            if GPU_RESOURCE.fullmatch(str(resource)) and str(limits.get(resource)) != str(amount):
+                counted = ", ".join(f"{value} {key}" for key, value in limits.items()) or "no GPU"
+                raise PodTemplateInvalid(
+                    template.name,
+                    template.line(*path, "resources", part, str(resource)),
+                    f"it asks for {amount} {resource} where the task's profile counts {counted} per node; "
+                    "leave GPUs out of the template: Klique sets them from the task's size.",
+                )
+
+
+def validate(manifest: Mapping[str, Any], version: str = KUBERNETES_VERSION) -> None:
+    """Check the manifest against the Kubernetes OpenAPI schema (strict: unknown fields are refused).
+    Raises ManifestRefused saying where and what."""
+    import kubernetes_validate  # noqa: PLC0415 -- the kubernetes extra; loads its schemas on first use
+
+    try:
+        kubernetes_validate.validate(dict(manifest), version, strict=True)
+    except kubernetes_validate.ValidationError as error:
+        raise ManifestRefused(str(error.message), tuple(error.path)) from None
+
+
+SAMPLE_ASSIGNMENT: dict[str, Any] = {
+    "task_id": "00000000-0000-0000-0000-000000000000",
+    "lease_id": "00000000-0000-0000-0000-000000000000",
+    "name": "sample",
+    "size_units": UNITS_PER_GPU,
+    "nodes": 1,
+    "user": "someone",
+    "spec": {"command": ["true"]},
+}
+
+
+def check(name: str, text: str, settings: ClusterSettings) -> Template:
+    """Parse the template and render it for a sample one-GPU and a sample two-node task, each manifest
+    validated against the schema: what the agent does with each template before it takes any work.
+    Returns the parsed template; raises PodTemplateInvalid naming the line."""
+    template = Template.parse(name, text)
+    for sample in (SAMPLE_ASSIGNMENT, {**SAMPLE_ASSIGNMENT, "size_units": 4 * UNITS_PER_GPU, "nodes": 2}):
+        manifests = render(template, sample, settings, tenant="sample", environment={"SAMPLE": "1"})
+        for manifest in (manifests.job, manifests.secret, manifests.service):
+            if manifest is None:
+                continue
+            try:
+                validate(manifest)
+            except ManifestRefused as refused:
+                path = refused.path
+                if manifest is manifests.job and path[:2] == ("spec", "template"):
+                    line = template.line(*path[2:])
+                else:
+                    line = None
+                raise PodTemplateInvalid(
+                    name,
+                    line,
+                    f"the {manifest['kind']} it makes is refused by Kubernetes {KUBERNETES_VERSION}: "
+                    f"{refused}.",
+                ) from None
+    return template

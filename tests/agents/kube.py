@@ -1,0 +1,323 @@
+"""A Kubernetes API for the tests: kmock's emulator on a real port, reached with the official client.
+
+The emulator keeps objects, serves lists, watches, fetches, merge patches and deletes; it runs no
+controllers. The tests stand in for them as a cluster would: `Kubelet` makes a Job's pods (the Job
+controller's part), places and runs them, writes their logs and ends them (the kubelet's part), and sets
+the Job's conditions. Beyond the emulator, this module serves pod logs (with `timestamps` and
+`sinceTime`, as the kubelet does), takes `watch=True` as the API server does (the emulator wants
+`true`), and can cut every open watch, answer the next watch with 410 Gone, or refuse a request as RBAC
+would (403).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import re
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp.web
+import attrs
+import kmock
+from kubernetes import client
+
+NAMESPACE = "ml"
+IMAGE = {"image": "python:3.11-slim", "imageID": "", "ready": True, "restartCount": 0}  # as a kubelet reports
+LOG_PATH = re.compile(r"/api/v1/namespaces/(?P<ns>[^/]+)/pods/(?P<pod>[^/]+)/log")
+
+
+@attrs.define(kw_only=True)
+class Emulator(kmock.KubernetesEmulator):
+    logs: dict[str, list[tuple[str, str]]] = attrs.field(factory=dict)  # pod -> (timestamp, line)
+    watches: set[asyncio.Task[Any]] = attrs.field(factory=set)
+    gone_next: int = 0  # how many next watches answer 410 Gone
+    refused: list[tuple[str, re.Pattern[str]]] = attrs.field(factory=list)  # (method, path) -> 403
+    seen: list[tuple[str, str, dict[str, str]]] = attrs.field(factory=list)  # (method, path, query)
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        if raw_request.query.get("watch") in ("True", "1"):  # the official client sends True
+            raw_request = raw_request.clone(rel_url=raw_request.rel_url.update_query(watch="true"))
+        self.seen.append((raw_request.method, raw_request.path, dict(raw_request.query)))
+        for method, path in self.refused:
+            if raw_request.method == method and path.fullmatch(raw_request.path):
+                return _status(
+                    403,
+                    "Forbidden",
+                    f"{raw_request.path} is forbidden: User "
+                    f'"system:serviceaccount:{NAMESPACE}:klique-agent" cannot {method.lower()} it',
+                )
+        log = LOG_PATH.fullmatch(raw_request.path)
+        if log and raw_request.method == "GET":
+            return self._log(log["pod"], raw_request.query)
+        if raw_request.query.get("watch") == "true":
+            if self.gone_next:
+                self.gone_next -= 1
+                gone = {
+                    "type": "ERROR",
+                    "object": {
+                        "kind": "Status",
+                        "apiVersion": "v1",
+                        "code": 410,
+                        "reason": "Expired",
+                        "message": "too old resource version",
+                    },
+                }
+                return aiohttp.web.Response(
+                    body=json.dumps(gone).encode() + b"\n", content_type="application/json"
+                )
+            task = asyncio.current_task()
+            assert task is not None
+            self.watches.add(task)
+            try:
+                return await super().__call__(raw_request)
+            finally:
+                self.watches.discard(task)
+        return await super().__call__(raw_request)
+
+    def _log(self, pod: str, query: Any) -> aiohttp.web.StreamResponse:
+        if pod not in self.logs:
+            return _status(404, "NotFound", f'pods "{pod}" not found')
+        since = str(query.get("sinceTime") or "")
+        stamped = query.get("timestamps") == "true"
+        lines = [
+            (f"{stamp} {line}" if stamped else line)
+            for stamp, line in self.logs[pod]
+            if not since or stamp[:19] >= since[:19]
+        ]
+        return aiohttp.web.Response(text="".join(f"{line}\n" for line in lines), content_type="text/plain")
+
+
+def _status(code: int, reason: str, message: str) -> aiohttp.web.Response:
+    body = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "code": code,
+        "reason": reason,
+        "message": message,
+    }
+    return aiohttp.web.json_response(body, status=code)
+
+
+@dataclass
+class Cluster:
+    """The emulator serving on 127.0.0.1 in its own thread and event loop."""
+
+    emulator: Emulator | None = None
+    url: str = ""
+    loop: asyncio.AbstractEventLoop | None = None
+    stopped: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+    def start(self) -> Cluster:
+        ready = threading.Event()
+
+        async def serve() -> None:
+            async with Emulator() as emulator, kmock.Server(emulator) as server:
+                for resource in ("batch/v1/jobs", "v1/pods", "v1/secrets", "v1/services", "v1/nodes"):
+                    emulator.resources[resource] = kmock.ResourceInfo()
+                self.emulator, self.url, self.loop = (
+                    emulator,
+                    str(server.url).rstrip("/"),
+                    asyncio.get_running_loop(),
+                )
+                ready.set()
+                while not self.stopped.is_set():
+                    await asyncio.sleep(0.05)
+
+        self.thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+        self.thread.start()
+        assert ready.wait(20), "the emulator did not start"
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and wait for it: kmock's client hooks are process-wide, one server at a time."""
+        self.stopped.set()
+        if self.thread is not None:
+            self.thread.join(20)
+
+    def call(self, function: Any) -> Any:
+        """Run `function()` in the emulator's loop (its state is the loop's alone)."""
+        assert self.loop is not None
+
+        async def inside() -> Any:
+            return function()
+
+        return asyncio.run_coroutine_threadsafe(inside(), self.loop).result(10)
+
+    def cut_watches(self) -> int:
+        """Drop every open watch, as a load balancer or an API server restart does."""
+        assert self.emulator is not None
+        emulator = self.emulator
+        return int(self.call([task.cancel() for task in list(emulator.watches)].__len__))
+
+    def requests(self, method: str, pattern: str) -> list[tuple[str, str, dict[str, str]]]:
+        assert self.emulator is not None
+        return [
+            item for item in list(self.emulator.seen) if item[0] == method and re.fullmatch(pattern, item[1])
+        ]
+
+    def api(self) -> client.ApiClient:
+        configuration = client.Configuration()
+        configuration.host = self.url
+        return client.ApiClient(configuration)
+
+
+def now() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%f000Z")
+
+
+class Kubelet:
+    """What a cluster's controllers and kubelets do to Klique's objects, through the API."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        api = cluster.api()
+        self.batch, self.core = client.BatchV1Api(api), client.CoreV1Api(api)
+
+    def jobs(self) -> list[dict[str, Any]]:
+        data = json.loads(self.batch.list_namespaced_job(NAMESPACE, _preload_content=False).data)
+        return list(data.get("items") or [])
+
+    def job(self, name: str) -> dict[str, Any]:
+        return dict(json.loads(self.batch.read_namespaced_job(name, NAMESPACE, _preload_content=False).data))
+
+    def secret(self, name: str) -> dict[str, Any]:
+        return dict(
+            json.loads(self.core.read_namespaced_secret(name, NAMESPACE, _preload_content=False).data)
+        )
+
+    def pods_of(self, job: str) -> list[dict[str, Any]]:
+        data = json.loads(self.core.list_namespaced_pod(NAMESPACE, _preload_content=False).data)
+        return [pod for pod in data.get("items") or [] if pod["metadata"]["labels"].get("job-name") == job]
+
+    def make_pods(self, job_name: str, *, terminating: bool = False) -> list[str]:
+        """The Job controller: one pod per completion index, with the template's labels and the job's.
+        `terminating`: a deleted pod stays (Terminating) until `terminated` says its kubelet stopped it,
+        as a real pod does for its grace period."""
+        job = self.job(job_name)
+        spec = job["spec"]
+        template = spec["template"]
+        names = []
+        for index in range(int(spec.get("completions") or 1)):
+            name = f"{job_name}-{index}-x{index}"
+            labels = {
+                **template["metadata"]["labels"],
+                "job-name": job_name,
+                "batch.kubernetes.io/job-name": job_name,
+                "batch.kubernetes.io/job-completion-index": str(index),
+            }
+            annotations = {
+                **template["metadata"].get("annotations", {}),
+                "batch.kubernetes.io/job-completion-index": str(index),
+            }
+            pod = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": name,
+                    "namespace": NAMESPACE,
+                    "labels": labels,
+                    "annotations": annotations,
+                    "finalizers": ["tests.klique.io/kubelet"] if terminating else [],
+                },
+                "spec": template["spec"],
+                "status": {"phase": "Pending"},
+            }
+            self.core.create_namespaced_pod(NAMESPACE, pod, _preload_content=False)
+            names.append(name)
+        return names
+
+    def patch_pod(self, name: str, status: dict[str, Any], spec: dict[str, Any] | None = None) -> None:
+        body: dict[str, Any] = {"status": status}
+        if spec:
+            body["spec"] = spec
+        self.core.patch_namespaced_pod(name, NAMESPACE, body, _preload_content=False)
+
+    def unschedulable(self, name: str, message: str) -> None:
+        condition = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}
+        self.patch_pod(name, {"phase": "Pending", "conditions": [condition]})
+
+    def run(self, name: str, node: str = "gpu-node-1") -> None:
+        self.patch_pod(
+            name,
+            {
+                "phase": "Running",
+                "conditions": [{"type": "PodScheduled", "status": "True"}],
+                "containerStatuses": [{"name": "main", "state": {"running": {"startedAt": now()}}, **IMAGE}],
+            },
+            {"nodeName": node},
+        )
+        assert self.cluster.emulator is not None
+        emulator = self.cluster.emulator
+        self.cluster.call(lambda: emulator.logs.setdefault(name, []))
+
+    def wait_image(self, name: str, reason: str, message: str) -> None:
+        self.patch_pod(
+            name,
+            {
+                "phase": "Pending",
+                "containerStatuses": [
+                    {"name": "main", "state": {"waiting": {"reason": reason, "message": message}}, **IMAGE}
+                ],
+            },
+        )
+
+    def write(self, name: str, *lines: str) -> None:
+        assert self.cluster.emulator is not None
+        emulator = self.cluster.emulator
+        self.cluster.call(lambda: emulator.logs.setdefault(name, []).extend((now(), line) for line in lines))
+
+    def end(self, name: str, code: int, reason: str = "") -> None:
+        terminated: dict[str, Any] = {"exitCode": code, "finishedAt": now()}
+        if reason:
+            terminated["reason"] = reason
+        self.patch_pod(
+            name,
+            {
+                "phase": "Succeeded" if code == 0 else "Failed",
+                "containerStatuses": [{"name": "main", "state": {"terminated": terminated}, **IMAGE}],
+            },
+        )
+
+    def job_ended(self, name: str, ok: bool, reason: str = "BackoffLimitExceeded") -> None:
+        condition = (
+            {"type": "Complete", "status": "True"}
+            if ok
+            else {
+                "type": "Failed",
+                "status": "True",
+                "reason": reason,
+                "message": "Job has reached the specified backoff limit",
+            }
+        )
+        self.batch.patch_namespaced_job(
+            name, NAMESPACE, {"status": {"conditions": [condition]}}, _preload_content=False
+        )
+
+    def terminated(self, name: str, code: int = 143) -> None:
+        """The kubelet stopped a Terminating pod's container (SIGTERM honoured): it goes."""
+        self.end(name, code)
+        self.core.patch_namespaced_pod(
+            name, NAMESPACE, {"metadata": {"finalizers": []}}, _preload_content=False
+        )
+
+    def gone(self, kind: str, name: str) -> bool:
+        call = (
+            self.batch.read_namespaced_job
+            if kind == "Job"
+            else (self.core.read_namespaced_secret if kind == "Secret" else self.core.read_namespaced_service)
+        )
+        try:
+            call(name, NAMESPACE, _preload_content=False)
+        except client.exceptions.ApiException as error:
+            return bool(error.status == 404)
+        return False
+
+
+def names(items: list[dict[str, Any]]) -> Iterator[str]:
+    return (item["metadata"]["name"] for item in items)

@@ -1,0 +1,612 @@
+"""The Kubernetes backend with the official client against kmock's API emulator (tests/agents/kube.py):
+Jobs made from pod templates, followed by watch, driven through their lives as a cluster would drive them,
+their logs home once each, their outputs uploaded, stopped, adopted after a restart, and the API's
+refusals in words an administrator can act on."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agents.backend import Refused
+from agents.kubernetes import Api, Kubernetes, KubeSettings, log_lines
+from agents.state import LogCursor, Position, State
+from protocol import pods
+from protocol.units import UNITS_PER_GPU
+from tests.agents.kube import NAMESPACE, Cluster, Kubelet
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = "s3cr3t-value-never-in-a-pod-spec"
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    running = Cluster().start()
+    yield running
+    running.stop()
+
+
+class Recorder:
+    """Reports as the agent keeps them: through the state, so log cursors move with them."""
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+        self.reports: list[tuple[str, str, dict[str, Any]]] = []
+
+    async def __call__(self, task_id: str, kind: str, body: dict[str, Any], offset: Position | None) -> None:
+        self.state.enqueue(task_id, kind, body, offset=offset)
+        self.reports.append((task_id, kind, body))
+
+    def of(self, kind: str, task_id: str | None = None) -> list[dict[str, Any]]:
+        return [body for task, k, body in self.reports if k == kind and task_id in (None, task)]
+
+    def lines(self, task_id: str | None = None) -> list[str]:
+        return [line for body in self.of("log", task_id) for line in body["lines"]]
+
+
+def settings(cluster: Cluster, tmp_path: Path, **overrides: Any) -> KubeSettings:
+    table = {
+        "namespace": NAMESPACE,
+        "api_url": cluster.url,
+        "poll_seconds": 0.05,
+        "outputs_dir": str(tmp_path / "volume"),
+        "work_volume": {"persistentVolumeClaim": {"claimName": "klique-work"}},
+        **overrides,
+    }
+    return KubeSettings.read({"agent": {"kubernetes": table}}, "agent-1")
+
+
+def backend(cluster: Cluster, tmp_path: Path, state: State | None = None, **overrides: Any) -> Kubernetes:
+    chosen = settings(cluster, tmp_path, **overrides)
+    return Kubernetes(chosen, state or State(tmp_path / "agent.sqlite"), Api(chosen))
+
+
+def assignment(task_id: str, gpus: float = 1, nodes: int = 1, **extra: Any) -> dict[str, Any]:
+    return {
+        "task_id": task_id,
+        "lease_id": f"lease-{task_id}",
+        "name": f"train {task_id}",
+        "size_units": int(gpus * UNITS_PER_GPU),
+        "nodes": nodes,
+        "user": "ada@example.com",
+        "tenant": "acme",
+        "compute_resource": "Research: GPUs",
+        "spec": {"command": ["python", "train.py"], "environment": {"EPOCHS": "3"}, "outputs": ["*.json"]},
+        "secrets": {"HF_TOKEN": SECRET},
+        **extra,
+    }
+
+
+async def until(check: Callable[[], Any], timeout: float = 15.0) -> Any:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        found = check()  # in the loop's thread: the agent's SQLite is this thread's
+        if found:
+            return found
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"not seen in {timeout} s: {check}")
+        await asyncio.sleep(0.05)
+
+
+def begin(kube: Kubernetes, task: dict[str, Any]) -> None:
+    kube.state.lease_begin(task["task_id"], task["lease_id"], 1)
+
+
+def test_a_whole_gpu_task_runs_to_completion_with_its_logs_and_outputs(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    kube, kubelet = backend(cluster, tmp_path), Kubelet(cluster)
+    recorder = Recorder(kube.state)
+    task = assignment("t1", gpus=2)
+
+    async def scenario() -> None:
+        begin(kube, task)
+        await kube.start(task, recorder)
+        name = pods.job_name("t1", "lease-t1")
+        job = await asyncio.to_thread(kubelet.job, name)
+        main = job["spec"]["template"]["spec"]["containers"][0]
+        assert main["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+        assert main["command"] == ["python", "train.py"]
+        assert job["metadata"]["labels"]["klique.io/task"] == "t1"
+        assert job["metadata"]["labels"]["klique.io/submitter"] == "ada-example.com"
+        assert job["metadata"]["labels"]["klique.io/tenant"] == "acme"
+        assert job["spec"]["backoffLimit"] == 0
+        secret = await asyncio.to_thread(kubelet.secret, name)
+        assert secret["stringData"] == {"EPOCHS": "3", "HF_TOKEN": SECRET}
+        (pod,) = await asyncio.to_thread(kubelet.make_pods, name)
+        await asyncio.to_thread(kubelet.run, pod)
+        await until(lambda: any(body["state"] == "running" for body in recorder.of("status")))
+        await asyncio.to_thread(kubelet.write, pod, "epoch 1", "epoch 2")
+        await until(lambda: len(recorder.lines()) == 2)
+        folder = tmp_path / "volume" / "t1"
+        folder.mkdir(parents=True)
+        (folder / "metrics.json").write_text('{"loss": 0.1}')
+        (folder / "model.bin").write_text("not declared")
+        await asyncio.to_thread(kubelet.write, pod, "epoch 3")
+        await asyncio.to_thread(kubelet.end, pod, 0)
+        await asyncio.to_thread(kubelet.job_ended, name, True)
+        (result,) = await until(lambda: recorder.of("result"))
+        assert result["exit_code"] == 0
+        assert result["stopped"] is False
+        assert result["outputs"] == ["metrics.json"]
+        assert recorder.lines() == ["epoch 1", "epoch 2", "epoch 3"]
+        assert await until(lambda: kubelet.gone("Secret", name))  # the secret does not outlive the run
+        assert not kube.state.jobs()
+        await kube.stop_all(0)
+
+    uploads: list[str] = []
+
+    async def upload(task_id: str, name: str, path: Path) -> None:
+        uploads.append(f"{task_id}/{name}:{path.read_text()}")
+
+    kube.upload = upload
+    asyncio.run(scenario())
+    assert uploads == ['t1/metrics.json:{"loss": 0.1}']
+    states = [body["state"] for body in recorder.of("status")]
+    assert states[0] == "pending"
+    assert states[-1] == "running"
+
+
+@pytest.mark.parametrize(
+    ("task", "limits", "variables"),
+    [
+        (assignment("w", gpus=4), {"nvidia.com/gpu": "4"}, {}),
+        (assignment("f", gpus=0.5), {"nvidia.com/gpu.shared": "1"}, {"KLIQUE_GPU_MEMORY_FRACTION": "0.5000"}),
+        (assignment("m", gpus=1, sharing="mig", mig_profile="1g.10gb"), {"nvidia.com/mig-1g.10gb": "1"}, {}),
+    ],
+    ids=["whole", "fraction", "mig"],
+)
+def test_each_size_asks_for_the_gpus_its_profile_counts(
+    cluster: Cluster, tmp_path: Path, task: dict[str, Any], limits: dict[str, str], variables: dict[str, str]
+) -> None:
+    kube, kubelet = backend(cluster, tmp_path), Kubelet(cluster)
+
+    async def scenario() -> dict[str, Any]:
+        begin(kube, task)
+        await kube.start(task, Recorder(kube.state))
+        job = await asyncio.to_thread(kubelet.job, pods.job_name(task["task_id"], task["lease_id"]))
+        await kube.stop_all(0)
+        return job
+
+    job = asyncio.run(scenario())
+    main = job["spec"]["template"]["spec"]["containers"][0]
+    assert main["resources"]["limits"] == limits
+    env = {item["name"]: item.get("value") for item in main["env"]}
+    assert variables.items() <= env.items()
+    pods.validate(job)
+
+
+def test_a_multi_node_task_is_an_indexed_job_with_a_rendezvous_service(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    kube, kubelet = backend(cluster, tmp_path), Kubelet(cluster)
+    recorder = Recorder(kube.state)
+    task = assignment("mn", gpus=8, nodes=2)
+
+    async def scenario() -> None:
+        begin(kube, task)
+        await kube.start(task, recorder)
+        name = pods.job_name("mn", "lease-mn")
+        job = await asyncio.to_thread(kubelet.job, name)
+        assert job["spec"]["completionMode"] == "Indexed"
+        assert job["spec"]["completions"] == job["spec"]["parallelism"] == 2
+        spec = job["spec"]["template"]["spec"]
+        assert spec["subdomain"] == name
+        main = spec["containers"][0]
+        assert main["resources"]["limits"] == {"nvidia.com/gpu": "4"}  # per node
+        env = {item["name"]: item for item in main["env"]}
+        assert env["WORLD_SIZE"]["value"] == "2"
+        assert env["MASTER_ADDR"]["value"] == f"{name}-0.{name}.{NAMESPACE}.svc"
+        assert "batch.kubernetes.io/job-completion-index" in env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+        assert not await asyncio.to_thread(kubelet.gone, "Service", name)
+        first, second = await asyncio.to_thread(kubelet.make_pods, name)
+        await asyncio.to_thread(kubelet.run, first)
+        await asyncio.sleep(0.3)
+        assert not any(body["state"] == "running" for body in recorder.of("status"))  # half a gang: waiting
+        await asyncio.to_thread(kubelet.run, second)
+        await until(lambda: any(body["state"] == "running" for body in recorder.of("status")))
+        await asyncio.to_thread(kubelet.write, first, "rank 0 up")
+        await asyncio.to_thread(kubelet.write, second, "rank 1 up")
+        await until(lambda: len(recorder.lines()) == 2)
+        streams = {body["stream"] for body in recorder.of("log")}
+        assert streams == {"rank-0", "rank-1"}
+        await asyncio.to_thread(kubelet.end, first, 0)
+        await asyncio.to_thread(kubelet.end, second, 0)
+        await asyncio.to_thread(kubelet.job_ended, name, True)
+        (result,) = await until(lambda: recorder.of("result"))
+        assert result["exit_code"] == 0
+        assert await until(lambda: kubelet.gone("Service", name))
+        await kube.stop_all(0)
+
+    asyncio.run(scenario())
+
+
+def test_half_a_gang_that_cannot_be_placed_goes_back_to_the_queue(cluster: Cluster, tmp_path: Path) -> None:
+    kube, kubelet = backend(cluster, tmp_path, gang_seconds=0.5), Kubelet(cluster)
+    recorder = Recorder(kube.state)
+    task = assignment("half", gpus=8, nodes=2)
+
+    async def scenario() -> None:
+        begin(kube, task)
+        await kube.start(task, recorder)
+        name = pods.job_name("half", "lease-half")
+        first, second = await asyncio.to_thread(kubelet.make_pods, name)
+        await asyncio.to_thread(kubelet.run, first)
+        await asyncio.to_thread(
+            kubelet.unschedulable, second, "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+        )
+        (result,) = await until(lambda: recorder.of("result"))
+        assert result["requeue"] is True
+        assert result["exit_code"] is None
+        assert "Insufficient nvidia.com/gpu" in result["reason"]
+        assert await until(lambda: kubelet.gone("Job", name))
+        assert await until(lambda: not kubelet.pods_of(name))  # nothing of it holds GPUs
+        await kube.stop_all(0)
+
+    asyncio.run(scenario())
+    pending = [body.get("reason", "") for body in recorder.of("status") if body["state"] == "pending"]
+    assert any("1 of 2 pods placed" in reason for reason in pending)
+
+
+@pytest.mark.parametrize(
+    ("code", "reason", "said"),
+    [(3, "", None), (137, "OOMKilled", "OOMKilled"), (1, "Error", None)],
+    ids=["exit-code", "oom", "error"],
+)
+def test_a_failed_pod_reports_its_exit_code_and_why(
+    cluster: Cluster, tmp_path: Path, code: int, reason: str, said: str | None
+) -> None:
+    kube, kubelet = backend(cluster, tmp_path), Kubelet(cluster)
+    recorder = Recorder(kube.state)
+    task = assignment("bad")
+
+    async def scenario() -> None:
+        begin(kube, task)
+        await kube.start(task, recorder)
+        name = pods.job_name("bad", "lease-bad")
+        (pod,) = await asyncio.to_thread(kubelet.make_pods, name)
+        await asyncio.to_thread(kubelet.run, pod)
+        await asyncio.to_thread(kubelet.write, pod, "Traceback: boom")
+        await asyncio.to_thread(kubelet.end, pod, code, reason)
+        await asyncio.to_thread(kubelet.job_ended, name, False)
+        await until(lambda: recorder.of("result"))
+        await kube.stop_all(0)
+
+    asyncio.run(scenario())
+    (result,) = recorder.of("result")
+    assert result["exit_code"] == code
+    assert "Traceback: boom" in recorder.lines()
+    if said:
+        assert any(said in line and "memory" in line for line in recorder.lines())
+
+
+def test_an_unschedulable_pod_waits_with_the_schedulers_own_words(cluster: Cluster, tmp_path: Path) -> None:
+    kube, kubelet = backend(cluster, tmp_path), Kubelet(cluster)
+    recorder = Recorder(kube.state)
+    task = assignment("wait")
+    message = "0/4 nodes are available: 4 Insufficient nvidia.com/gpu. preemption: 0/4 nodes are available."
+
+    async def scenario() -> None:
+        begin(kube, task)
+        await kube.start(task, recorder)
+        (pod,) = await asyncio.to_thread(kubelet.make_pods, pods.job_name("wait", "lease-wait"))
+        await asyncio.to_thread(kubelet.unschedulable, pod, message)
+        await until(lambda: any(message in body.get("reason", "") for body in recorder.of("status")))
+        assert [row["reason"] for row in kube.queue()] == [f"Unschedulable: {message}"]
+        await kube.stop_all(0)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("reason", "patience", "fails"),
+    [("InvalidImageName", 300.0, True), ("ImagePullBackOff", 0.3, True), ("ImagePullBackOff", 300.0, False)],
+    ids=["hopeless-at-once", "backoff-past-patience", "backoff-within-patience"],
+)
+def test_an_image_that_cannot_be_pulled(
+    cluster: Cluster, tmp_path: Path, reason: str, patience: float, fails: bool
+) -> None:
+    kube, kubelet = backend(cluster, tmp_path, image_pull_seconds=patience), Kubelet(cluster)
+    recorder = Recorder(kube.state)
+    task = assignment("img")
+
+    async def scenario() -> None:
+        begin(kube, task)
+        await kube.start(task, recorder)
+        name = pods.job_name("img", "lease-img")
+        (pod,) = await asyncio.to_thread(kubelet.make_pods, name)
+        await asyncio.to_thread(kubelet.wait_image, pod, reason, 'pull access denied for "nope/nope"')
+        await until(
+            lambda: (
+                any(reason in body.get("reason", "") for body in recorder.of("status"))
+                or recorder.of("result")
+            )
+        )
+        await asyncio.sleep(1.0)
+        if fails:
+            (result,) = await until(lambda: recorder.of("result"))
+            assert result["exit_code"] is None
+            assert any("pull access denied" in line for line in recorder.lines())
+            assert await until(lambda: kubelet.gone("Job", name))
+        else:
+            assert not recorder.of("result")
+        await kube.stop_all(0)
+
+    asyncio.run(scenario())
+
+
+def test_preempt_deletes_the_pods_with_the_grace_period_and_reports_stopped(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    kube, kubelet = backend(cluster, tmp_path), Kubelet(cluster)
+    recorder = Recorder(kube.state)
+    task = assignment("pre")
+
+    async def scenario() -> None:
+        begin(kube, task)
+        await kube.start(task, recorder)
+        name = pods.job_name("pre", "lease-pre")
+        (pod,) = await asyncio.to_thread(kubelet.make_pods, name, terminating=True)
+        await asyncio.to_thread(kubelet.run, pod)
+        await until(lambda: any(body["state"] == "running" for body in recorder.of("status")))
+        await kube.stop("pre", 7)
+        deletes = cluster.requests("DELETE", rf"/api/v1/namespaces/{NAMESPACE}/pods/{pod}")
+        assert [query.get("gracePeriodSeconds") for _, _, query in deletes] == ["7"]
+        jobs = cluster.requests("DELETE", rf"/apis/batch/v1/namespaces/{NAMESPACE}/jobs/{name}")
+        assert [query.get("propagationPolicy") for _, _, query in jobs] == ["Orphan"]
+        await asyncio.to_thread(kubelet.write, pod, "SIGTERM: saving a checkpoint")
+        await asyncio.sleep(0.3)
+        assert not recorder.of("result")  # the pod is still stopping within its grace
+        await asyncio.to_thread(kubelet.terminated, pod)
+        (result,) = await until(lambda: recorder.of("result"))
+        assert result["stopped"] is True
+        assert "SIGTERM: saving a checkpoint" in recorder.lines()
+        await kube.stop_all(0)
+
+    asyncio.run(scenario())
+
+
+def test_a_restarted_agent_adopts_its_job_and_reads_each_line_once(cluster: Cluster, tmp_path: Path) -> None:
+    """The agent process dies while the Job runs (its threads and memory gone, its SQLite kept); the next
+    one adopts the Job it labelled instead of creating it again, and reads the log on from its cursor."""
+    state_path = tmp_path / "agent.sqlite"
+    kubelet = Kubelet(cluster)
+    task = assignment("adopt")
+    name = pods.job_name("adopt", "lease-adopt")
+    first_recorder: Recorder
+
+    async def before() -> str:
+        nonlocal first_recorder
+        kube = backend(cluster, tmp_path, State(state_path))
+        first_recorder = Recorder(kube.state)
+        begin(kube, task)
+        await kube.start(task, first_recorder)
+        (pod,) = await asyncio.to_thread(kubelet.make_pods, name)
+        await asyncio.to_thread(kubelet.run, pod)
+        await asyncio.to_thread(kubelet.write, pod, "one", "two")
+        await until(lambda: len(first_recorder.lines()) == 2)
+        await kube.stop_all(0)
+        return pod
+
+    pod = asyncio.run(before())
+    kubelet.write(pod, "three")  # written while no agent runs
+
+    async def after() -> Recorder:
+        kube = backend(cluster, tmp_path, State(state_path))
+        recorder = Recorder(kube.state)
+        assert kube.adopt(recorder) == ["adopt"]
+        await kube.start(task, recorder)  # the plane assigns it again: nothing is made twice
+        await until(lambda: "three" in recorder.lines())
+        await asyncio.to_thread(kubelet.write, pod, "four")
+        await asyncio.to_thread(kubelet.end, pod, 0)
+        await asyncio.to_thread(kubelet.job_ended, name, True)
+        await until(lambda: recorder.of("result"))
+        await kube.stop_all(0)
+        return recorder
+
+    second = asyncio.run(after())
+    assert first_recorder.lines() + second.lines() == ["one", "two", "three", "four"]
+    assert len(cluster.requests("POST", rf"/apis/batch/v1/namespaces/{NAMESPACE}/jobs")) == 1
+
+
+def test_a_job_made_by_an_agent_killed_before_it_recorded_it_is_adopted(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    kubelet = Kubelet(cluster)
+    task = assignment("orphan")
+    state = State(tmp_path / "agent.sqlite")
+    first = backend(cluster, tmp_path, state)
+    begin(first, task)
+    manifests = pods.render(first.settings.template_for(""), task, first.settings.cluster, tenant="acme")
+    first.api.create(manifests.secret)
+    first.api.create(manifests.job)  # ... and the process was killed here, before add_job
+
+    async def scenario() -> Recorder:
+        kube = backend(cluster, tmp_path, State(tmp_path / "agent.sqlite"))
+        recorder = Recorder(kube.state)
+        kube.adopt(recorder)
+        await until(lambda: kube.running() == ["orphan"])
+        name = manifests.job["metadata"]["name"]
+        (pod,) = await asyncio.to_thread(kubelet.make_pods, name)
+        await asyncio.to_thread(kubelet.run, pod)
+        await asyncio.to_thread(kubelet.end, pod, 0)
+        await asyncio.to_thread(kubelet.job_ended, name, True)
+        await until(lambda: recorder.of("result"))
+        await kube.stop_all(0)
+        return recorder
+
+    recorder = asyncio.run(scenario())
+    assert recorder.of("result")[0]["exit_code"] == 0
+
+
+@pytest.mark.parametrize("cut", ["dropped", "gone"])
+def test_the_watch_resumes_after_a_drop_and_lists_again_after_410(
+    cluster: Cluster, tmp_path: Path, cut: str
+) -> None:
+    kube, kubelet = backend(cluster, tmp_path), Kubelet(cluster)
+    recorder = Recorder(kube.state)
+    task = assignment("w")
+
+    async def scenario() -> None:
+        begin(kube, task)
+        await kube.start(task, recorder)
+        name = pods.job_name("w", "lease-w")
+        (pod,) = await asyncio.to_thread(kubelet.make_pods, name)
+        await until(lambda: kube.seen_pods)
+        assert cluster.emulator is not None
+        lists_before = len(cluster.requests("GET", rf"/api/v1/namespaces/{NAMESPACE}/pods"))
+        if cut == "gone":
+            cluster.call(lambda: setattr(cluster.emulator, "gone_next", 2))
+        assert cluster.cut_watches() >= 1
+        await asyncio.to_thread(kubelet.run, pod)  # happens while the watch is away
+        await until(lambda: any(body["state"] == "running" for body in recorder.of("status")))
+        await asyncio.to_thread(kubelet.end, pod, 0)
+        await asyncio.to_thread(kubelet.job_ended, name, True)
+        await until(lambda: recorder.of("result"))
+        listed = [
+            q
+            for _, _, q in cluster.requests("GET", rf"/api/v1/namespaces/{NAMESPACE}/pods")[lists_before:]
+            if q.get("watch") != "true"
+        ]
+        assert bool(listed) == (cut == "gone")  # a drop resumes the watch; only 410 lists again
+        await kube.stop_all(0)
+
+    asyncio.run(scenario())
+
+
+def test_rbac_that_forbids_creating_jobs_is_said_in_words_an_administrator_can_act_on(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    kube = backend(cluster, tmp_path)
+    assert cluster.emulator is not None
+    cluster.emulator.refused.append(("POST", re.compile(r"/apis/batch/v1/namespaces/[^/]+/jobs")))
+
+    async def scenario() -> Refused:
+        begin(kube, assignment("rbac"))
+        with pytest.raises(Refused) as refused:
+            await kube.start(assignment("rbac"), Recorder(kube.state))
+        await kube.stop_all(0)
+        return refused.value
+
+    refused = asyncio.run(scenario())
+    assert "may not create jobs in namespace ml: apply the chart's Role" in str(refused)
+    assert refused.permanent is False  # the task waits in the queue; an administrator fixes the Role
+    assert "may not create jobs" in kube.problem
+    assert Kubelet(cluster).gone("Secret", pods.job_name("rbac", "lease-rbac"))  # nothing left behind
+
+
+def test_an_unreachable_api_server_keeps_the_task_queued(tmp_path: Path) -> None:
+    unreachable = Cluster(url="http://127.0.0.1:9")  # nothing listens on the discard port
+    kube = backend(unreachable, tmp_path)
+
+    async def scenario() -> Refused:
+        begin(kube, assignment("down"))
+        with pytest.raises(Refused) as refused:
+            await kube.start(assignment("down"), Recorder(kube.state))
+        await kube.stop_all(0)
+        return refused.value
+
+    refused = asyncio.run(scenario())
+    assert "cannot be reached" in str(refused)
+    assert refused.permanent is False
+    assert not kube.state.jobs()
+
+
+def test_secrets_reach_the_jobs_secret_and_nothing_else(
+    cluster: Cluster, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    kube, kubelet = backend(cluster, tmp_path), Kubelet(cluster)
+    caplog.set_level(logging.DEBUG)
+
+    async def scenario() -> dict[str, Any]:
+        begin(kube, assignment("sec"))
+        await kube.start(assignment("sec"), Recorder(kube.state))
+        job = await asyncio.to_thread(kubelet.job, pods.job_name("sec", "lease-sec"))
+        await kube.stop_all(0)
+        return job
+
+    job = asyncio.run(scenario())
+    assert SECRET not in str(job)
+    main = job["spec"]["template"]["spec"]["containers"][0]
+    assert {"secretRef": {"name": job["metadata"]["name"]}} in main["envFrom"]
+    assert SECRET in str(kubelet.secret(job["metadata"]["name"]))
+    assert SECRET not in caplog.text
+    for _, path, query in cluster.requests("GET", r".*") + cluster.requests("POST", r".*"):
+        assert SECRET not in path + str(query)
+
+
+def test_a_template_that_asks_for_more_gpus_than_the_profile_is_refused_for_good(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    template = (
+        "spec:\n  containers:\n    - name: main\n      image: x\n"
+        "      resources:\n        limits:\n          nvidia.com/gpu: 8\n"
+    )
+    with pytest.raises(
+        pods.PodTemplateInvalid, match=r"'Research: GPUs', line 7: it asks for 8 nvidia.com/gpu"
+    ):
+        settings(cluster, tmp_path, templates={"Research: GPUs": template})
+
+
+def test_log_lines_after_a_cursor_are_neither_skipped_nor_doubled() -> None:
+    text = "2026-01-01T00:00:01.000000001Z a\n2026-01-01T00:00:01.000000001Z b\n2026-01-01T00:00:02.5Z c\n"
+    lines, cursor = log_lines(text, LogCursor("p", "", 0))
+    assert lines == ["a", "b", "c"]
+    assert cursor == LogCursor("p", "2026-01-01T00:00:02.5Z", 1)
+    again, _ = log_lines(text + "2026-01-01T00:00:02.5Z d\n2026-01-01T00:00:03Z e", cursor)
+    assert again == ["d"]  # "e" has no newline yet: read next time, whole
+    partial, after = log_lines(text, LogCursor("p", "2026-01-01T00:00:01.000000001Z", 1))
+    assert partial == ["b", "c"]
+    assert after.since == "2026-01-01T00:00:02.5Z"
+
+
+def test_capacity_counts_gpus_per_class_and_mig_profile(cluster: Cluster, tmp_path: Path) -> None:
+    kube, kubelet = backend(cluster, tmp_path), Kubelet(cluster)
+    nodes = [
+        {
+            "metadata": {"name": "a", "labels": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}},
+            "status": {"allocatable": {"cpu": "96", "nvidia.com/gpu": "8"}},
+        },
+        {
+            "metadata": {"name": "b", "labels": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}},
+            "status": {"allocatable": {"cpu": "64", "nvidia.com/mig-1g.10gb": "14"}},
+        },
+    ]
+    for node in nodes:
+        kubelet.core.create_node({"apiVersion": "v1", "kind": "Node", **node}, _preload_content=False)
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "p", "namespace": "other"},
+        "spec": {
+            "nodeName": "a",
+            "containers": [
+                {"name": "c", "resources": {"requests": {"cpu": "8"}, "limits": {"nvidia.com/gpu": "2"}}}
+            ],
+        },
+        "status": {"phase": "Running"},
+    }
+    kubelet.core.create_namespaced_pod("other", pod, _preload_content=False)
+    found = asyncio.run(kube.capacity())
+    assert found["nodes"] == 2
+    assert found["cpus"] == 160
+    assert found["cpus_in_use"] == 8
+    assert {
+        "class": "NVIDIA-H100-80GB-HBM3",
+        "resource": "nvidia.com/gpu",
+        "allocatable": 8,
+        "allocated": 2,
+    } in found["gpus"]
+    assert {
+        "class": "NVIDIA-A100-SXM4-80GB",
+        "resource": "nvidia.com/mig-1g.10gb",
+        "allocatable": 14,
+        "allocated": 0,
+    } in found["gpus"]

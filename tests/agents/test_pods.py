@@ -1,0 +1,200 @@
+"""Pod templates (protocol.pods): what renders, validated against the Kubernetes schema, and what is refused,
+each refusal naming the template and the line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from protocol import pods
+from protocol.units import UNITS_PER_GPU
+
+SETTINGS = pods.ClusterSettings(
+    namespace="ml",
+    agent="agent-1",
+    work_volume={"persistentVolumeClaim": {"claimName": "klique-work"}},
+    shared_path="/shared",
+    shared_volume={"persistentVolumeClaim": {"claimName": "shared"}},
+    local_queue="team-a",
+)
+
+
+def task(**extra: Any) -> dict[str, Any]:
+    return {
+        "task_id": "6c1f0d9e-0d55-4a5e-9a56-1d0f6f1e2a10",
+        "lease_id": "2b7e4c1a-aaaa-bbbb-cccc-000000000000",
+        "name": "fine-tune",
+        "size_units": 2 * UNITS_PER_GPU,
+        "nodes": 1,
+        "user": "Grace Hopper <grace@example.com>",
+        "spec": {
+            "command": ["torchrun", "train.py"],
+            "image": "ghcr.io/acme/train:1.2",
+            "outputs": ["ckpt/*"],
+        },
+        **extra,
+    }
+
+
+LIMITS = "spec:\n  containers:\n    - name: main\n      resources:\n        limits:\n"
+
+RICH = """\
+metadata:
+  labels:
+    team: vision
+  annotations:
+    scheduling.k8s.io/group-name: ${job_name}
+spec:
+  schedulerName: volcano
+  priorityClassName: research
+  serviceAccountName: trainer
+  nodeSelector:
+    nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3
+  tolerations:
+    - key: nvidia.com/gpu
+      operator: Exists
+      effect: NoSchedule
+  containers:
+    - name: main
+      image: ${image}
+      env:
+        - name: RUN_NAME
+          value: "${task_name} for ${user}"
+      resources:
+        limits:
+          memory: 64Gi
+    - name: sidecar
+      image: busybox
+"""
+
+
+def test_a_rich_template_renders_a_job_kubernetes_accepts() -> None:
+    template = pods.check("vision", RICH, SETTINGS)
+    made = pods.render(template, task(), SETTINGS, tenant="acme", environment={"WANDB_KEY": "k"})
+    for manifest in (made.job, made.secret):
+        pods.validate(manifest)
+    job = made.job
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert job["spec"]["suspend"] is True
+    spec = job["spec"]["template"]["spec"]
+    assert spec["schedulerName"] == "volcano"
+    assert spec["restartPolicy"] == "Never"
+    assert (
+        job["spec"]["template"]["metadata"]["annotations"]["scheduling.k8s.io/group-name"]
+        == job["metadata"]["name"]
+    )
+    main, sidecar = spec["containers"]
+    assert sidecar == {"name": "sidecar", "image": "busybox"}  # only the task's container is Klique's
+    assert main["image"] == "ghcr.io/acme/train:1.2"
+    assert main["command"] == ["torchrun", "train.py"]
+    assert main["resources"]["limits"] == {"memory": "64Gi", "nvidia.com/gpu": "2"}
+    env = {item["name"]: item.get("value") for item in main["env"]}
+    assert env["RUN_NAME"] == "fine-tune for Grace Hopper <grace@example.com>"
+    assert env["KLIQUE_TASK_ID"] == task()["task_id"]
+    mounts = {mount["mountPath"] for mount in main["volumeMounts"]}
+    assert {"/scratch", "/shared", f"/klique/{task()['task_id']}"} <= mounts
+    labels = job["metadata"]["labels"]
+    assert labels["klique.io/submitter"] == "Grace-Hopper-grace-example.com"  # a label value
+    assert job["metadata"]["annotations"]["klique.io/submitter"] == "Grace Hopper <grace@example.com>"
+    assert "WANDB_KEY" not in str(job)
+    assert made.secret["stringData"] == {"WANDB_KEY": "k"}
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "x\n  hostNetwork: true",
+        "}: {hostPID: true",
+        "'; privileged: true; '",
+        "${image}",
+        "*alias",
+        "&anchor value",
+    ],
+)
+def test_a_value_never_changes_the_documents_structure(value: str) -> None:
+    """Values are put in after the YAML is parsed, into string scalars only: whatever a task's name holds,
+    it stays one string."""
+    template = pods.check("default", pods.DEFAULT_TEMPLATE.replace("${image}", '"${task_name}"'), SETTINGS)
+    job = pods.render(template, task(name=value), SETTINGS).job
+    spec = job["spec"]["template"]["spec"]
+    assert spec["containers"][0]["image"] == value
+    assert set(spec) == {"containers", "restartPolicy", "volumes"}
+    pods.validate(job)
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "words"),
+    [
+        ("spec:\n  containers: [\n", 3, "not valid YAML"),
+        ("a: &x [1, 2]\nb: *x\n", 1, "anchors and aliases"),
+        ("spec:\n  containers:\n    - name: main\n      image: ${imagee}\n", 4, "unknown variable ${imagee}"),
+        ("spec:\n  nodeSelector: 3\n", 2, "refused by Kubernetes"),
+        (
+            "spec:\n  containers:\n    - name: main\n      image: x\n      privilegd: true\n",
+            3,
+            "'privilegd' was unexpected",
+        ),
+        (
+            LIMITS + "          amd.com/gpu: 1\n",
+            6,
+            "asks for 1 amd.com/gpu",
+        ),
+        (
+            LIMITS + "          nvidia.com/gpu: 8\n",
+            6,
+            "asks for 8 nvidia.com/gpu",
+        ),
+        ("kind: Job\n", 1, "not part of a pod template"),
+        ("spec: {}\nspec: {}\n", 2, "given twice"),
+        ("base: {}\nspec:\n  <<: {}\n", 3, "merge keys"),
+        ("- a\n- b\n", 1, "must be a mapping"),
+    ],
+    ids=[
+        "yaml",
+        "aliases",
+        "unknown-variable",
+        "schema-type",
+        "schema-field",
+        "amd-gpus",
+        "more-gpus",
+        "kind",
+        "duplicate",
+        "merge-key",
+        "not-a-mapping",
+    ],
+)
+def test_a_template_that_cannot_be_used_is_refused_naming_its_line(text: str, line: int, words: str) -> None:
+    with pytest.raises(pods.PodTemplateInvalid) as refused:
+        pods.check("train", text, SETTINGS)
+    assert refused.value.line == line
+    assert str(refused.value).startswith(f"Pod template 'train', line {line}: ")
+    assert words in str(refused.value)
+
+
+def test_a_billion_laughs_is_refused_before_it_expands() -> None:
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n" for i in range(9)
+    )
+    with pytest.raises(pods.PodTemplateInvalid, match="anchors and aliases"):
+        pods.Template.parse("bomb", bomb)
+
+
+def test_an_oversize_template_is_refused() -> None:
+    with pytest.raises(pods.PodTemplateInvalid, match="over 64 KiB"):
+        pods.Template.parse("big", "metadata: {}\n" + "# padding\n" * 8000)
+
+
+def test_a_size_that_does_not_split_over_its_nodes_is_refused() -> None:
+    template = pods.Template.parse("default", pods.DEFAULT_TEMPLATE)
+    with pytest.raises(pods.PodTemplateInvalid, match="do not split evenly over 2 nodes"):
+        pods.render(template, task(size_units=3 * UNITS_PER_GPU, nodes=2), SETTINGS)
+
+
+def test_job_names_are_dns_labels_one_per_run() -> None:
+    first = pods.job_name(task()["task_id"], task()["lease_id"])
+    again = pods.job_name(task()["task_id"], "9f00aaaa-0000-0000-0000-000000000000")
+    assert first != again
+    assert len(first) <= 52
+    assert first.startswith("k-")
+    assert pods.job_name("Task_With.Odd/Chars", "L") == "k-taskwithoddchars-l"
