@@ -14,6 +14,7 @@ $(VENV)/.installed: pyproject.toml requirements/constraints.txt frontend/package
 	$(BIN)/python -m pip install --quiet -c requirements/constraints.txt -e '.[$(EXTRAS)]'
 	@command -v npm >/dev/null || { echo "npm is needed for the portal's front-end packages: install Node.js 20 (with npm)"; exit 1; }
 	cd frontend && npm ci --no-audit --no-fund --loglevel=error
+	$(BIN)/python tools/kube_tools.py .tools  # the real helm and kubectl the charts are tested with
 	touch $@
 
 demo: install

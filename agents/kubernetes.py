@@ -50,6 +50,7 @@ INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 HOPELESS = frozenset({"InvalidImageName", "ErrImageNeverPull"})
 # Waiting reasons that may pass (a registry down, a tag pushed late): the task fails after image_pull_seconds.
 IMAGE_PULL = frozenset({"ErrImagePull", "ImagePullBackOff", "RegistryUnavailable"})
+ADMISSION_SECONDS = 5.0  # how often Kueue's Workloads are read while a Job waits for admission
 GPU_RESOURCE = re.compile(r"nvidia\.com/gpu|nvidia\.com/gpu\.shared|nvidia\.com/mig-[a-z0-9.+]+|amd\.com/gpu")
 
 
@@ -339,6 +340,21 @@ class Api:
         )
         return bytes(response.data or b"").decode(errors="replace")
 
+    def workloads(self) -> list[dict[str, Any]]:
+        """Kueue's Workloads in the namespace: one per suspended Job, saying why it is not admitted."""
+        from kubernetes import client  # noqa: PLC0415
+
+        custom = client.CustomObjectsApi(self.client)
+        data = custom.list_namespaced_custom_object(
+            "kueue.x-k8s.io",
+            "v1beta1",
+            self.namespace,
+            "workloads",
+            _preload_content=False,
+            _request_timeout=30,
+        )
+        return list(self._raw(data).get("items") or [])
+
     def nodes(self) -> list[dict[str, Any]]:
         return list(
             self._raw(self.core.list_node(_preload_content=False, _request_timeout=30)).get("items") or []
@@ -407,15 +423,18 @@ class Seen:
         return f"{self.state}|{self.reason}"
 
 
-def what_is_seen(job: Mapping[str, Any], task_pods: list[dict[str, Any]], *, local_queue: str) -> Seen:
-    """The task's state from its Job and pods, as the cluster's own controllers left them."""
+def what_is_seen(
+    job: Mapping[str, Any], task_pods: list[dict[str, Any]], *, local_queue: str, admission: str = ""
+) -> Seen:
+    """The task's state from its Job and pods, as the cluster's own controllers left them; `admission` is
+    what Kueue's Workload says of a suspended Job."""
     spec = job.get("spec") or {}
     ended = _ended(job, task_pods)
     if ended is not None:
         return ended
     if spec.get("suspend"):
         queue = f" {local_queue}" if local_queue else ""
-        said = ((job.get("metadata") or {}).get("annotations") or {}).get("klique.io/admission") or ""
+        said = admission
         return Seen(
             "pending", f"waiting for Kueue to admit it into LocalQueue{queue}" + (f": {said}" if said else "")
         )
@@ -507,6 +526,25 @@ def _exit(task_pods: list[dict[str, Any]]) -> Seen:
     return Seen("ended", reason, failing[0] if failing else (0 if codes else None), tuple(lines))
 
 
+def admission_of(workloads: list[dict[str, Any]]) -> dict[str, str]:
+    """Per Job name (its Workload's owner), why Kueue has not admitted it: the message of the first of its
+    QuotaReserved and Admitted conditions that is False."""
+    found: dict[str, str] = {}
+    for workload in workloads:
+        owners = [ref.get("name") for ref in (workload.get("metadata") or {}).get("ownerReferences") or []
+                  if ref.get("kind") == "Job"]  # fmt: skip
+        conditions = {
+            item.get("type"): item for item in (workload.get("status") or {}).get("conditions") or []
+        }
+        for kind in ("QuotaReserved", "Admitted"):
+            condition = conditions.get(kind) or {}
+            if condition.get("status") == "False" and condition.get("message"):
+                for owner in owners:
+                    found[str(owner)] = str(condition["message"])[:500]
+                break
+    return found
+
+
 def log_lines(text: str, cursor: LogCursor) -> tuple[list[str], LogCursor]:
     """The lines of a timestamped log after the cursor, and the cursor after them. A last line without its
     newline is left for the next read: the kubelet may still be writing it."""
@@ -550,6 +588,8 @@ class Kubernetes:
     workers: list[asyncio.Task[None]] = field(default_factory=list)
     watchers: dict[str, list[Any]] = field(default_factory=lambda: {"Job": [], "Pod": []})
     ending: set[str] = field(default_factory=set)
+    admission: dict[str, str] = field(default_factory=dict)  # Job name -> what Kueue says of it
+    admission_read: float = 0.0  # when Kueue's Workloads were last read
     loop: asyncio.AbstractEventLoop | None = None
 
     # What the agent loop asks ---------------------------------------------------------------------------
@@ -816,9 +856,34 @@ class Kubernetes:
         if self.reporter is None or {"Job", "Pod"} - self.synced:
             return
         records = self.state.jobs()
+        await self._read_admission(records)
         await asyncio.gather(
             *(self._look_at(record) for record in records if record.task_id not in self.ending)
         )
+
+    async def _read_admission(self, records: list[JobRecord]) -> None:
+        """What Kueue says of the suspended Jobs (read at most every ADMISSION_SECONDS, and only while
+        some Job waits for admission): a Workload's QuotaReserved or Admitted condition, when False."""
+        suspended = [
+            record.job_id
+            for record in records
+            if ((self.seen_jobs.get(record.job_id) or {}).get("spec") or {}).get("suspend")
+        ]
+        now = time.monotonic()
+        if (
+            not suspended
+            or not self.settings.cluster.local_queue
+            or now - self.admission_read < ADMISSION_SECONDS
+        ):
+            return
+        self.admission_read = now
+        try:
+            workloads = await self._call(self.api.workloads, verb="list", resource="workloads.kueue.x-k8s.io")
+        except ApiProblem as problem:
+            if problem.status not in (403, 404):  # Kueue absent or not readable: the generic words stay
+                self._trouble(str(problem))
+            return
+        self.admission = admission_of(workloads)
 
     async def _look_at(self, record: JobRecord) -> None:  # noqa: PLR0911 -- one return per outcome
         assert self.reporter is not None
@@ -839,7 +904,12 @@ class Kubernetes:
                 )
                 await self._end(record, gone, task_pods)
             return
-        seen = what_is_seen(job, task_pods, local_queue=self.settings.cluster.local_queue)
+        seen = what_is_seen(
+            job,
+            task_pods,
+            local_queue=self.settings.cluster.local_queue,
+            admission=self.admission.get(record.job_id, ""),
+        )
         if record.stopping:
             if seen.state == "ended":
                 await self._end(record, seen, task_pods)

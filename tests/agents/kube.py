@@ -118,7 +118,14 @@ class Cluster:
 
         async def serve() -> None:
             async with Emulator() as emulator, kmock.Server(emulator) as server:
-                for resource in ("batch/v1/jobs", "v1/pods", "v1/secrets", "v1/services", "v1/nodes"):
+                for resource in (
+                    "batch/v1/jobs",
+                    "v1/pods",
+                    "v1/secrets",
+                    "v1/services",
+                    "v1/nodes",
+                    "kueue.x-k8s.io/v1beta1/workloads",
+                ):
                     emulator.resources[resource] = kmock.ResourceInfo()
                 self.emulator, self.url, self.loop = (
                     emulator,
@@ -178,6 +185,7 @@ class Kubelet:
         self.cluster = cluster
         api = cluster.api()
         self.batch, self.core = client.BatchV1Api(api), client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
 
     def jobs(self) -> list[dict[str, Any]]:
         data = json.loads(self.batch.list_namespaced_job(NAMESPACE, _preload_content=False).data)

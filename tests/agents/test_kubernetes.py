@@ -610,3 +610,67 @@ def test_capacity_counts_gpus_per_class_and_mig_profile(cluster: Cluster, tmp_pa
         "allocatable": 14,
         "allocated": 0,
     } in found["gpus"]
+
+
+def test_a_job_waiting_for_kueue_says_what_kueue_says_and_runs_once_admitted(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    kube, kubelet = backend(cluster, tmp_path, local_queue="team-a"), Kubelet(cluster)
+    recorder = Recorder(kube.state)
+    task = assignment("kq", gpus=4)
+    said = (
+        "couldn't assign flavors to pod set main: insufficient unused quota for nvidia.com/gpu in flavor h100"
+    )
+
+    async def scenario() -> None:
+        begin(kube, task)
+        await kube.start(task, recorder)
+        name = pods.job_name("kq", "lease-kq")
+        job = await asyncio.to_thread(kubelet.job, name)
+        assert job["spec"]["suspend"] is True
+        assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+        workload = {
+            "apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "Workload",
+            "metadata": {"name": f"job-{name}-1a2b3", "namespace": NAMESPACE, "ownerReferences": [
+                {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": "u"}]},
+            "status": {"conditions": [{"type": "QuotaReserved", "status": "False", "reason": "Pending",
+                                       "message": said}]},
+        }  # fmt: skip
+        await asyncio.to_thread(
+            kubelet.custom.create_namespaced_custom_object,
+            "kueue.x-k8s.io", "v1beta1", NAMESPACE, "workloads", workload,
+        )  # fmt: skip
+        kube.admission_read = 0.0  # read now, not in ADMISSION_SECONDS
+        await until(lambda: any(said in body.get("reason", "") for body in recorder.of("status")))
+        reason = next(body["reason"] for body in recorder.of("status") if said in body.get("reason", ""))
+        assert reason.startswith("waiting for Kueue to admit it into LocalQueue team-a: ")
+        # Kueue admits it: the Job is unsuspended, its pods start.
+        await asyncio.to_thread(
+            kubelet.batch.patch_namespaced_job, name, NAMESPACE, {"spec": {"suspend": False}}
+        )
+        (pod,) = await asyncio.to_thread(kubelet.make_pods, name)
+        await asyncio.to_thread(kubelet.run, pod)
+        await until(lambda: any(body["state"] == "running" for body in recorder.of("status")))
+        await kube.stop_all(0)
+
+    asyncio.run(scenario())
+
+
+def test_without_kueue_a_suspended_job_waits_with_plain_words(cluster: Cluster, tmp_path: Path) -> None:
+    """No Workloads API (Kueue absent or its objects not readable): the generic reason, no complaint."""
+    kube = backend(cluster, tmp_path, local_queue="team-a")
+    assert cluster.emulator is not None
+    cluster.emulator.refused.append(("GET", re.compile(r"/apis/kueue.x-k8s.io/.*")))
+    recorder = Recorder(kube.state)
+
+    async def scenario() -> None:
+        begin(kube, assignment("nk"))
+        await kube.start(assignment("nk"), recorder)
+        await until(
+            lambda: any("waiting for Kueue" in body.get("reason", "") for body in recorder.of("status"))
+        )
+        await asyncio.sleep(0.3)
+        await kube.stop_all(0)
+
+    asyncio.run(scenario())
+    assert kube.problem == ""
