@@ -27,6 +27,7 @@ from kubernetes import client
 
 NAMESPACE = "ml"
 IMAGE = {"image": "python:3.11-slim", "imageID": "", "ready": True, "restartCount": 0}  # as a kubelet reports
+KEPT_REQUESTS = 20
 LOG_PATH = re.compile(r"/api/v1/namespaces/(?P<ns>[^/]+)/pods/(?P<pod>[^/]+)/log")
 
 
@@ -42,6 +43,10 @@ class Emulator(kmock.KubernetesEmulator):
         if raw_request.query.get("watch") in ("True", "1"):  # the official client sends True
             raw_request = raw_request.clone(rel_url=raw_request.rel_url.update_query(watch="true"))
         self.seen.append((raw_request.method, raw_request.path, dict(raw_request.query)))
+        # kmock keeps every request it served and matches each new one by walking them all: trimmed to
+        # the last few, so a long run (a benchmark, an end-to-end test) costs the same per request.
+        if len(self._requests) > KEPT_REQUESTS:
+            del self._requests[: len(self._requests) - KEPT_REQUESTS // 2]
         for method, path in self.refused:
             if raw_request.method == method and path.fullmatch(raw_request.path):
                 return _status(

@@ -1,0 +1,286 @@
+"""A one-node cluster for the end-to-end tests: kmock's API emulator (tests/agents/kube.py) and, beside it,
+what its controllers and kubelet would do, done on this host.
+
+`LocalNode` watches the emulator's Jobs like the Job controller (one pod per completion index, a
+suspended Job left alone), schedules pods against the node's GPU resources like kube-scheduler (a pod
+that does not fit waits `Unschedulable` with the scheduler's message), and runs each pod's main
+container like a kubelet, except that there is no container runtime here: its command runs as a process
+of this host, with the pod's environment (its `env`, field references and the `envFrom` Secret), its
+task folder on the work volume mapped to a folder here, its output written to the pod's log with
+timestamps, and its exit code put in the pod's status. Deleting a pod sends SIGTERM and, after its grace
+period, SIGKILL; the Job's condition follows its pods.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+
+from tests.agents.kube import IMAGE, NAMESPACE, Cluster
+
+NODE_GPUS = {"nvidia.com/gpu": 8, "nvidia.com/gpu.shared": 4, "nvidia.com/mig-1g.10gb": 7}
+NODE = "gpu-node-1"
+
+
+def stamp() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%f000Z")
+
+
+@dataclass
+class Running:
+    process: subprocess.Popen[bytes]
+    pod: str
+    job: str
+    gpus: dict[str, int]
+    reader: threading.Thread
+    stopping_since: float = 0.0
+
+
+@dataclass
+class LocalNode:
+    cluster: Cluster
+    work_root: Path  # the work volume, as this host sees it (the agent's outputs_dir)
+    gpus: dict[str, int] = field(default_factory=lambda: dict(NODE_GPUS))
+    running: dict[str, Running] = field(default_factory=dict)
+    jobs_seen: set[str] = field(default_factory=set)
+    stop_event: threading.Event = field(default_factory=threading.Event)
+    grace_seconds: float = 30.0
+    created_jobs: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        api = self.cluster.api()
+        self.batch, self.core = client.BatchV1Api(api), client.CoreV1Api(api)
+
+    def start(self) -> LocalNode:
+        threading.Thread(target=self._loop, daemon=True, name="local-node").start()
+        return self
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        for run in list(self.running.values()):
+            if run.process.poll() is None:
+                os.killpg(run.process.pid, signal.SIGKILL)
+
+    def _list(self, call: Any) -> list[dict[str, Any]]:
+        return list(json.loads(call(NAMESPACE, _preload_content=False).data).get("items") or [])
+
+    def _loop(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                self._pass()
+            except client.exceptions.ApiException:
+                pass  # a 404 of an object deleted meanwhile: the next pass sees the new state
+            except Exception as error:  # kept for the test to show; the node goes on
+                self.errors.append(f"{type(error).__name__}: {error}")
+            time.sleep(0.2)
+
+    def _pass(self) -> None:
+        jobs = {job["metadata"]["name"]: job for job in self._list(self.batch.list_namespaced_job)}
+        pods = {pod["metadata"]["name"]: pod for pod in self._list(self.core.list_namespaced_pod)}
+        for name, job in jobs.items():
+            if name not in self.jobs_seen and not job["spec"].get("suspend"):
+                self.jobs_seen.add(name)
+                self.created_jobs.append(name)
+                self._make_pods(job)
+        for name, pod in pods.items():
+            phase = (pod.get("status") or {}).get("phase")
+            if pod["metadata"].get("deletionTimestamp"):
+                self._terminate(name, pod)
+            elif phase == "Pending" and name not in self.running:
+                self._schedule(name, pod)
+        for name, run in list(self.running.items()):
+            code = run.process.poll()
+            if code is not None:
+                run.reader.join(5)
+                self._ended(name, run, code)
+        for name, job in jobs.items():
+            self._job_verdict(
+                name, job, [pod for pod in pods.values() if pod["metadata"]["labels"].get("job-name") == name]
+            )
+
+    def _make_pods(self, job: dict[str, Any]) -> None:
+        name, spec = job["metadata"]["name"], job["spec"]
+        template = spec["template"]
+        for index in range(int(spec.get("completions") or 1)):
+            labels = {
+                **template["metadata"].get("labels", {}),
+                "job-name": name,
+                "batch.kubernetes.io/job-name": name,
+                "batch.kubernetes.io/job-completion-index": str(index),
+            }
+            annotations = {
+                **template["metadata"].get("annotations", {}),
+                "batch.kubernetes.io/job-completion-index": str(index),
+            }
+            metadata = {
+                "name": f"{name}-{index}-local",
+                "namespace": NAMESPACE,
+                "labels": labels,
+                "annotations": annotations,
+                "finalizers": ["tests.klique.io/kubelet"],
+            }
+            body = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": metadata,
+                "spec": template["spec"],
+                "status": {"phase": "Pending"},
+            }
+            self.core.create_namespaced_pod(NAMESPACE, body, _preload_content=False)
+
+    def _asks(self, pod: dict[str, Any]) -> dict[str, int]:
+        main = pod["spec"]["containers"][0]
+        limits = (main.get("resources") or {}).get("limits") or {}
+        return {key: int(value) for key, value in limits.items() if key in NODE_GPUS}
+
+    def _schedule(self, name: str, pod: dict[str, Any]) -> None:
+        asks = self._asks(pod)
+        used: dict[str, int] = {}
+        for run in self.running.values():
+            for key, value in run.gpus.items():
+                used[key] = used.get(key, 0) + value
+        short = [key for key, value in asks.items() if used.get(key, 0) + value > self.gpus.get(key, 0)]
+        if short:
+            message = (
+                f"0/1 nodes are available: 1 Insufficient {short[0]}. preemption: 0/1 nodes are available."
+            )
+            condition = {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": message,
+            }
+            if (pod.get("status") or {}).get("conditions") != [condition]:
+                self._patch(name, {"status": {"phase": "Pending", "conditions": [condition]}})
+            return
+        self._run(name, pod, asks)
+
+    def _environment(self, pod: dict[str, Any], folder: Path) -> dict[str, str]:
+        main = pod["spec"]["containers"][0]
+        environment = {"PATH": os.environ["PATH"], "PYTHONUNBUFFERED": "1", "HOME": str(folder)}
+        for source in main.get("envFrom") or []:
+            secret = json.loads(
+                self.core.read_namespaced_secret(
+                    source["secretRef"]["name"], NAMESPACE, _preload_content=False
+                ).data
+            )
+            environment.update(secret.get("stringData") or {})
+        annotations = pod["metadata"].get("annotations") or {}
+        for item in main.get("env") or []:
+            if "value" in item:
+                environment[item["name"]] = str(item["value"])
+            else:  # metadata.annotations['...']
+                path = item["valueFrom"]["fieldRef"]["fieldPath"]
+                environment[item["name"]] = str(annotations.get(path.split("'")[1], ""))
+        environment["KLIQUE_WORK_DIR"] = str(folder)  # the work volume's mount, as this host has it
+        return environment
+
+    def _run(self, name: str, pod: dict[str, Any], asks: dict[str, int]) -> None:
+        task = pod["metadata"]["labels"]["klique.io/task"]
+        folder = self.work_root / task
+        folder.mkdir(parents=True, exist_ok=True)
+        main = pod["spec"]["containers"][0]
+        process = subprocess.Popen(
+            main["command"],
+            cwd=folder,
+            env=self._environment(pod, folder),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        reader = threading.Thread(target=self._read, args=(name, process), daemon=True)
+        assert self.cluster.emulator is not None
+        emulator = self.cluster.emulator
+        self.cluster.call(lambda: emulator.logs.setdefault(name, []))
+        self.running[name] = Running(process, name, pod["metadata"]["labels"]["job-name"], asks, reader)
+        reader.start()
+        self._patch(
+            name,
+            {
+                "spec": {"nodeName": NODE},
+                "status": {
+                    "phase": "Running",
+                    "conditions": [{"type": "PodScheduled", "status": "True"}],
+                    "containerStatuses": [
+                        {"name": "main", "state": {"running": {"startedAt": stamp()}}, **IMAGE}
+                    ],
+                },
+            },
+        )
+
+    def _read(self, pod: str, process: subprocess.Popen[bytes]) -> None:
+        assert process.stdout is not None
+        assert self.cluster.emulator is not None
+        emulator = self.cluster.emulator
+        for raw in process.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.cluster.call(lambda line=line: emulator.logs.setdefault(pod, []).append((stamp(), line)))
+
+    def _ended(self, name: str, run: Running, code: int) -> None:
+        del self.running[name]
+        exit_code = 128 - code if code < 0 else code  # killed by a signal: 128 + its number
+        terminated = {
+            "exitCode": exit_code,
+            "finishedAt": stamp(),
+            "reason": "Completed" if code == 0 else "Error",
+        }
+        status = {
+            "phase": "Succeeded" if exit_code == 0 else "Failed",
+            "containerStatuses": [{"name": "main", "state": {"terminated": terminated}, **IMAGE}],
+        }
+        try:
+            self._patch(name, {"status": status})
+            if run.stopping_since:
+                self._patch(name, {"metadata": {"finalizers": []}})  # deleted: it goes once stopped
+        except client.exceptions.ApiException:
+            pass
+
+    def _terminate(self, name: str, pod: dict[str, Any]) -> None:
+        run = self.running.get(name)
+        if run is None:
+            self._patch(name, {"metadata": {"finalizers": []}})
+            return
+        if not run.stopping_since:
+            run.stopping_since = time.monotonic()
+            os.killpg(run.process.pid, signal.SIGTERM)
+        elif time.monotonic() - run.stopping_since > self.grace_seconds:
+            os.killpg(run.process.pid, signal.SIGKILL)
+
+    def _job_verdict(self, name: str, job: dict[str, Any], pods: list[dict[str, Any]]) -> None:
+        if (job.get("status") or {}).get("conditions") or not pods:
+            return
+        phases = [(pod.get("status") or {}).get("phase") for pod in pods]
+        wanted = int(job["spec"].get("completions") or 1)
+        if "Failed" in phases:
+            condition = {
+                "type": "Failed",
+                "status": "True",
+                "reason": "BackoffLimitExceeded",
+                "message": "Job has reached the specified backoff limit",
+            }
+            for pod in pods:  # the Job controller stops what is left of a failed Job
+                if (pod.get("status") or {}).get("phase") == "Running" and pod["metadata"][
+                    "name"
+                ] in self.running:
+                    os.killpg(self.running[pod["metadata"]["name"]].process.pid, signal.SIGTERM)
+        elif phases.count("Succeeded") >= wanted:
+            condition = {"type": "Complete", "status": "True"}
+        else:
+            return
+        self.batch.patch_namespaced_job(
+            name, NAMESPACE, {"status": {"conditions": [condition]}}, _preload_content=False
+        )
+
+    def _patch(self, name: str, body: dict[str, Any]) -> None:
+        self.core.patch_namespaced_pod(name, NAMESPACE, body, _preload_content=False)

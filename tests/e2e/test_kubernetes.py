@@ -1,0 +1,221 @@
+"""The whole Kubernetes path: `klique up --demo`, a real `klique-agent --backend kubernetes` against kmock's
+API emulator with a one-node cluster beside it (tests/e2e/kubelet.py: its commands run as processes of
+this host), tasks of each size submitted through the API, their logs and outputs home; the scheduler's
+reason in `klique why`; the agent killed with SIGKILL while a Job runs and started again."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.agents.kube import Cluster, Kubelet
+from tests.e2e.conftest import ROOT, Running, clean_environment, start_up
+from tests.e2e.kubelet import LocalNode
+from tests.e2e.test_agent_crash import Demo
+from tests.e2e.test_hpc import wait_for_reason, wait_for_state
+from tests.e2e.test_up import BANNER_CURL
+
+pytestmark = pytest.mark.e2e
+
+STEPS = (
+    "import os, sys, time\n"
+    "rank = os.environ.get('RANK', '0')\n"
+    "for step in range(int(sys.argv[1])):\n"
+    "    print(f'rank {rank} step {step}', flush=True)\n"
+    "    time.sleep(float(sys.argv[2]))\n"
+    "open('metrics.json', 'w').write('{\"loss\": 0.5}')\n"
+    "print('gpus', os.environ.get('KLIQUE_GPU_MEMORY_FRACTION', 'whole'), flush=True)\n"
+)
+SIZES: dict[str, dict[str, Any]] = {  # compute resource -> profile
+    "K8s: 2 GPUs": {"name": "k8s-two", "gpus": "2"},
+    "K8s: half a GPU": {"name": "k8s-half", "sharing": "fraction", "min_gpus": "0.5", "max_gpus": "0.5"},
+    "K8s: MIG slice": {"name": "k8s-mig", "sharing": "mig", "mig_profile": "1g.10gb"},
+    "K8s: 2 x 4 GPUs": {"name": "k8s-multi", "nodes": 2, "gpus_per_node": 4},
+    "K8s: 16 GPUs": {"name": "k8s-sixteen", "gpus": "16"},
+}
+
+
+def provision(demo: Demo) -> str:
+    """A Kubernetes pool "k8s" behind one compute resource per size; its agent token."""
+    document = demo.call("GET", "/api/v1/configuration/draft/")["document"]
+    document["pools"].append(
+        {
+            "name": "k8s",
+            "environment": "kubernetes",
+            "capacity_gpus": 16,
+            "sharing": ["whole", "fraction", "mig_static"],
+        }
+    )
+    policy = document["policies"][0]
+    policy["limit_gpus"] = "32"
+    for resource, profile in SIZES.items():
+        document["profiles"].append({**profile, "pools": [{"pool": "k8s"}]})
+        policy["compute_resources"].append({"profile": profile["name"], "name": resource})
+    demo.call("PUT", "/api/v1/configuration/draft/", json={"document": document})
+    demo.call("POST", "/api/v1/configuration/draft/provision/")
+    pool = next(row for row in demo.call("GET", "/api/v1/pools/")["results"] if row["name"] == "k8s")
+    token: str = demo.call("POST", f"/api/v1/pools/{pool['id']}/agent-tokens/", json={"name": "k8s"})["token"]
+    return token
+
+
+class Plane:
+    def __init__(self, tmp_path: Path, cluster: Cluster) -> None:
+        self.tmp_path, self.cluster = tmp_path, cluster
+        self.running: Running | None = None
+        self.agent: subprocess.Popen[bytes] | None = None
+        self.volume = tmp_path / "volume"
+        self.config = tmp_path / "agent.toml"
+        self.config.write_text(
+            f'[agent.kubernetes]\nnamespace = "ml"\napi_url = "{cluster.url}"\n'
+            f'outputs_dir = "{self.volume}"\n'
+            'work_volume = { persistentVolumeClaim = { claimName = "klique-work" } }\n'
+            "poll_seconds = 0.2\ngang_seconds = 4\n"
+        )
+
+    def start_agent(self, demo: Demo, token_file: Path) -> None:
+        argv = [
+            sys.executable,
+            "-m",
+            "agents.main",
+            "--url",
+            f"http://demo.localhost:{demo.port}",
+            "--token-file",
+            str(token_file),
+            "--backend",
+            "kubernetes",
+            "--config",
+            str(self.config),
+            "--agent-id",
+            "k8s-1",
+            "--work-dir",
+            str(self.tmp_path / "agent"),
+        ]
+        log = (self.tmp_path / "agent.log").open("ab")
+        self.agent = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    running = Cluster().start()
+    yield running
+    running.stop()
+
+
+def cluster_state(cluster: Cluster) -> list[tuple[Any, ...]]:
+    """Each pod's phase and conditions, for a failure's message."""
+    kubelet = Kubelet(cluster)
+    found = json.loads(kubelet.core.list_namespaced_pod("ml", _preload_content=False).data)["items"]
+    return [
+        (
+            pod["metadata"]["name"],
+            (pod.get("status") or {}).get("phase"),
+            (pod.get("status") or {}).get("conditions"),
+        )
+        for pod in found
+    ]
+
+
+def agent_log(tmp_path: Path) -> str:
+    lines = (tmp_path / "agent.log").read_text().splitlines()
+    return "\n".join(line for line in lines if "aiohttp" not in line)[-4000:]
+
+
+def submit(demo: Demo, resource: str, steps: int, pause: float, **extra: Any) -> dict[str, Any]:
+    spec = {
+        "command": [sys.executable, "-c", STEPS, str(steps), str(pause)],
+        "outputs": ["metrics.json"],
+        **extra,
+    }
+    body: dict[str, Any] = {"compute_resource": resource, "spec": spec}
+    if resource == "K8s: half a GPU":
+        body["gpus"] = "0.5"  # a fractional profile takes the size from the task
+    task: dict[str, Any] = demo.call("POST", "/api/v1/tasks/", json=body)
+    return task
+
+
+def test_tasks_of_each_size_run_on_kubernetes_and_survive_an_agent_killed_mid_job(
+    fresh_database: str, redis_url: str, tmp_path: Path, cluster: Cluster
+) -> None:
+    environment = clean_environment(DATABASE_URL=fresh_database, REDIS_URL=redis_url)
+    running = start_up(environment, tmp_path / "data")
+    plane = Plane(tmp_path, cluster)
+    node = LocalNode(cluster, plane.volume).start()
+    secret = f"klq-k8s-{secrets.token_hex(12)}"
+    try:
+        demo = Demo(running.port, running.wait_for(BANNER_CURL)[1])
+        token_file = tmp_path / "agent.token"
+        token_file.write_text(provision(demo))
+        token_file.chmod(0o600)
+        demo.call(
+            "POST",
+            "/api/v1/secrets/",
+            json={
+                "scope": "tenant",
+                "name": "HF_TOKEN",
+                "value": secret,
+                "audience": {"groups": ["research"]},
+            },
+        )
+        plane.start_agent(demo, token_file)
+
+        tasks = {resource: submit(demo, resource, 3, 0.1) for resource in SIZES if resource != "K8s: 16 GPUs"}
+        for resource, task in tasks.items():
+            done = wait_for_state(demo, task["id"], {"completed", "failed"})
+            assert done["state"] == "completed", (
+                resource,
+                done["reason"],
+                cluster_state(cluster),
+                node.errors,
+            )
+        multi = demo.logged(tasks["K8s: 2 x 4 GPUs"]["id"])
+        assert sorted(line for line in multi if "step" in line) == sorted(
+            f"rank {rank} step {step}" for rank in (0, 1) for step in range(3)
+        )
+        assert "gpus 0.5000" in demo.logged(tasks["K8s: half a GPU"]["id"])
+        outputs = demo.call("GET", f"/api/v1/tasks/{tasks['K8s: 2 GPUs']['id']}/outputs/")
+        assert [item["name"] for item in outputs] == ["metrics.json"]
+
+        # More GPUs than the node has: it waits with the scheduler's words, in `klique why`.
+        big = submit(demo, "K8s: 16 GPUs", 1, 0.1)
+        why = wait_for_reason(
+            demo, big["id"], "1 Insufficient nvidia.com/gpu. preemption: 0/1 nodes are available."
+        )
+        assert "Unschedulable: 0/1 nodes are available" in why["reason"], why
+        demo.call("POST", f"/api/v1/tasks/{big['id']}/cancel/")
+
+        # The agent is killed with SIGKILL while a Job runs, and started again.
+        long = submit(demo, "K8s: 2 GPUs", 20, 0.25, secrets=["HF_TOKEN"])
+        demo.wait_for_lines(long["id"], 4)
+        assert plane.agent is not None
+        plane.agent.send_signal(signal.SIGKILL)
+        plane.agent.wait(10)
+        time.sleep(1.5)  # the Job runs on without its agent
+        plane.start_agent(demo, token_file)
+        done = wait_for_state(demo, long["id"], {"completed", "failed"})
+        assert done["state"] == "completed", (done["reason"], cluster_state(cluster), agent_log(tmp_path))
+        lines = [line for line in demo.logged(long["id"]) if "step" in line]
+        assert lines == [f"rank 0 step {step}" for step in range(20)]  # none lost, none twice
+        made = [name for name in node.created_jobs if long["id"][:8] in name]
+        assert len(made) == 1  # adopted, not created again
+
+        # The secret reached the task's Secret only: not the pod spec, nor any log.
+        jobs = Kubelet(cluster).jobs()
+        assert any(long["id"] in str(job) for job in jobs)
+        assert secret not in str(jobs)
+        assert secret not in (tmp_path / "agent.log").read_text()
+    finally:
+        node.stop()
+        if plane.agent is not None and plane.agent.poll() is None:
+            plane.agent.terminate()
+            plane.agent.wait(15)
+        assert running.interrupt() == 0
+    assert secret not in running.everything()  # web, worker, beat and the demo agent print there
