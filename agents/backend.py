@@ -31,6 +31,7 @@ class Refused(Exception):
 class Backend(Protocol):
     state: State
     upload: Upload | None
+    problem: str  # what stops the environment from taking work (the cluster unreachable, RBAC), or ""
 
     @property
     def name(self) -> str: ...

@@ -112,6 +112,7 @@ class BareMetal:
     state: State
     source: str = "configured"
     upload: Upload | None = None
+    problem: str = ""  # a host has nothing between the agent and its GPUs
     mig: list[MigDevice] = field(default_factory=list)
     used: dict[int, int] = field(default_factory=dict)  # device -> units in use
     children: dict[str, asyncio.subprocess.Process] = field(

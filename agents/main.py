@@ -183,6 +183,7 @@ class Agent:
             inventory=self.backend.inventory(),
             capacity=self.capacity,
             held=self.held(),
+            problem=self.backend.problem,
         )
         await socket_.send(json.dumps(hello.as_json()))
         for pending in self.state.pending():  # replay what the plane has not answered
@@ -226,7 +227,10 @@ class Agent:
         while True:
             await asyncio.sleep(self.heartbeat_seconds)
             heartbeat = messages.Heartbeat(
-                held=self.held(), queue=self.backend.queue(), capacity=self.capacity
+                held=self.held(),
+                queue=self.backend.queue(),
+                capacity=self.capacity,
+                problem=self.backend.problem,
             )
             await socket_.send(json.dumps(heartbeat.as_json()))
 

@@ -27,6 +27,7 @@ MAX_ID = 100  # characters of an id: task, lease, agent
 MAX_SEQ = 2**31 - 1
 MAX_HELD = 10_000  # runs one agent may say it holds
 MAX_TEXT = 2_000
+MAX_PROBLEM = 500
 
 Verdict = Literal["applied", "duplicate", "stale"]
 
@@ -84,6 +85,12 @@ def _mapping(content: Mapping[str, Any], key: str) -> dict[str, Any]:
     return value
 
 
+def _problem(content: Mapping[str, Any]) -> str | None:
+    """An agent's problem, as text of at most MAX_PROBLEM characters; None where it says none."""
+    problem = content.get("problem")
+    return problem[:MAX_PROBLEM] if isinstance(problem, str) else None
+
+
 def _held(content: Mapping[str, Any], key: str) -> tuple[Held, ...]:
     value = content.get(key)
     if value is None:
@@ -129,6 +136,7 @@ class Hello:
     capacity: dict[str, Any] = field(default_factory=dict)
     held: tuple[Held, ...] = ()
     protocol: int = PROTOCOL
+    problem: str = ""  # what stops the agent's environment from taking work, in words, or ""
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -141,6 +149,7 @@ class Hello:
             "inventory": self.inventory,
             "capacity": self.capacity,
             "held": [run.as_json() for run in self.held],
+            "problem": self.problem,
         }
 
 
@@ -149,9 +158,12 @@ class Heartbeat:
     held: tuple[Held, ...] = ()
     queue: list[dict[str, Any]] | None = None  # an HPC agent's view of its cluster's queue
     capacity: dict[str, Any] | None = None
+    problem: str | None = None  # as in Hello; None from an agent that does not say
 
     def as_json(self) -> dict[str, Any]:
         message: dict[str, Any] = {"type": "heartbeat", "held": [run.as_json() for run in self.held]}
+        if self.problem is not None:
+            message["problem"] = self.problem
         if self.queue is not None:
             message["queue"] = self.queue
         if self.capacity is not None:
@@ -237,6 +249,7 @@ def parse_from_agent(content: object) -> Hello | Heartbeat | Accepted | Rejected
             inventory=_mapping(content, "inventory"),
             capacity=_mapping(content, "capacity"),
             held=_held(content, "held"),
+            problem=_problem(content) or "",
         )
     if kind == "heartbeat":
         queue = content.get("queue")
@@ -245,6 +258,7 @@ def parse_from_agent(content: object) -> Hello | Heartbeat | Accepted | Rejected
             held=_held(content, "held"),
             queue=queue if isinstance(queue, list) else None,
             capacity=capacity if isinstance(capacity, dict) else None,
+            problem=_problem(content),
         )
     if kind == "accepted":
         return Accepted(_text(content, "task_id"), _text(content, "lease_id"))

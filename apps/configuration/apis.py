@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.shortcuts import get_object_or_404
 from django.utils import timezone
-from drf_spectacular.utils import extend_schema, inline_serializer
+from drf_spectacular.utils import extend_schema, extend_schema_field, inline_serializer
 from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -130,6 +132,13 @@ class PoolOut(serializers.ModelSerializer[Pool]):
     cpus = serializers.SerializerMethodField(help_text="CPUs its agents report; null when none says.")
     cpus_in_use = serializers.SerializerMethodField(help_text="Of those, busy (load) or held by jobs.")
     nodes = serializers.SerializerMethodField(help_text="Hosts or cluster nodes its agents report.")
+    gpu_classes = serializers.SerializerMethodField(
+        help_text="GPUs per class and resource (MIG profiles apart) its cluster agents count: allocatable "
+        "on the nodes, and allocated to running pods."
+    )
+    problems = serializers.SerializerMethodField(
+        help_text="What stops its agents' environments from taking work, in their words (RBAC, credentials)."
+    )
 
     class Meta:
         model = Pool
@@ -150,6 +159,8 @@ class PoolOut(serializers.ModelSerializer[Pool]):
             "cpus",
             "cpus_in_use",
             "nodes",
+            "gpu_classes",
+            "problems",
         ]
 
     def get_online(self, pool: Pool) -> bool:
@@ -170,6 +181,26 @@ class PoolOut(serializers.ModelSerializer[Pool]):
 
     def get_nodes(self, pool: Pool) -> int | None:
         return self._reported(pool).nodes
+
+    @extend_schema_field(
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "class": {"type": "string"},
+                    "resource": {"type": "string"},
+                    "allocatable": {"type": "integer"},
+                    "allocated": {"type": "integer"},
+                },
+            },
+        }
+    )
+    def get_gpu_classes(self, pool: Pool) -> list[dict[str, Any]]:
+        return list(self._reported(pool).gpus)
+
+    def get_problems(self, pool: Pool) -> list[str]:
+        return list(self._reported(pool).problems)
 
     def get_used_gpus(self, pool: Pool) -> str:
         return to_gpus_text(self.context["used"].get(pool.pk, 0))

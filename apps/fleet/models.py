@@ -61,6 +61,11 @@ class Agent(models.Model):
     cpus = models.PositiveIntegerField(null=True, blank=True)
     cpus_in_use = models.PositiveIntegerField(null=True, blank=True)
     nodes = models.PositiveIntegerField(null=True, blank=True)
+    # GPUs per class and resource as a cluster's agent counts them: [{class, resource, allocatable,
+    # allocated}] (a Kubernetes agent's nodes); [] where it does not say.
+    gpus = models.JSONField(default=list, blank=True)
+    # What stops the agent's environment from taking work, in its words ("" when nothing does).
+    problem = models.CharField(max_length=500, blank=True)
 
     class Meta:
         ordering = ["pool__name", "id"]

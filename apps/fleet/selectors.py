@@ -3,7 +3,7 @@ the write that follows), and a task's logs, metrics and outputs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +27,8 @@ class Reported:
     cpus: int | None = None
     cpus_in_use: int | None = None
     nodes: int | None = None
+    gpus: tuple[dict[str, Any], ...] = ()  # per GPU class and resource, summed over its agents
+    problems: tuple[str, ...] = ()  # "agent: what stops it", for each agent that says
 
 
 NONE_REPORTED = Reported()
@@ -40,7 +42,24 @@ def agents_by_pool() -> dict[Any, Reported]:
         .annotate(workers=Count("id"), cpus=Sum("cpus"), cpus_in_use=Sum("cpus_in_use"), nodes=Sum("nodes"))
         .values_list("pool_id", "workers", "cpus", "cpus_in_use", "nodes")
     )
-    return {pool: Reported(*figures) for pool, *figures in rows}
+    found = {pool: Reported(*figures) for pool, *figures in rows}
+    gpus: dict[Any, dict[tuple[str, str], list[int]]] = {}
+    problems: dict[Any, list[str]] = {}
+    said = Agent.objects.filter(connected=True).exclude(gpus=[], problem="")
+    for pool, agent, reported, problem in said.values_list("pool_id", "id", "gpus", "problem"):
+        for entry in reported or []:
+            counts = gpus.setdefault(pool, {}).setdefault((entry["class"], entry["resource"]), [0, 0])
+            counts[0] += int(entry["allocatable"])
+            counts[1] += int(entry["allocated"])
+        if problem:
+            problems.setdefault(pool, []).append(f"{agent}: {problem}")
+    for pool in set(gpus) | set(problems):
+        classes = tuple(
+            {"class": name, "resource": resource, "allocatable": counts[0], "allocated": counts[1]}
+            for (name, resource), counts in sorted(gpus.get(pool, {}).items())
+        )
+        found[pool] = replace(found[pool], gpus=classes, problems=tuple(sorted(problems.get(pool, []))))
+    return found
 
 
 def pool_task(task_id: str, pool: Pool) -> Task | None:

@@ -57,6 +57,7 @@ LEASE_SECONDS = 30
 
 
 MAX_COUNT = 100_000_000  # the most CPUs or nodes an agent may report
+MAX_GPU_CLASSES = 64  # GPU classes and MIG profiles one agent may report
 
 
 def pool_heartbeat(*, tenant: Tenant, pool: Pool) -> Pool:
@@ -96,6 +97,7 @@ def agent_hello(*, tenant: Tenant, token: AgentToken, hello: messages.Hello) -> 
             "connected": True,
             "connected_at": now,
             "last_heartbeat_at": now,
+            "problem": hello.problem,
             **_capacity(hello.capacity),
         },
     )
@@ -159,15 +161,29 @@ def agent_gone(*, agent_id: str) -> None:
     Agent.objects.filter(pk=agent_id).update(connected=False)
 
 
-def _capacity(reported: object) -> dict[str, int | None]:
+def _count(value: object) -> int | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
+    return value if ok else None  # type: ignore[return-value]
+
+
+def _capacity(reported: object) -> dict[str, Any]:
     """The CPUs and nodes an agent reports, each a whole number from 0 to MAX_COUNT; what is missing or
-    not such a number is unknown (None), never a guess."""
+    not such a number is unknown (None), never a guess. And its GPUs per class and resource: entries
+    that are not well formed are left out."""
     given = reported if isinstance(reported, dict) else {}
-    fields: dict[str, int | None] = {}
-    for key in ("cpus", "cpus_in_use", "nodes"):
-        value = given.get(key)
-        ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
-        fields[key] = value if ok else None
+    fields: dict[str, Any] = {key: _count(given.get(key)) for key in ("cpus", "cpus_in_use", "nodes")}
+    gpus: list[dict[str, Any]] = []
+    listed = given.get("gpus")
+    for entry in listed if isinstance(listed, list) else []:
+        if not isinstance(entry, dict) or len(gpus) >= MAX_GPU_CLASSES:
+            continue
+        named = [entry.get("class"), entry.get("resource")]
+        counts = [_count(entry.get("allocatable")), _count(entry.get("allocated"))]
+        if all(isinstance(name, str) and 0 < len(name) <= 100 for name in named) and None not in counts:
+            gpus.append(
+                {"class": named[0], "resource": named[1], "allocatable": counts[0], "allocated": counts[1]}
+            )
+    fields["gpus"] = gpus
     return fields
 
 
@@ -184,6 +200,8 @@ def agent_heartbeat(
         fields["queue"] = heartbeat.queue[:10_000]
     if heartbeat.capacity is not None:
         fields.update(_capacity(heartbeat.capacity))
+    if heartbeat.problem is not None:
+        fields["problem"] = heartbeat.problem
     Agent.objects.filter(pk=agent_id).update(**fields)
     pool_heartbeat(tenant=tenant, pool=Pool.objects.get(pk=token.pool_id))
     held = {(run.task_id, run.lease_id): run for run in heartbeat.held}

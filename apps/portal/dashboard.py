@@ -110,6 +110,8 @@ def dashboard_figures(now: Any, span: str = "24h") -> dict[str, Any]:
                 "cpus": reported.cpus,
                 "cpus_in_use": reported.cpus_in_use,
                 "nodes": reported.nodes,
+                "gpu_classes": reported.gpus,  # a cluster agent's count per GPU class and MIG profile
+                "problems": reported.problems,  # what stops its agents, in their words
             }
         )
     chart = {

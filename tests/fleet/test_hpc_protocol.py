@@ -340,3 +340,63 @@ def test_a_run_that_started_cannot_be_given_back_it_ended(fleet: dict[str, Any])
     assert task.reason_code != "requeued_by_agent"
     assert task.attempts == 1  # it ran and failed (no exit code): retried or failed by its own policy
     assert task.state != TaskState.RUNNING
+
+
+def test_a_pool_shows_its_clusters_gpus_per_class_and_what_stops_its_agent(
+    fleet: dict[str, Any], django_db_blocker: Any
+) -> None:
+    problem = (
+        "the agent's service account may not create jobs in namespace ml: apply the chart's Role "
+        "(deploy/helm/klique-agent) or grant it."
+    )
+    capacity = {
+        "nodes": 2,
+        "cpus": 160,
+        "cpus_in_use": 8,
+        "gpus": [
+            {
+                "class": "NVIDIA-H100-80GB-HBM3",
+                "resource": "nvidia.com/gpu",
+                "allocatable": 8,
+                "allocated": 2,
+            },
+            {"class": "A100", "resource": "nvidia.com/mig-1g.10gb", "allocatable": 14, "allocated": 0},
+            {"class": "bad", "resource": "nvidia.com/gpu", "allocatable": -1, "allocated": 0},  # left out
+            "not an entry",
+        ],
+    }
+
+    async def scenario(**body: Any) -> dict[str, Any]:
+        """What the pools API shows while the agent is connected, after its heartbeat."""
+        client = agent(fleet["token"].secret)
+        lease = (await assigned(client))["lease_id"]
+        held = [{"task_id": fleet["task"], "lease_id": lease}]
+        await client.send_json_to({"type": "heartbeat", "held": held, **body})
+        await asyncio.sleep(0.5)
+        pool = await asyncio.to_thread(shown)
+        await client.disconnect()
+        return pool
+
+    def shown() -> dict[str, Any]:
+        with django_db_blocker.unblock():
+            listed = Client().get(
+                "/api/v1/pools/", HTTP_HOST=HOST, HTTP_AUTHORIZATION=f"Bearer {fleet['admin_token']}"
+            )
+            connections.close_all()
+        assert listed.status_code == 200, listed.content
+        return next(row for row in listed.json()["results"] if row["name"] == "h100")
+
+    h100 = asyncio.run(scenario(capacity=capacity, problem=problem))
+    assert h100["gpu_classes"] == [
+        {"class": "A100", "resource": "nvidia.com/mig-1g.10gb", "allocatable": 14, "allocated": 0},
+        {"class": "NVIDIA-H100-80GB-HBM3", "resource": "nvidia.com/gpu", "allocatable": 8, "allocated": 2},
+    ]
+    assert h100["problems"] == [f"login-1: {problem}"]
+    assert (h100["nodes"], h100["cpus"], h100["cpus_in_use"]) == (2, 160, 8)
+
+    with schema_context("fleet"):  # back on the pool's earlier run: it is still placed, fresh lease
+        Task.objects.filter(pk=fleet["task"]).update(state=TaskState.PLACED, lease_id=None)
+    connections.close_all()
+    fixed = asyncio.run(scenario(problem=""))  # the agent says nothing stops it now
+    assert fixed["problems"] == []
+    assert fixed["gpu_classes"] == []  # its new hello counted none: unknown, not the old figures

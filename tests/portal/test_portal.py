@@ -266,7 +266,19 @@ def test_the_dashboard_shows_cpus_and_workers_per_environment_and_follows_the_cl
             nodes=1,
         )
         Agent.objects.create(
-            id="k8s-1", pool=Pool.objects.get(name="h100"), backend="kubernetes", connected=True
+            id="k8s-1",
+            pool=Pool.objects.get(name="h100"),
+            backend="kubernetes",
+            connected=True,
+            gpus=[
+                {
+                    "class": "NVIDIA-H100-80GB-HBM3",
+                    "resource": "nvidia.com/gpu",
+                    "allocatable": 8,
+                    "allocated": 2,
+                }
+            ],
+            problem="the agent's service account may not create jobs in namespace ml: apply the chart's Role",
         )
 
     portal.run(connect)
@@ -278,6 +290,9 @@ def test_the_dashboard_shows_cpus_and_workers_per_environment_and_follows_the_cl
     kubernetes = page.locator("tr[data-environment='kubernetes'] td").all_inner_texts()
     assert kubernetes[5:] == ["not reported", "1", "-"]  # an agent that reports no CPUs is not a guess
     assert page.locator("tr[data-class='A100'] td").nth(1).inner_text() == "8"
+    said = page.locator("tr[data-pool='h100'] td.cluster").inner_text()
+    assert "NVIDIA-H100-80GB-HBM3 nvidia.com/gpu: 2 of 8 allocated" in said
+    assert "k8s-1: the agent's service account may not create jobs in namespace ml" in said
     page.evaluate("window.notReloaded = true")
     before = page.evaluate("document.getElementById('gpu-chart').chart.data.datasets[0].data")
 
