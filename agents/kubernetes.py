@@ -589,6 +589,8 @@ class Kubernetes:
     watchers: dict[str, list[Any]] = field(default_factory=lambda: {"Job": [], "Pod": []})
     ending: set[str] = field(default_factory=set)
     admission: dict[str, str] = field(default_factory=dict)  # Job name -> what Kueue says of it
+    gone_jobs: set[str] = field(default_factory=set)  # recorded Jobs the cluster says are deleted
+    created_at: dict[str, float] = field(default_factory=dict)  # Job name -> when this process made it
     admission_read: float = 0.0  # when Kueue's Workloads were last read
     loop: asyncio.AbstractEventLoop | None = None
 
@@ -699,6 +701,9 @@ class Kubernetes:
         if manifests.service is not None:
             await self._create_one(manifests.service, "services")
         job = await self._create_one(manifests.job, "jobs") or {}
+        self.created_at[name] = time.monotonic()
+        if job and name not in self.seen_jobs:  # what the watch will say: known now, not after its lag
+            self.seen_jobs[name] = job
         for kind in ("Secret", "Service") if manifests.service is not None else ("Secret",):
             with contextlib.suppress(ApiProblem):  # the agent deletes them itself anyway
                 await self._call(self.api.own, kind, name, job, verb="patch", resource=kind.lower() + "s")
@@ -793,6 +798,14 @@ class Kubernetes:
         self.synced.add(kind)
         self.problem = ""
         if kind == "Job":
+            # A recorded Job the listing lacks is gone (deleted while the watch was away): said so once
+            # it is missed by a listing made after the agent created it, never on a watch's lag.
+            listed_at = time.monotonic()
+            self.gone_jobs = {
+                record.job_id
+                for record in self.state.jobs()
+                if record.job_id not in store and self.created_at.get(record.job_id, 0.0) < listed_at - 5.0
+            }
             self._adopt_labelled()
         self.changed.set()
 
@@ -800,8 +813,12 @@ class Kubernetes:
         store = self.seen_jobs if kind == "Job" else self.seen_pods
         if event == "DELETED":
             store.pop(_name(item), None)
+            if kind == "Job":
+                self.gone_jobs.add(_name(item))
         else:
             store[_name(item)] = item
+            if kind == "Job":
+                self.gone_jobs.discard(_name(item))
         self.changed.set()
 
     def _trouble(self, problem: str) -> None:
@@ -892,7 +909,7 @@ class Kubernetes:
         if job is None:
             if record.stopping and not any(_alive(pod) for pod in task_pods):
                 await self._end(record, Seen("ended", "stopped", _exit(task_pods).exit_code), task_pods)
-            elif not record.stopping:
+            elif not record.stopping and record.job_id in self.gone_jobs:
                 gone = Seen(
                     "ended",
                     "deleted",
@@ -1002,6 +1019,8 @@ class Kubernetes:
             await self.reporter(record.task_id, "result", result, None)
             self.state.remove_job(record.task_id)
             self.since.pop(record.task_id, None)
+            self.created_at.pop(record.job_id, None)
+            self.gone_jobs.discard(record.job_id)
             await self._clean(record.job_id, job=False)
         finally:
             self.ending.discard(record.task_id)

@@ -24,6 +24,7 @@ from tests.agents.kube import NAMESPACE, Cluster, Kubelet
 pytestmark = pytest.mark.timeout(120)
 
 SECRET = "s3cr3t-value-never-in-a-pod-spec"
+LISTS = rf"/api/v1/namespaces/{NAMESPACE}/pods|/apis/batch/v1/namespaces/{NAMESPACE}/jobs"  # both watched
 
 
 @pytest.fixture
@@ -461,7 +462,7 @@ def test_the_watch_resumes_after_a_drop_and_lists_again_after_410(
         (pod,) = await asyncio.to_thread(kubelet.make_pods, name)
         await until(lambda: kube.seen_pods)
         assert cluster.emulator is not None
-        lists_before = len(cluster.requests("GET", rf"/api/v1/namespaces/{NAMESPACE}/pods"))
+        lists_before = len(cluster.requests("GET", LISTS))
         if cut == "gone":
             cluster.call(lambda: setattr(cluster.emulator, "gone_next", 2))
         assert cluster.cut_watches() >= 1
@@ -470,11 +471,7 @@ def test_the_watch_resumes_after_a_drop_and_lists_again_after_410(
         await asyncio.to_thread(kubelet.end, pod, 0)
         await asyncio.to_thread(kubelet.job_ended, name, True)
         await until(lambda: recorder.of("result"))
-        listed = [
-            q
-            for _, _, q in cluster.requests("GET", rf"/api/v1/namespaces/{NAMESPACE}/pods")[lists_before:]
-            if q.get("watch") != "true"
-        ]
+        listed = [q for _, _, q in cluster.requests("GET", LISTS)[lists_before:] if q.get("watch") != "true"]
         assert bool(listed) == (cut == "gone")  # a drop resumes the watch; only 410 lists again
         await kube.stop_all(0)
 
@@ -674,3 +671,33 @@ def test_without_kueue_a_suspended_job_waits_with_plain_words(cluster: Cluster, 
 
     asyncio.run(scenario())
     assert kube.problem == ""
+
+
+def test_a_job_the_watch_has_not_shown_yet_is_waited_for_and_one_deleted_outside_klique_ends(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The watch lags the create: a Job not yet seen is not taken for deleted. One that `kubectl delete`
+    removes is: the task ends, saying so."""
+    kube, kubelet = backend(cluster, tmp_path), Kubelet(cluster)
+    recorder = Recorder(kube.state)
+    task = assignment("lag")
+
+    async def scenario() -> None:
+        begin(kube, task)
+        await kube.start(task, recorder)
+        name = pods.job_name("lag", "lease-lag")
+        kube.seen_jobs.pop(name, None)  # as if the watch had not delivered it yet
+        for _ in range(5):
+            await kube.look()
+        assert not recorder.of("result")
+        await asyncio.to_thread(  # a change the watch delivers, whatever it had delivered before
+            kubelet.batch.patch_namespaced_job, name, NAMESPACE, {"metadata": {"annotations": {"seen": "1"}}}
+        )
+        await until(lambda: name in kube.seen_jobs)  # the watch catches up
+        await asyncio.to_thread(kubelet.batch.delete_namespaced_job, name, NAMESPACE)
+        (result,) = await until(lambda: recorder.of("result"))
+        assert result["exit_code"] is None
+        assert any("was deleted outside Klique" in line for line in recorder.lines())
+        await kube.stop_all(0)
+
+    asyncio.run(scenario())

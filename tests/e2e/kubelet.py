@@ -95,10 +95,33 @@ class LocalNode:
                 self._make_pods(job)
         for name, pod in pods.items():
             phase = (pod.get("status") or {}).get("phase")
-            if pod["metadata"].get("deletionTimestamp"):
-                self._terminate(name, pod)
-            elif phase == "Pending" and name not in self.running:
-                self._schedule(name, pod)
+            try:
+                if pod["metadata"].get("deletionTimestamp"):
+                    self._terminate(name, pod)
+                elif phase == "Pending" and name not in self.running and not self._waiting(pod):
+                    self._schedule(name, pod)
+            except client.exceptions.ApiException as error:  # its Secret gone: the kubelet says so, goes on
+                if error.status == 404 and name not in self.running:
+                    self._patch(
+                        name,
+                        {
+                            "status": {
+                                "phase": "Pending",
+                                "containerStatuses": [
+                                    {
+                                        "name": "main",
+                                        "state": {
+                                            "waiting": {
+                                                "reason": "CreateContainerConfigError",
+                                                "message": "secret not found",
+                                            }
+                                        },
+                                        **IMAGE,
+                                    }
+                                ],
+                            }
+                        },
+                    )
         for name, run in list(self.running.items()):
             code = run.process.poll()
             if code is not None:
@@ -108,6 +131,11 @@ class LocalNode:
             self._job_verdict(
                 name, job, [pod for pod in pods.values() if pod["metadata"]["labels"].get("job-name") == name]
             )
+
+    def _waiting(self, pod: dict[str, Any]) -> bool:
+        """The pod's container waits for something this node cannot give it (its Secret is gone)."""
+        statuses = (pod.get("status") or {}).get("containerStatuses") or []
+        return any("waiting" in (status.get("state") or {}) for status in statuses)
 
     def _make_pods(self, job: dict[str, Any]) -> None:
         name, spec = job["metadata"]["name"], job["spec"]
