@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from agents.backend import Refused
-from agents.kubernetes import Api, Kubernetes, KubeSettings, log_lines
+from agents.kubernetes import Api, Kubernetes, KubeSettings, explain, log_lines, what_is_seen
 from agents.state import LogCursor, Position, State
 from protocol import pods
 from protocol.units import UNITS_PER_GPU
@@ -701,3 +701,40 @@ def test_a_job_the_watch_has_not_shown_yet_is_waited_for_and_one_deleted_outside
         await kube.stop_all(0)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("status", "words"),
+    [
+        (401, "refused the agent's credentials (401 Unauthorized): give it a valid kubeconfig"),
+        (403, "may not create jobs in namespace ml: apply the chart's Role"),
+        (404, "namespace ml or the jobs API is not found"),
+        (422, "Kubernetes refused to create jobs in namespace ml (422): spec.template: Invalid value"),
+    ],
+)
+def test_each_api_refusal_is_worded_for_an_administrator(status: int, words: str) -> None:
+    from kubernetes.client.exceptions import ApiException
+
+    error = ApiException(status=status, reason="refused")
+    error.body = '{"kind": "Status", "message": "spec.template: Invalid value"}'
+    problem = explain(error, "create", "jobs", "ml", "https://k8s.example:6443")
+    assert words in str(problem)
+    assert problem.permanent == (status == 422)  # only a manifest Kubernetes refuses fails for good
+
+
+def test_an_evicted_pod_ends_its_task_saying_why() -> None:
+    job = {
+        "spec": {},
+        "status": {"conditions": [{"type": "Failed", "status": "True", "reason": "PodFailurePolicy"}]},
+    }
+    pod = {
+        "metadata": {"name": "k-t-l-0-abc"},
+        "status": {
+            "phase": "Failed",
+            "reason": "Evicted",
+            "message": "The node was low on resource: memory.",
+        },
+    }
+    seen = what_is_seen(job, [pod], local_queue="")
+    assert (seen.state, seen.reason, seen.exit_code) == ("ended", "Evicted", 137)
+    assert seen.lines == ("kubernetes: pod k-t-l-0-abc was evicted: The node was low on resource: memory.",)
