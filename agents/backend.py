@@ -15,6 +15,36 @@ Report = Callable[[str, str, dict[str, Any], Position | None], Awaitable[None]]
 Upload = Callable[[str, str, Path], Awaitable[None]]
 
 
+async def upload_outputs(
+    folder: Path, task_id: str, patterns: list[str], upload: Upload | None, report: Report | None
+) -> tuple[list[str], list[dict[str, str]]]:
+    """Upload the files in the task's folder that match its declared output patterns (each upload retries
+    while the plane cannot take it); returns those stored and, for each one that could not be, why. A
+    failure is also said in the task's log; the file stays where it is."""
+    names = sorted(
+        {
+            str(path.relative_to(folder))
+            for pattern in patterns
+            for path in folder.glob(pattern)
+            if path.is_file() and path.resolve().is_relative_to(folder.resolve())
+        }
+    )
+    uploaded: list[str] = []
+    failed: list[dict[str, str]] = []
+    for name in names:
+        if upload is None:
+            break
+        try:
+            await upload(task_id, name, folder / name)
+            uploaded.append(name)
+        except Exception as error:  # the result still goes out, saying what could not be stored
+            failed.append({"name": name, "error": str(error)[:500]})
+            if report is not None:
+                lines = [f"klique: output {name} was not stored: {error}; it is kept at {folder / name}"]
+                await report(task_id, "log", {"stream": "klique", "lines": lines}, None)
+    return uploaded, failed
+
+
 class Refused(Exception):
     """This environment cannot run the task; the message goes back to the plane as the reason.
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agents.backend import Refused, Report, Upload
+from agents.backend import Refused, Report, Upload, upload_outputs
 from agents.state import RunRecord, State
 from protocol import environment as task_environment
 from protocol.units import UNITS_PER_GPU
@@ -309,31 +309,8 @@ class BareMetal:
             await asyncio.sleep(POLL_SECONDS)
 
     async def _upload_outputs(self, run: RunRecord, report: Report) -> tuple[list[str], list[dict[str, str]]]:
-        """Upload the files matching the task's declared output patterns (each upload retries while the
-        plane cannot take it); returns those stored and, for each one that could not be, why. A failure is
-        also said in the task's log; the file stays in the task's folder on this host."""
-        folder = Path(run.log_path).parent
-        names = sorted(
-            {
-                str(path.relative_to(folder))
-                for pattern in run.outputs
-                for path in folder.glob(pattern)
-                if path.is_file() and path.resolve().is_relative_to(folder.resolve())
-            }
-        )
-        uploaded: list[str] = []
-        failed: list[dict[str, str]] = []
-        for name in names:
-            if self.upload is None:
-                break
-            try:
-                await self.upload(run.task_id, name, folder / name)
-                uploaded.append(name)
-            except Exception as error:  # the result still goes out, saying what could not be stored
-                failed.append({"name": name, "error": str(error)[:500]})
-                lines = [f"klique: output {name} was not stored: {error}; it is kept at {folder / name}"]
-                await report(run.task_id, "log", {"stream": "klique", "lines": lines}, None)
-        return uploaded, failed
+        """The files in the run's folder on this host that match its declared outputs."""
+        return await upload_outputs(Path(run.log_path).parent, run.task_id, run.outputs, self.upload, report)
 
     async def stop(self, task_id: str, grace_seconds: float) -> None:
         """SIGTERM the task's process group, then SIGKILL it after the grace period."""

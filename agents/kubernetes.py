@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agents.backend import Refused, Report, Upload
+from agents.backend import Refused, Report, Upload, upload_outputs
 from agents.baremetal import split_lines
 from agents.state import JobRecord, LogCursor, State
 from protocol import environment as task_environment
@@ -603,7 +603,6 @@ class Kubernetes:
             "namespace": self.settings.cluster.namespace,
             "api": self.api.where,
             "jobs": len(self.state.jobs()),
-            "problem": self.problem,
         }
 
     def running(self) -> list[str]:
@@ -992,8 +991,11 @@ class Kubernetes:
                 pieces = [piece for line in lines for piece in split_lines(line)]
                 await self.reporter(record.task_id, "log", {"stream": stream, "lines": pieces}, after)
 
-    async def _end(self, record: JobRecord, seen: Seen, task_pods: list[dict[str, Any]]) -> None:
-        """The Job ended: its last log lines, its outputs, its result; then its Secret and Service go."""
+    async def _end(
+        self, record: JobRecord, seen: Seen, task_pods: list[dict[str, Any]], *, delete_job: bool = False
+    ) -> None:
+        """The Job ended: its last log lines, its outputs, its result; then its Secret and Service go (and
+        the Job, when asked)."""
         assert self.reporter is not None
         self.ending.add(record.task_id)
         try:
@@ -1002,7 +1004,7 @@ class Kubernetes:
                 await self.reporter(
                     record.task_id, "log", {"stream": "cluster", "lines": list(seen.lines)}, None
                 )
-            uploaded, failed = await self._upload_outputs(record)
+            uploaded, failed = await self._upload_outputs(record, task_pods)
             cluster = {
                 "scheduler": "kubernetes",
                 "job_id": record.job_id,
@@ -1017,11 +1019,8 @@ class Kubernetes:
                 "cluster": cluster,
             }
             await self.reporter(record.task_id, "result", result, None)
-            self.state.remove_job(record.task_id)
-            self.since.pop(record.task_id, None)
-            self.created_at.pop(record.job_id, None)
-            self.gone_jobs.discard(record.job_id)
-            await self._clean(record.job_id, job=False)
+            self._forget(record)
+            await self._clean(record.job_id, job=delete_job)
         finally:
             self.ending.discard(record.task_id)
 
@@ -1039,8 +1038,7 @@ class Kubernetes:
         """The task cannot run as asked (an image that cannot be pulled): its Job goes, the task fails."""
         await self._delete_pods(record, task_pods, grace=0)
         line = f"kubernetes: the task cannot start: {reason}"
-        await self._end(record, Seen("ended", "cannot start", None, (line,)), [])
-        await self._clean(record.job_id, job=True)
+        await self._end(record, Seen("ended", "cannot start", None, (line,)), [], delete_job=True)
 
     async def _requeue(self, record: JobRecord, reason: str) -> None:
         """Give the task back to Klique's queue: its Job goes at once, nothing of it runs on."""
@@ -1056,25 +1054,35 @@ class Kubernetes:
             {"exit_code": None, "requeue": True, "reason": reason, "stopped": False, "outputs": []},
             None,
         )
+        self._forget(record)
+
+    def _forget(self, record: JobRecord) -> None:
+        """The run is over for this agent: its record, timers and the watch's notes of it go."""
         self.state.remove_job(record.task_id)
         self.since.pop(record.task_id, None)
+        self.created_at.pop(record.job_id, None)
+        self.gone_jobs.discard(record.job_id)
 
-    async def _upload_outputs(self, record: JobRecord) -> tuple[list[str], list[dict[str, str]]]:
-        """The files the task wrote to its folder on the work volume that match its declared outputs.
-        Without a work volume they cannot be read: each declared pattern is said to be not stored."""
-        patterns = [str(pattern) for pattern in self._outputs.get(record.task_id, [])]
-        return await upload_outputs(self.settings.outputs_dir, record, patterns, self.upload, self.reporter)
-
-    @property
-    def _outputs(self) -> dict[str, list[str]]:
-        found: dict[str, list[str]] = {}
-        for job in self.seen_jobs.values():
-            task = _labels(job).get("klique.io/task", "")
-            annotation = ((job.get("metadata") or {}).get("annotations") or {}).get("klique.io/outputs")
-            if task and annotation:
+    async def _upload_outputs(
+        self, record: JobRecord, task_pods: list[dict[str, Any]]
+    ) -> tuple[list[str], list[dict[str, str]]]:
+        """The files the task wrote to its folder on the work volume that match its declared outputs (the
+        run's Job, or its pods, say which). Without a work volume they cannot be read: each declared pattern
+        is said to be not stored."""
+        patterns: list[str] = []
+        for item in [self.seen_jobs.get(record.job_id) or {}, *task_pods]:
+            annotation = ((item.get("metadata") or {}).get("annotations") or {}).get("klique.io/outputs")
+            if annotation:
                 with contextlib.suppress(ValueError):
-                    found[task] = list(json.loads(annotation))
-        return found
+                    patterns = [str(pattern) for pattern in json.loads(annotation)]
+                break
+        if not patterns:
+            return [], []
+        if self.settings.outputs_dir is None:
+            why = "the agent has no work volume (outputs_dir and work_volume in [agent.kubernetes])"
+            return [], [{"name": pattern, "error": why} for pattern in patterns]
+        folder = self.settings.outputs_dir / record.task_id
+        return await upload_outputs(folder, record.task_id, patterns, self.upload, self.reporter)
 
     # Stopping -------------------------------------------------------------------------------------------
 
@@ -1127,43 +1135,6 @@ def _alive(pod: Mapping[str, Any]) -> bool:
 def _started(pod: Mapping[str, Any]) -> bool:
     state = _main_status(pod).get("state") or {}
     return "running" in state or "terminated" in state
-
-
-async def upload_outputs(
-    folder_root: Path | None,
-    record: JobRecord,
-    patterns: list[str],
-    upload: Upload | None,
-    report: Report | None,
-) -> tuple[list[str], list[dict[str, str]]]:
-    if not patterns:
-        return [], []
-    if folder_root is None:
-        why = "the agent has no work volume (outputs_dir and work_volume in [agent.kubernetes])"
-        return [], [{"name": pattern, "error": why} for pattern in patterns]
-    folder = folder_root / record.task_id
-    names = sorted(
-        {
-            str(path.relative_to(folder))
-            for pattern in patterns
-            for path in folder.glob(pattern)
-            if path.is_file() and path.resolve().is_relative_to(folder.resolve())
-        }
-    )
-    uploaded: list[str] = []
-    failed: list[dict[str, str]] = []
-    for name in names:
-        if upload is None:
-            break
-        try:
-            await upload(record.task_id, name, folder / name)
-            uploaded.append(name)
-        except Exception as error:  # the result still goes out, saying what could not be stored
-            failed.append({"name": name, "error": str(error)[:500]})
-            if report is not None:
-                lines = [f"klique: output {name} was not stored: {error}; it is kept on the work volume"]
-                await report(record.task_id, "log", {"stream": "klique", "lines": lines}, None)
-    return uploaded, failed
 
 
 def _quantity(value: object) -> float:

@@ -26,7 +26,7 @@ from typing import Any
 
 from kubernetes import client
 
-from tests.agents.kube import IMAGE, NAMESPACE, Cluster
+from tests.agents.kube import IMAGE, NAMESPACE, Cluster, Kubelet
 
 NODE_GPUS = {"nvidia.com/gpu": 8, "nvidia.com/gpu.shared": 4, "nvidia.com/mig-1g.10gb": 7}
 NODE = "gpu-node-1"
@@ -138,34 +138,8 @@ class LocalNode:
         return any("waiting" in (status.get("state") or {}) for status in statuses)
 
     def _make_pods(self, job: dict[str, Any]) -> None:
-        name, spec = job["metadata"]["name"], job["spec"]
-        template = spec["template"]
-        for index in range(int(spec.get("completions") or 1)):
-            labels = {
-                **template["metadata"].get("labels", {}),
-                "job-name": name,
-                "batch.kubernetes.io/job-name": name,
-                "batch.kubernetes.io/job-completion-index": str(index),
-            }
-            annotations = {
-                **template["metadata"].get("annotations", {}),
-                "batch.kubernetes.io/job-completion-index": str(index),
-            }
-            metadata = {
-                "name": f"{name}-{index}-local",
-                "namespace": NAMESPACE,
-                "labels": labels,
-                "annotations": annotations,
-                "finalizers": ["tests.klique.io/kubelet"],
-            }
-            body = {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": metadata,
-                "spec": template["spec"],
-                "status": {"phase": "Pending"},
-            }
-            self.core.create_namespaced_pod(NAMESPACE, body, _preload_content=False)
+        """The Job controller's part, as the unit tests' Kubelet does it; pods stay while they stop."""
+        Kubelet(self.cluster).make_pods(job["metadata"]["name"], terminating=True)
 
     def _asks(self, pod: dict[str, Any]) -> dict[str, int]:
         main = pod["spec"]["containers"][0]
