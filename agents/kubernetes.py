@@ -861,11 +861,17 @@ class Kubernetes:
                 await asyncio.wait_for(self.changed.wait(), timeout=self.settings.poll_seconds)
 
     def pods_of(self, record: JobRecord) -> list[dict[str, Any]]:
-        return [
-            pod
-            for pod in self.seen_pods.values()
-            if any(_labels(pod).get(label) == record.job_id for label in JOB_NAME_LABELS)
-        ]
+        return self._pods_by_job().get(record.job_id, [])
+
+    def _pods_by_job(self) -> dict[str, list[dict[str, Any]]]:
+        """The pods seen, by the name of the Job that made them: one pass, not one per Job."""
+        found: dict[str, list[dict[str, Any]]] = {}
+        for pod in self.seen_pods.values():
+            labels = _labels(pod)
+            job = next((labels[label] for label in JOB_NAME_LABELS if label in labels), None)
+            if job is not None:
+                found.setdefault(job, []).append(pod)
+        return found
 
     async def look(self) -> None:
         """One pass over Klique's Jobs: read new log lines, report what changed, end what ended."""
@@ -873,8 +879,13 @@ class Kubernetes:
             return
         records = self.state.jobs()
         await self._read_admission(records)
+        by_job = self._pods_by_job()
         await asyncio.gather(
-            *(self._look_at(record) for record in records if record.task_id not in self.ending)
+            *(
+                self._look_at(record, by_job.get(record.job_id, []))
+                for record in records
+                if record.task_id not in self.ending
+            )
         )
 
     async def _read_admission(self, records: list[JobRecord]) -> None:
@@ -901,9 +912,11 @@ class Kubernetes:
             return
         self.admission = admission_of(workloads)
 
-    async def _look_at(self, record: JobRecord) -> None:  # noqa: PLR0911 -- one return per outcome
+    async def _look_at(  # noqa: PLR0911 -- one return per outcome
+        self, record: JobRecord, task_pods: list[dict[str, Any]]
+    ) -> None:
         assert self.reporter is not None
-        job, task_pods = self.seen_jobs.get(record.job_id), self.pods_of(record)
+        job = self.seen_jobs.get(record.job_id)
         await self._read_logs(record, task_pods)
         if job is None:
             if record.stopping and not any(_alive(pod) for pod in task_pods):
