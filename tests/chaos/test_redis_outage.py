@@ -93,7 +93,8 @@ def test_an_abort_during_a_redis_outage_is_honoured_and_a_follower_misses_nothin
             {"profile": "solo-gpu", "name": "Research: solo"},
         )
         argv = agent_argv(f"http://demo.localhost:{running.port}", agent_token, "solo-1", tmp_path / "agent")
-        agent = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        agent_log = (tmp_path / "agent.log").open("wb")
+        agent = subprocess.Popen(argv, cwd=ROOT, stdout=agent_log, stderr=subprocess.STDOUT)
 
         def submit(name: str, steps: int) -> str:
             spec = {"command": [sys.executable, "-c", TASK, name, str(steps), str(ledger)]}
@@ -136,8 +137,11 @@ def test_an_abort_during_a_redis_outage_is_honoured_and_a_follower_misses_nothin
             seen = {
                 "second": state(demo, second),
                 "history": demo.call("GET", f"/api/v1/tasks/{second}/history/"),
+                "first": demo.call("GET", f"/api/v1/tasks/{first}/history/"),
             }
-            raise AssertionError(f"{seen}\n{''.join(printed[-80:])}") from None
+            plane = [line for line in printed if "klique.access" not in line]  # the polls above, not news
+            agent_said = "\n".join((tmp_path / "agent.log").read_text(errors="replace").splitlines()[-40:])
+            raise AssertionError(f"{seen}\n{''.join(plane[-80:])}\nagent:\n{agent_said}") from None
         assert (final["attempts"], final["exit_code"]) == (1, 0), final
         history = demo.call("GET", f"/api/v1/tasks/{second}/history/")
         assert [event["to_state"] for event in history].count("dispatching") == 1, history  # never refused
