@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 import socket
 import threading
@@ -190,24 +191,77 @@ def _status_message(error: Any) -> str:
     return str(message or error.reason or "no reason given")[:500]
 
 
+def credentials(settings: KubeSettings) -> Any:
+    """The client's configuration: `api_url` as it is (a local proxy that adds credentials itself); else
+    the `kubeconfig` file (its `context`, or its current one); else the pod's service account, whose
+    token the client reads again as the kubelet rotates it; else $KUBECONFIG or ~/.kube/config. Raises
+    ValueError saying what was looked for and what to set."""
+    import yaml  # noqa: PLC0415 -- the client's own dependency
+
+    from kubernetes import client, config  # noqa: PLC0415
+
+    configuration = client.Configuration()
+    if settings.api_url:
+        configuration.host = settings.api_url.rstrip("/")
+        return configuration
+    context = settings.context or None
+    if settings.kubeconfig:
+        try:
+            config.load_kube_config(settings.kubeconfig, context, configuration)
+        except (config.ConfigException, OSError, yaml.YAMLError) as error:
+            raise ValueError(
+                f"the kubeconfig {settings.kubeconfig} cannot be used"
+                f"{f' with context {context!r}' if context else ''}: {error}"
+            ) from None
+        return _bearer_under_both_names(configuration)
+    try:
+        config.load_incluster_config(configuration)
+        return _bearer_under_both_names(configuration)
+    except config.ConfigException as in_pod:
+        not_in_pod = str(in_pod)
+    fallback = os.environ.get("KUBECONFIG") or "~/.kube/config"  # read now: the client reads it at import
+    try:
+        config.load_kube_config(os.path.expanduser(fallback), context, configuration)
+    except (config.ConfigException, OSError, yaml.YAMLError) as error:
+        raise ValueError(
+            f"no credentials found: not in a pod with a service account ({not_in_pod}), and no usable "
+            f"kubeconfig at $KUBECONFIG or ~/.kube/config ({error}). Set kubeconfig (and context) or "
+            "api_url in [agent.kubernetes], or run the agent with the klique-agent chart."
+        ) from None
+    return _bearer_under_both_names(configuration)
+
+
+def _bearer_under_both_names(configuration: Any) -> Any:
+    """The loaders put a bearer token under api_key["authorization"]; client 36 sends only what is under
+    api_key["BearerToken"] (kubernetes-client/python#2582), so every request would go out anonymous.
+    The token is kept under both, after each refresh too (a service account's rotated token, an exec
+    plugin's), so that any client version in the extra's range sends it."""
+    names, last = ("authorization", "BearerToken"), [""]
+    refresh = [configuration.refresh_api_key_hook]
+
+    def mirror(target: Any) -> None:
+        if refresh[0] is not None:
+            refresh[0](target)
+            if target.refresh_api_key_hook is not mirror:  # a loader sets its hook again as it refreshes
+                refresh[0], target.refresh_api_key_hook = target.refresh_api_key_hook, mirror
+        held = [str(target.api_key.get(name) or "") for name in names]
+        token = next((t for t in held if t and t != last[0]), "") or next((t for t in held if t), "")
+        if token:  # the one a refresh changed, whichever name the loader writes
+            target.api_key["authorization"] = target.api_key["BearerToken"] = last[0] = token
+
+    mirror(configuration)
+    if refresh[0] is not None:
+        configuration.refresh_api_key_hook = mirror
+    return configuration
+
+
 class Api:
     """The few calls the backend makes, through the official client; each is synchronous."""
 
     def __init__(self, settings: KubeSettings) -> None:
-        from kubernetes import client, config  # noqa: PLC0415 -- the kubernetes extra, this backend only
+        from kubernetes import client  # noqa: PLC0415 -- the kubernetes extra, this backend only
 
-        if settings.api_url:
-            configuration = client.Configuration()
-            configuration.host = settings.api_url.rstrip("/")
-        elif settings.kubeconfig:
-            configuration = client.Configuration()
-            config.load_kube_config(settings.kubeconfig, settings.context or None, configuration)
-        else:
-            configuration = client.Configuration()
-            try:
-                config.load_incluster_config(configuration)
-            except config.ConfigException:
-                config.load_kube_config(None, settings.context or None, configuration)
+        configuration = credentials(settings)
         self.where = configuration.host
         self.client = client.ApiClient(configuration)
         self.batch = client.BatchV1Api(self.client)

@@ -38,11 +38,13 @@ class Emulator(kmock.KubernetesEmulator):
     gone_next: int = 0  # how many next watches answer 410 Gone
     refused: list[tuple[str, re.Pattern[str]]] = attrs.field(factory=list)  # (method, path) -> 403
     seen: list[tuple[str, str, dict[str, str]]] = attrs.field(factory=list)  # (method, path, query)
+    authorization: str = ""  # the last request's Authorization header
 
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         if raw_request.query.get("watch") in ("True", "1"):  # the official client sends True
             raw_request = raw_request.clone(rel_url=raw_request.rel_url.update_query(watch="true"))
         self.seen.append((raw_request.method, raw_request.path, dict(raw_request.query)))
+        self.authorization = raw_request.headers.get("Authorization", "")
         # kmock keeps every request it served and matches each new one by walking them all: trimmed to
         # the last few, so a long run (a benchmark, an end-to-end test) costs the same per request.
         if len(self._requests) > KEPT_REQUESTS:
