@@ -3,7 +3,7 @@ submitters (Slurm, PBS, LSF) alike."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -56,6 +56,18 @@ class Refused(Exception):
     def __init__(self, message: str, *, permanent: bool = False) -> None:
         super().__init__(message)
         self.permanent = permanent
+
+
+def refuse_declared_volumes(assignment: Mapping[str, Any], backend: str) -> None:
+    """A backend that mounts no declared volumes says so, rather than running the task without them."""
+    declared = (assignment.get("spec") or {}).get("volumes")
+    if declared:
+        raise Refused(
+            f"The task declares volumes, which a {backend} pool does not mount (its tasks see the "
+            "host's own file systems). Submit it to a compute resource whose Kubernetes pools offer "
+            "them, or leave spec.volumes out.",
+            permanent=True,
+        )
 
 
 class Backend(Protocol):

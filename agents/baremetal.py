@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agents.backend import Refused, Report, Upload, upload_outputs
+from agents.backend import Refused, Report, Upload, refuse_declared_volumes, upload_outputs
 from agents.state import RunRecord, State
 from protocol import environment as task_environment
 from protocol.units import UNITS_PER_GPU
@@ -171,6 +171,7 @@ class BareMetal:
         command = (assignment.get("spec") or {}).get("command")
         if not command or not isinstance(command, list) or not all(isinstance(word, str) for word in command):
             raise Refused('The task has no command: its spec needs "command": ["program", "argument", ...].')
+        refuse_declared_volumes(assignment, "bare-metal")
         task_id = assignment["task_id"]
         if any(run.task_id == task_id for run in self.state.runs()):
             return  # a repeated assignment of a task this agent already runs

@@ -40,6 +40,7 @@ from agents.baremetal import split_lines
 from agents.state import JobRecord, LogCursor, State
 from protocol import environment as task_environment
 from protocol import pods
+from protocol import volumes as task_volumes
 
 logger = logging.getLogger("klique.agent.kubernetes")
 
@@ -95,6 +96,7 @@ class KubeSettings:
             "gang_seconds",
             "image_pull_seconds",
             "watch_seconds",
+            "volumes",
         }
         unknown = sorted(set(table) - known)
         if unknown:
@@ -111,6 +113,7 @@ class KubeSettings:
             shared_volume=dict(table.get("shared_volume") or {}),
             work_volume=dict(table.get("work_volume") or {}),
             scratch_size=str(table.get("scratch_size") or ""),
+            volumes=_offered_volumes(table),
         )
         texts = {
             "default": pods.DEFAULT_TEMPLATE,
@@ -133,6 +136,16 @@ class KubeSettings:
 
     def template_for(self, compute_resource: str) -> pods.Template:
         return self.templates.get(compute_resource) or self.templates["default"]
+
+
+def _offered_volumes(table: Mapping[str, Any]) -> dict[str, task_volumes.Offered]:
+    """The `[agent.kubernetes.volumes]` a task may declare; none at the shared file system's path."""
+    offers = task_volumes.offered(dict(table.get("volumes") or {}))
+    shared = str(table.get("shared_path") or "")
+    for offer in offers.values():
+        if shared and (offer.path == shared or offer.path.startswith(f"{shared.rstrip('/')}/")):
+            raise ValueError(f"volumes.{offer.name}: {offer.path} is the shared file system's path.")
+    return offers
 
 
 # The API -------------------------------------------------------------------------------------------------
@@ -718,6 +731,10 @@ class Kubernetes:
             }
         except task_environment.NameRefused as error:
             raise Refused(f"The task's environment cannot be set: {error}", permanent=True) from None
+        try:
+            task_volumes.chosen(task_volumes.wanted(spec.get("volumes")), self.settings.cluster.volumes)
+        except task_volumes.VolumeRefused as error:
+            raise Refused(str(error), permanent=True) from None
         template = self.settings.template_for(str(assignment.get("compute_resource") or ""))
         try:
             manifests = pods.render(

@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from protocol import volumes as task_volumes
 from protocol.units import UNITS_PER_GPU
 
 KUBERNETES_VERSION = "1.34"  # the API the manifests are validated against (kubernetes-validate's schemas)
@@ -104,6 +105,7 @@ class ClusterSettings:
     work_volume: Mapping[str, Any] = field(default_factory=dict)  # where outputs are written; the agent
     # mounts the same volume, so it can upload them. Without one, outputs cannot be collected.
     scratch_size: str = ""  # the emptyDir's sizeLimit, e.g. "100Gi"; "" for none
+    volumes: Mapping[str, task_volumes.Offered] = field(default_factory=dict)  # what a task may declare
 
 
 # Parsing -------------------------------------------------------------------------------------------------
@@ -361,7 +363,13 @@ def render(
     index = next((at for at, item in enumerate(containers) if item.get("name") == MAIN_CONTAINER), 0)
     _check_gpus(template, ("spec", "containers", index), containers[index], limits)
     _main_container(containers[index], assignment, values, limits, fraction=fraction, settings=settings)
-    _volumes(spec, containers[index], values["task_id"], settings)
+    try:
+        declared = task_volumes.chosen(
+            task_volumes.wanted((assignment.get("spec") or {}).get("volumes")), settings.volumes
+        )
+    except task_volumes.VolumeRefused as error:
+        raise PodTemplateInvalid(template.name, None, str(error)) from None
+    _volumes(spec, containers[index], values["task_id"], settings, declared)
     return Manifests(
         job=_job(pod, name, labels, annotations, nodes=nodes, settings=settings),
         secret={
@@ -430,8 +438,15 @@ def _main_container(
     main["envFrom"] = [*_listed(main, "envFrom"), {"secretRef": {"name": name}}]
 
 
-def _volumes(spec: dict[str, Any], main: dict[str, Any], task_id: str, settings: ClusterSettings) -> None:
-    """Scratch, the task's folder on the work volume, and the shared file system at its usual path."""
+def _volumes(
+    spec: dict[str, Any],
+    main: dict[str, Any],
+    task_id: str,
+    settings: ClusterSettings,
+    declared: list[tuple[task_volumes.Offered, bool]],
+) -> None:
+    """Scratch, the task's folder on the work volume, the shared file system at its usual path, and the
+    volumes the task declared out of those the pool offers."""
     mounts, volumes = _listed(main, "volumeMounts"), _listed(spec, "volumes")
     mounts.append({"name": "klique-scratch", "mountPath": SCRATCH_PATH})
     scratch: dict[str, Any] = {"sizeLimit": settings.scratch_size} if settings.scratch_size else {}
@@ -443,6 +458,9 @@ def _volumes(spec: dict[str, Any], main: dict[str, Any], task_id: str, settings:
     if settings.shared_path and settings.shared_volume:
         mounts.append({"name": "klique-shared", "mountPath": settings.shared_path})
         volumes.append({"name": "klique-shared", **copy.deepcopy(dict(settings.shared_volume))})
+    for offer, read_only in declared:
+        mounts.append({"name": f"klique-v-{offer.name}", "mountPath": offer.path, "readOnly": read_only})
+        volumes.append({"name": f"klique-v-{offer.name}", **copy.deepcopy(dict(offer.source))})
 
 
 def _job(
@@ -533,7 +551,12 @@ def check(name: str, text: str, settings: ClusterSettings) -> Template:
     validated against the schema: what the agent does with each template before it takes any work.
     Returns the parsed template; raises PodTemplateInvalid naming the line."""
     template = Template.parse(name, text)
-    for sample in (SAMPLE_ASSIGNMENT, {**SAMPLE_ASSIGNMENT, "size_units": 4 * UNITS_PER_GPU, "nodes": 2}):
+    every_volume = {**SAMPLE_ASSIGNMENT["spec"], "volumes": sorted(settings.volumes)}  # each source checked
+    samples = (
+        SAMPLE_ASSIGNMENT,
+        {**SAMPLE_ASSIGNMENT, "size_units": 4 * UNITS_PER_GPU, "nodes": 2, "spec": every_volume},
+    )
+    for sample in samples:
         manifests = render(template, sample, settings, tenant="sample", environment={"SAMPLE": "1"})
         for manifest in (manifests.job, manifests.secret, manifests.service):
             if manifest is None:

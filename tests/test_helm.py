@@ -58,6 +58,12 @@ AGENT_VALUES = [
         "--set",
         "capacity.clusterWide=false",
         "--set",
+        "volumes.datasets.path=/datasets,volumes.datasets.claimName=imagenet",
+        "--set",
+        "volumes.checkpoints.path=/checkpoints,volumes.checkpoints.claimName=ckpt",
+        "--set",
+        "volumes.checkpoints.readOnly=false",
+        "--set",
         "state.existingClaim=agent-state",
         "--set-string",
         f"templates.Research\\: 8 GPUs={TEMPLATE}",
@@ -116,6 +122,13 @@ def test_the_agent_chart_lints_renders_and_validates(helm: Path, values: list[st
         assert settings.cluster.local_queue == "team-a"
         assert set(settings.templates) == {"default", "Research: 8 GPUs"}
         assert settings.cluster.work_volume == {"persistentVolumeClaim": {"claimName": "klique-work"}}
+        offered = {name: (v.path, v.read_only, v.source) for name, v in settings.cluster.volumes.items()}
+        assert offered == {
+            "datasets": ("/datasets", True, {"persistentVolumeClaim": {"claimName": "imagenet"}}),
+            "checkpoints": ("/checkpoints", False, {"persistentVolumeClaim": {"claimName": "ckpt"}}),
+        }
+    else:
+        assert settings.cluster.volumes == {}
 
 
 @pytest.mark.parametrize(
@@ -126,8 +139,20 @@ def test_the_agent_chart_lints_renders_and_validates(helm: Path, values: list[st
         ([*AGENT, "--set", "replicas=2"], "maximum"),
         ([*AGENT, "--set", "kubernetes.sharedFilesystem.path=relative"], "sharedFilesystem"),
         ([*AGENT, "--set", "unknown=1"], "additional properties"),
+        ([*AGENT, "--set", "volumes.data.path=data,volumes.data.claimName=c"], "volumes"),
+        ([*AGENT, "--set", "volumes.data.path=/data"], "claimName"),
+        ([*AGENT, "--set", "volumes.Data.path=/data,volumes.Data.claimName=c"], "invalid propertyName"),
     ],
-    ids=["no-url", "no-token", "two-replicas", "relative-path", "unknown-value"],
+    ids=[
+        "no-url",
+        "no-token",
+        "two-replicas",
+        "relative-path",
+        "unknown-value",
+        "volume-path",
+        "volume-claim",
+        "volume-name",
+    ],
 )
 def test_the_agent_chart_refuses_values_it_cannot_use(helm: Path, values: list[str], words: str) -> None:
     done = run(helm, "template", "release", str(CHARTS / "klique-agent"), *values)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agents.backend import Refused, Report, Upload
+from agents.backend import Refused, Report, Upload, refuse_declared_volumes
 from agents.hpc.cluster import (
     OUTPUT_TAIL_LINES,
     TRANSIENT,
@@ -179,6 +179,7 @@ class Batch:
         task_id = str(assignment["task_id"])
         if any(job.task_id == task_id for job in self.state.jobs()):
             return  # a repeated assignment of a task whose job is already in the cluster
+        refuse_declared_volumes(assignment, self.name.upper())
         account = self.account_for(str(assignment.get("user") or ""))
         if not assignment.get("task_token"):
             raise Refused("The plane sent no task token; upgrade the control plane.", permanent=True)

@@ -28,6 +28,7 @@ from apps.scheduling.runs import run_request_stop
 from apps.scheduling.selectors import compute_resources_for
 from apps.vault.services import secrets_check
 from protocol import environment as task_environment
+from protocol import volumes as task_volumes
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -142,11 +143,16 @@ def _project(user: User, reference: str | None) -> Project | None:
 
 
 def _check_environment(spec: dict[str, Any]) -> None:
-    """The task's environment follows the rule every agent checks again (protocol.environment)."""
+    """The task's environment follows the rule every agent checks again (protocol.environment); its
+    declared volumes are names (protocol.volumes)."""
     try:
         task_environment.checked(spec.get("environment"))
     except task_environment.NameRefused as error:
         raise InvalidInput(str(error), field="spec.environment") from None
+    try:  # which volumes the pool offers is its agent's to say, when the task is placed there
+        task_volumes.wanted(spec.get("volumes"))
+    except task_volumes.VolumeRefused as error:
+        raise InvalidInput(str(error), field="spec.volumes") from None
 
 
 def _build(tenant: Tenant, user: User, request: TaskRequest, now: datetime) -> Task:

@@ -738,3 +738,45 @@ def test_an_evicted_pod_ends_its_task_saying_why() -> None:
     seen = what_is_seen(job, [pod], local_queue="")
     assert (seen.state, seen.reason, seen.exit_code) == ("ended", "Evicted", 137)
     assert seen.lines == ("kubernetes: pod k-t-l-0-abc was evicted: The node was low on resource: memory.",)
+
+
+def test_declared_volumes_reach_the_job_and_one_the_pool_does_not_offer_is_refused(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    offered = {
+        "datasets": {"path": "/datasets", "source": {"persistentVolumeClaim": {"claimName": "imagenet"}}}
+    }
+    kube, kubelet = backend(cluster, tmp_path, volumes=offered), Kubelet(cluster)
+    spec = {"command": ["python", "train.py"], "volumes": ["datasets"]}
+    wanted, unknown = assignment("vol", spec=spec), assignment("novol", spec={**spec, "volumes": ["secrets"]})
+
+    async def scenario() -> tuple[dict[str, Any], Refused]:
+        begin(kube, wanted)
+        await kube.start(wanted, Recorder(kube.state))
+        job = await asyncio.to_thread(kubelet.job, pods.job_name("vol", "lease-vol"))
+        begin(kube, unknown)
+        with pytest.raises(Refused) as refused:
+            await kube.start(unknown, Recorder(kube.state))
+        await kube.stop_all(0)
+        return job, refused.value
+
+    job, refused = asyncio.run(scenario())
+    pod = job["spec"]["template"]["spec"]
+    assert {"name": "klique-v-datasets", "persistentVolumeClaim": {"claimName": "imagenet"}} in pod["volumes"]
+    mount = {"name": "klique-v-datasets", "mountPath": "/datasets", "readOnly": True}
+    assert mount in pod["containers"][0]["volumeMounts"]
+    assert refused.permanent
+    assert "volume 'secrets', which this pool does not offer (it offers: datasets)" in str(refused)
+    assert [item["metadata"]["name"] for item in kubelet.jobs()] == [job["metadata"]["name"]]  # none made
+
+
+def test_volumes_the_configuration_cannot_offer_are_refused_when_it_is_read(tmp_path: Path) -> None:
+    source = {"persistentVolumeClaim": {"claimName": "x"}}
+    for volumes, says in (
+        ({"data": {"path": "/shared/data", "source": source}}, "the shared file system's path"),
+        ({"data": {"path": "relative", "source": source}}, "absolute path"),
+        ({"data": {"path": "/data", "source": {"hostPath": {"pat": "/"}}}}, "refused by Kubernetes"),
+    ):
+        table = {"namespace": NAMESPACE, "shared_path": "/shared", "volumes": volumes}
+        with pytest.raises(ValueError, match=says):
+            KubeSettings.read({"agent": {"kubernetes": table}}, "agent-1")

@@ -44,6 +44,11 @@ shared_volume = { persistentVolumeClaim = { claimName = {{ .Values.kubernetes.sh
 work_volume = { persistentVolumeClaim = { claimName = {{ . | quote }} } }
 {{- end }}
 
+[agent.kubernetes.volumes]
+{{- range $name, $volume := .Values.volumes }}
+{{ $name | quote }} = { path = {{ $volume.path | quote }}, read_only = {{ if eq (toString $volume.readOnly) "false" }}false{{ else }}true{{ end }}, source = { persistentVolumeClaim = { claimName = {{ $volume.claimName | quote }} } } }
+{{- end }}
+
 [agent.kubernetes.templates]
 {{- range $name, $text := .Values.templates }}
 {{ $name | quote }} = {{ $text | toJson }}
