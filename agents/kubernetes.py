@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 from agents.backend import Refused, Report, Upload, upload_outputs
 from agents.baremetal import split_lines
+from agents.leadership import Conflict, Leadership
 from agents.state import JobRecord, LogCursor, State
 from protocol import environment as task_environment
 from protocol import pods
@@ -70,6 +71,9 @@ class KubeSettings:
     gang_seconds: float = 120.0
     image_pull_seconds: float = 300.0
     watch_seconds: int = 300  # each watch's server-side timeout; the watch resumes after it
+    leader_election: bool = False  # act only while holding the Lease `lease_name` (agents.leadership)
+    lease_name: str = ""
+    lease_seconds: int = 15
 
     @classmethod
     def read(cls, config: Mapping[str, Any], agent_id: str) -> KubeSettings:
@@ -97,6 +101,9 @@ class KubeSettings:
             "image_pull_seconds",
             "watch_seconds",
             "volumes",
+            "leader_election",
+            "lease_name",
+            "lease_seconds",
         }
         unknown = sorted(set(table) - known)
         if unknown:
@@ -132,10 +139,40 @@ class KubeSettings:
             gang_seconds=float(table.get("gang_seconds", 120.0)),
             image_pull_seconds=float(table.get("image_pull_seconds", 300.0)),
             watch_seconds=int(table.get("watch_seconds", 300)),
+            leader_election=_boolean(table, "leader_election"),
+            lease_name=str(table.get("lease_name") or _lease_name(agent_id)),
+            lease_seconds=int(table.get("lease_seconds", 15)),
         )
 
     def template_for(self, compute_resource: str) -> pods.Template:
         return self.templates.get(compute_resource) or self.templates["default"]
+
+    def leadership(self, api: Api, identity: str) -> Leadership:
+        """Client-go's proportions: renew deadline two thirds of the Lease, retries every seventh."""
+        seconds = self.lease_seconds
+        if seconds < 3:
+            raise ValueError(f"lease_seconds is at least 3, not {seconds}.")
+        return Leadership(
+            api,
+            self.lease_name,
+            self.cluster.namespace,
+            identity,
+            lease_seconds=seconds,
+            renew_deadline_seconds=seconds * 2 / 3,
+            retry_seconds=seconds / 7.5,
+        )
+
+
+def _lease_name(agent_id: str) -> str:
+    """A DNS subdomain: the Lease's name."""
+    return f"klique-agent-{re.sub(r'[^a-z0-9.-]+', '-', agent_id.lower()).strip('-.') or 'agent'}"[:253]
+
+
+def _boolean(table: Mapping[str, Any], key: str) -> bool:
+    value = table.get(key, False)
+    if not isinstance(value, bool):
+        raise TypeError(f"[agent.kubernetes] {key} must be true or false, not {value!r}.")
+    return value
 
 
 def _offered_volumes(table: Mapping[str, Any]) -> dict[str, task_volumes.Offered]:
@@ -279,6 +316,7 @@ class Api:
         self.client = client.ApiClient(configuration)
         self.batch = client.BatchV1Api(self.client)
         self.core = client.CoreV1Api(self.client)
+        self.coordination = client.CoordinationV1Api(self.client)
         self.namespace = settings.cluster.namespace
         self.selector = f"klique.io/agent={pods.label_value(settings.cluster.agent)}"
 
@@ -406,6 +444,38 @@ class Api:
             _return_http_data_only=True,
         )
         return bytes(response.data or b"").decode(errors="replace")
+
+    # The agent's Lease (agents.leadership), each write conditional on the version it read.
+
+    def lease_get(self, name: str) -> dict[str, Any] | None:
+        from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
+
+        try:
+            return self._raw(
+                self.coordination.read_namespaced_lease(
+                    name, self.namespace, _preload_content=False, _request_timeout=10
+                )
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def lease_create(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        return self._conflicting(self.coordination.create_namespaced_lease, self.namespace, dict(body))
+
+    def lease_patch(self, name: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        return self._conflicting(self.coordination.patch_namespaced_lease, name, self.namespace, dict(body))
+
+    def _conflicting(self, call: Callable[..., Any], *args: Any) -> dict[str, Any]:
+        from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
+
+        try:
+            return self._raw(call(*args, _preload_content=False, _request_timeout=10))
+        except ApiException as error:
+            if error.status == 409:
+                raise Conflict(str(error.reason)) from None
+            raise
 
     def workloads(self) -> list[dict[str, Any]]:
         """Kueue's Workloads in the namespace: one per suspended Job, saying why it is not admitted."""
@@ -659,6 +729,7 @@ class Kubernetes:
     gone_jobs: set[str] = field(default_factory=set)  # recorded Jobs the cluster says are deleted
     created_at: dict[str, float] = field(default_factory=dict)  # Job name -> when this process made it
     admission_read: float = 0.0  # when Kueue's Workloads were last read
+    leadership: Leadership | None = None  # with leader election: the Lease this process must hold
     loop: asyncio.AbstractEventLoop | None = None
 
     # What the agent loop asks ---------------------------------------------------------------------------

@@ -372,7 +372,14 @@ def _kubernetes(args: argparse.Namespace, state: State) -> Backend | str:
         api = Api(settings)
     except Exception as error:  # the kubeconfig or in-cluster credentials, unreadable
         return f"klique-agent: the Kubernetes credentials cannot be loaded: {error}"
-    return Kubernetes(settings, state, api)
+    backend = Kubernetes(settings, state, api)
+    if settings.leader_election:
+        identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}-{os.getpid()}"
+        try:
+            backend.leadership = settings.leadership(api, identity)
+        except ValueError as error:
+            return f"klique-agent: the configuration {args.config} cannot be used: {error}"
+    return backend
 
 
 TOKEN_VARIABLE = "KLIQUE_AGENT_TOKEN"  # noqa: S105 -- the variable's name, not a token
@@ -423,7 +430,7 @@ def instance_key(work_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="klique-agent", description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True, help="the tenant's address, e.g. https://acme.klique.example")
     parser.add_argument(
@@ -449,7 +456,11 @@ def main(argv: list[str] | None = None) -> int:
         default=UPLOAD_PATIENCE_SECONDS,
         help="seconds an output upload is retried while the plane cannot take it",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
     if args.check:
         checked = _backend(args)
@@ -477,6 +488,11 @@ def main(argv: list[str] | None = None) -> int:
     backend.upload = agent.upload
 
     async def serve() -> None:
+        leadership = getattr(backend, "leadership", None)
+        renewing: list[asyncio.Task[None]] = []  # held here: the loop keeps only a weak reference
+        if leadership is not None:  # a standby waits here, before it says anything to the plane
+            await leadership.lead()
+            renewing.append(asyncio.create_task(leadership.keep(_stop_acting)))
         adopted = backend.adopt(agent.report)
         if adopted:
             logger.info("took back %d tasks: %s", len(adopted), ", ".join(adopted))
@@ -484,9 +500,21 @@ def main(argv: list[str] | None = None) -> int:
         for sign in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sign, lambda: asyncio.ensure_future(agent.shutdown(args.grace_seconds)))
         await agent.run()
+        if leadership is not None:
+            await asyncio.to_thread(leadership.release)  # a standby takes over at once
 
     asyncio.run(serve())
     return 0
+
+
+LOST_LEASE_EXIT = 75  # EX_TEMPFAIL: the pod restarts and stands by
+
+
+def _stop_acting() -> None:
+    """The Lease is lost: another agent may act for the pool now. Nothing more goes out from this
+    process, not even a clean stop's last reports; the Jobs stay for whichever agent holds the Lease."""
+    logging.shutdown()
+    os._exit(LOST_LEASE_EXIT)
 
 
 if __name__ == "__main__":

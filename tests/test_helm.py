@@ -97,7 +97,7 @@ def test_the_agent_chart_lints_renders_and_validates(helm: Path, values: list[st
         pods.validate(document)
     (role,) = of_kind(documents, "Role")
     resources = {resource for rule in role["rules"] for resource in rule["resources"]}
-    assert resources == {"jobs", "pods", "pods/log", "secrets", "services", "events", "workloads"}
+    assert resources == {"jobs", "pods", "pods/log", "secrets", "services", "events", "workloads", "leases"}
     assert all(document["metadata"].get("namespace") == "ml" for document in of_kind(documents, "Role"))
     cluster_roles = of_kind(documents, "ClusterRole")
     if "capacity.clusterWide=false" in values:
@@ -111,13 +111,15 @@ def test_the_agent_chart_lints_renders_and_validates(helm: Path, values: list[st
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
-    token = container["env"][0]
-    assert token["name"] == "KLIQUE_AGENT_TOKEN"
+    (token,) = [item for item in container["env"] if item["name"] == "KLIQUE_AGENT_TOKEN"]
     assert "secretKeyRef" in token["valueFrom"]
     assert "kqa_" not in str(deployment)  # the token is in its Secret only
     (config,) = of_kind(documents, "ConfigMap")
     settings = KubeSettings.read(tomllib.loads(config["data"]["agent.toml"]), "release")  # the agent reads it
     assert settings.cluster.namespace == "ml"
+    assert (settings.leader_election, settings.lease_seconds) == (True, 15)
+    pod_name = {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+    assert pod_name in container["env"]  # the Lease names the pod that holds it
     if values:
         assert settings.cluster.local_queue == "team-a"
         assert set(settings.templates) == {"default", "Research: 8 GPUs"}

@@ -3,7 +3,8 @@
 The emulator keeps objects, serves lists, watches, fetches, merge patches and deletes; it runs no
 controllers. The tests stand in for them as a cluster would: `Kubelet` makes a Job's pods (the Job
 controller's part), places and runs them, writes their logs and ends them (the kubelet's part), and sets
-the Job's conditions. Beyond the emulator, this module serves pod logs (with `timestamps` and
+the Job's conditions. Beyond the emulator, this module serves Leases with the API server's optimistic
+concurrency (resource versions, 409 Conflict), serves pod logs (with `timestamps` and
 `sinceTime`, as the kubelet does), takes `watch=True` as the API server does (the emulator wants
 `true`), and can cut every open watch, answer the next watch with 410 Gone, or refuse a request as RBAC
 would (403).
@@ -29,6 +30,7 @@ NAMESPACE = "ml"
 IMAGE = {"image": "python:3.11-slim", "imageID": "", "ready": True, "restartCount": 0}  # as a kubelet reports
 KEPT_REQUESTS = 20
 LOG_PATH = re.compile(r"/api/v1/namespaces/(?P<ns>[^/]+)/pods/(?P<pod>[^/]+)/log")
+LEASE_PATH = re.compile(r"/apis/coordination.k8s.io/v1/namespaces/(?P<ns>[^/]+)/leases(?:/(?P<name>[^/]+))?")
 
 
 @attrs.define(kw_only=True)
@@ -39,6 +41,8 @@ class Emulator(kmock.KubernetesEmulator):
     refused: list[tuple[str, re.Pattern[str]]] = attrs.field(factory=list)  # (method, path) -> 403
     seen: list[tuple[str, str, dict[str, str]]] = attrs.field(factory=list)  # (method, path, query)
     authorization: str = ""  # the last request's Authorization header
+    leases: dict[str, dict[str, Any]] = attrs.field(factory=dict)  # name -> Lease, served as below
+    versions: int = 0
 
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         if raw_request.query.get("watch") in ("True", "1"):  # the official client sends True
@@ -57,6 +61,9 @@ class Emulator(kmock.KubernetesEmulator):
                     f"{raw_request.path} is forbidden: User "
                     f'"system:serviceaccount:{NAMESPACE}:klique-agent" cannot {method.lower()} it',
                 )
+        lease = LEASE_PATH.fullmatch(raw_request.path)
+        if lease:
+            return await self._lease(raw_request, lease["name"] or "")
         log = LOG_PATH.fullmatch(raw_request.path)
         if log and raw_request.method == "GET":
             return self._log(log["pod"], raw_request.query)
@@ -84,6 +91,42 @@ class Emulator(kmock.KubernetesEmulator):
             finally:
                 self.watches.discard(task)
         return await super().__call__(raw_request)
+
+    async def _lease(  # noqa: PLR0911 -- one answer per verb and refusal, as the API server's
+        self, request: aiohttp.web.BaseRequest, name: str
+    ) -> aiohttp.web.StreamResponse:
+        """Leases as the API server keeps them, which the emulator does not: each write gets a new
+        resourceVersion, and a write naming another version than the stored one is 409 Conflict."""
+        if request.method == "GET":
+            if name not in self.leases:
+                return _status(404, "NotFound", f'leases.coordination.k8s.io "{name}" not found')
+            return aiohttp.web.json_response(self.leases[name])
+        body = await request.json()
+        if request.method == "POST":
+            name = str(body["metadata"]["name"])
+            if name in self.leases:
+                return _status(409, "AlreadyExists", f'leases.coordination.k8s.io "{name}" already exists')
+            self.versions += 1
+            body["metadata"]["resourceVersion"] = str(self.versions)
+            self.leases[name] = body
+            return aiohttp.web.json_response(body, status=201)
+        if request.method == "PATCH":
+            stored = self.leases.get(name)
+            if stored is None:
+                return _status(404, "NotFound", f'leases.coordination.k8s.io "{name}" not found')
+            wanted = (body.get("metadata") or {}).get("resourceVersion")
+            if wanted and wanted != stored["metadata"]["resourceVersion"]:
+                return _status(
+                    409,
+                    "Conflict",
+                    f'Operation cannot be fulfilled on leases.coordination.k8s.io "{name}": the object '
+                    "has been modified; please apply your changes to the latest version and try again",
+                )
+            self.versions += 1
+            stored["spec"] = {**stored.get("spec", {}), **(body.get("spec") or {})}
+            stored["metadata"]["resourceVersion"] = str(self.versions)
+            return aiohttp.web.json_response(stored)
+        return _status(405, "MethodNotAllowed", f"{request.method} is not served for leases here")
 
     def _log(self, pod: str, query: Any) -> aiohttp.web.StreamResponse:
         if pod not in self.logs:

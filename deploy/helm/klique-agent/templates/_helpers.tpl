@@ -30,6 +30,8 @@ default_image = {{ .Values.kubernetes.defaultImage | quote }}
 ttl_seconds_after_finished = {{ .Values.kubernetes.ttlSecondsAfterFinished | int }}
 gang_seconds = {{ .Values.kubernetes.gangSeconds | int }}
 image_pull_seconds = {{ .Values.kubernetes.imagePullSeconds | int }}
+leader_election = true
+lease_seconds = {{ .Values.kubernetes.leaseSeconds | int }}
 {{- with .Values.kubernetes.localQueue }}
 local_queue = {{ . | quote }}
 {{- end }}
