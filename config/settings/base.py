@@ -163,14 +163,18 @@ CHANNEL_LAYERS = {
 }
 
 CELERY_BROKER_URL = env.celery_broker_url(REDIS_URL)
-CELERY_RESULT_BACKEND = CELERY_BROKER_URL
+# No result backend: nothing in Klique reads a task's return value (state lives in PostgreSQL). With a
+# Redis result backend every send also subscribes the sender to the task's result channel: the web
+# process gathers subscriptions it never reads, and while Redis is away each send stalls for some
+# twenty seconds in that subscription's reconnect, which in a worker process holds up every task it has.
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 # A task is acknowledged only when it has finished, so a killed worker's task is delivered again.
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
-CELERY_RESULT_EXPIRES = 3600
 # Remote control rides on a Redis pub/sub (fanout) channel, and kombu's redis transport can crash the
 # whole worker ("Unrecoverable error") when Redis goes away under it; Klique sends no control commands,
 # so the worker keeps only its task queue and rides out a Redis restart by reconnecting.

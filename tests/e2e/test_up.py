@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import openai
+import psycopg
 import pytest
 import websockets
 from celery import Celery
@@ -79,6 +80,27 @@ def portal_page(running: Running, host: str, username: str, password: str, page:
         )
         assert (signed_in.status_code, signed_in.headers.get("location")) == (302, "/portal/"), signed_in.text
         return browser.get(page)
+
+
+def stale_token(running: Running, token: str, database: str, *, days_ago: int) -> str:
+    """Issue a token through the API, revoke it, and date the revocation `days_ago` back; returns its id."""
+    issued = call(running, "POST", "/api/v1/tokens/", token, json={"name": f"revoked-{days_ago}"}).json()
+    assert call(running, "DELETE", f"/api/v1/tokens/{issued['id']}/", token).status_code == 204
+    with psycopg.connect(database, autocommit=True) as connection:
+        connection.execute(
+            "UPDATE demo.accounts_apitoken SET revoked_at = now() - make_interval(days => %s) WHERE id = %s",
+            (days_ago, issued["id"]),
+        )
+    return str(issued["id"])
+
+
+def token_rows(database: str, token_id: str) -> int:
+    with psycopg.connect(database, autocommit=True) as connection:
+        row = connection.execute(
+            "SELECT count(*) FROM demo.accounts_apitoken WHERE id = %s", (token_id,)
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 async def first_event(port: int, token: str, create_project: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -192,15 +214,23 @@ def test_up_with_configured_services(fresh_database: str, redis_url: str, tmp_pa
         assert time.monotonic() - started < 5
         assert 0 < len((brief.choices[0].message.content or "").split()) <= 32
 
-        # The Celery worker runs tenant tasks in the schema named in the message.
-        celery = Celery(broker=redis_url, backend=redis_url)
-        assert celery.send_task("accounts.token_purge_expired", args=("demo",)).get(timeout=60) == 0
-        assert (
-            celery.send_task("tenants.for_each_tenant", args=("accounts.token_purge_expired",)).get(
-                timeout=60
-            )
-            == 1
-        )
+        # The Celery worker runs tenant tasks in the schema named in the message, sent directly and through
+        # the fan-out to every tenant. Klique keeps no task results, so what each task did is read back
+        # from the demo's schema: a token revoked over 30 days ago is purged, a fresh one is kept.
+        celery = Celery(broker=redis_url)
+        kept = stale_token(running, token, fresh_database, days_ago=0)
+        for message in (
+            ("accounts.token_purge_expired", "demo"),
+            ("tenants.for_each_tenant", "accounts.token_purge_expired"),
+        ):
+            purged = stale_token(running, token, fresh_database, days_ago=31)
+            celery.send_task(message[0], args=(message[1],))
+            for _ in range(120):
+                if not token_rows(fresh_database, purged):
+                    break
+                time.sleep(0.5)
+            assert token_rows(fresh_database, purged) == 0, message
+            assert token_rows(fresh_database, kept) == 1, message
 
         # Revocation reaches every process at once: a second web process refuses a token revoked in the first.
         second_port = free_port()
