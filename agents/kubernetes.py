@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -48,12 +49,15 @@ logger = logging.getLogger("klique.agent.kubernetes")
 T = TypeVar("T")
 
 JOB_NAME_LABELS = ("batch.kubernetes.io/job-name", "job-name")
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"  # on a JobSet's Jobs and pods
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 # Waiting reasons of a container that no wait will cure: the task fails at once, saying why.
 HOPELESS = frozenset({"InvalidImageName", "ErrImageNeverPull"})
 # Waiting reasons that may pass (a registry down, a tag pushed late): the task fails after image_pull_seconds.
 IMAGE_PULL = frozenset({"ErrImagePull", "ImagePullBackOff", "RegistryUnavailable"})
 ADMISSION_SECONDS = 5.0  # how often Kueue's Workloads are read while a Job waits for admission
+JOBSET_READ_SECONDS = 2.0  # how often a JobSet is read while the Job it runs is not seen
+DISCOVERY_SECONDS = 300.0  # how long the answer "does the cluster serve JobSet" is kept
 GPU_RESOURCE = re.compile(r"nvidia\.com/gpu|nvidia\.com/gpu\.shared|nvidia\.com/mig-[a-z0-9.+]+|amd\.com/gpu")
 
 
@@ -74,6 +78,7 @@ class KubeSettings:
     leader_election: bool = False  # act only while holding the Lease `lease_name` (agents.leadership)
     lease_name: str = ""
     lease_seconds: int = 15
+    multi_node: str = "auto"  # "jobset", "indexed-job", or "auto": JobSet where the cluster serves it
 
     @classmethod
     def read(cls, config: Mapping[str, Any], agent_id: str) -> KubeSettings:
@@ -104,10 +109,17 @@ class KubeSettings:
             "leader_election",
             "lease_name",
             "lease_seconds",
+            "multi_node",
         }
         unknown = sorted(set(table) - known)
         if unknown:
             raise ValueError(f"[agent.kubernetes] has unknown settings: {', '.join(unknown)}.")
+        multi_node = str(table.get("multi_node") or "auto")
+        if multi_node not in ("auto", *pods.MULTI_NODE_KINDS):
+            raise ValueError(
+                f"[agent.kubernetes] multi_node is one of auto, {', '.join(pods.MULTI_NODE_KINDS)}, "
+                f"not {multi_node!r}."
+            )
         cluster = pods.ClusterSettings(
             namespace=str(table.get("namespace") or "default"),
             agent=agent_id,
@@ -142,6 +154,7 @@ class KubeSettings:
             leader_election=_boolean(table, "leader_election"),
             lease_name=str(table.get("lease_name") or _lease_name(agent_id)),
             lease_seconds=int(table.get("lease_seconds", 15)),
+            multi_node=multi_node,
         )
 
     def template_for(self, compute_resource: str) -> pods.Template:
@@ -317,6 +330,7 @@ class Api:
         self.batch = client.BatchV1Api(self.client)
         self.core = client.CoreV1Api(self.client)
         self.coordination = client.CoordinationV1Api(self.client)
+        self.custom = client.CustomObjectsApi(self.client)
         self.namespace = settings.cluster.namespace
         self.selector = f"klique.io/agent={pods.label_value(settings.cluster.agent)}"
 
@@ -326,6 +340,18 @@ class Api:
 
     def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
         kind, ns = manifest["kind"], self.namespace
+        if kind == "JobSet":
+            return self._raw(
+                self.custom.create_namespaced_custom_object(
+                    pods.JOBSET_GROUP,
+                    pods.JOBSET_VERSION,
+                    ns,
+                    pods.JOBSET_PLURAL,
+                    dict(manifest),
+                    _preload_content=False,
+                    _request_timeout=30,
+                )
+            )
         create = {
             "Job": self.batch.create_namespaced_job,
             "Secret": self.core.create_namespaced_secret,
@@ -339,14 +365,59 @@ class Api:
             name, self.namespace, dict(manifest), _preload_content=False, _request_timeout=30
         )
 
+    def serves(self, group_version: str, plural: str) -> bool:
+        """Whether the API server serves the resource (its CRD is installed): API discovery, which every
+        authenticated client may read."""
+        from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
+
+        try:
+            response = self.client.call_api(
+                f"/apis/{group_version}",
+                "GET",
+                header_params={"Accept": "application/json"},
+                response_types_map={},
+                auth_settings=["BearerToken"],
+                _preload_content=False,
+                _request_timeout=30,
+                _return_http_data_only=True,
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        resources = self._raw(response).get("resources") or []
+        return any(item.get("name") == plural for item in resources if isinstance(item, dict))
+
+    def jobset(self, name: str) -> dict[str, Any] | None:
+        """The JobSet, or None where it is gone."""
+        from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
+
+        try:
+            return self._raw(
+                self.custom.get_namespaced_custom_object(
+                    pods.JOBSET_GROUP,
+                    pods.JOBSET_VERSION,
+                    self.namespace,
+                    pods.JOBSET_PLURAL,
+                    name,
+                    _preload_content=False,
+                    _request_timeout=30,
+                )
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
     def own(self, kind: str, name: str, job: Mapping[str, Any]) -> None:
-        """Make the Job the owner of its Secret or Service, so Kubernetes deletes them with it."""
+        """Make the workload (the Job, or the JobSet) the owner of its Secret or Service, so Kubernetes
+        deletes them with it."""
         uid = (job.get("metadata") or {}).get("uid")
         if not uid:
             return
         owner = {
-            "apiVersion": "batch/v1",
-            "kind": "Job",
+            "apiVersion": str(job.get("apiVersion") or "batch/v1"),
+            "kind": str(job.get("kind") or "Job"),
             "name": job["metadata"]["name"],
             "uid": uid,
             "blockOwnerDeletion": False,
@@ -365,6 +436,7 @@ class Api:
 
         call: Callable[..., Any] = {
             "Job": self.batch.delete_namespaced_job,
+            "JobSet": self._delete_jobset,
             "Pod": self.core.delete_namespaced_pod,
             "Secret": self.core.delete_namespaced_secret,
             "Service": self.core.delete_namespaced_service,
@@ -377,6 +449,11 @@ class Api:
         except ApiException as error:
             if error.status != 404:
                 raise
+
+    def _delete_jobset(self, name: str, namespace: str, **options: Any) -> Any:
+        return self.custom.delete_namespaced_custom_object(
+            pods.JOBSET_GROUP, pods.JOBSET_VERSION, namespace, pods.JOBSET_PLURAL, name, **options
+        )
 
     def listing(self, kind: str) -> tuple[list[dict[str, Any]], str]:
         """Klique's Jobs or Pods of this agent, and the resource version to watch from."""
@@ -664,12 +741,12 @@ def _exit(task_pods: list[dict[str, Any]]) -> Seen:
 
 
 def admission_of(workloads: list[dict[str, Any]]) -> dict[str, str]:
-    """Per Job name (its Workload's owner), why Kueue has not admitted it: the message of the first of its
-    QuotaReserved and Admitted conditions that is False."""
+    """Per Job or JobSet name (its Workload's owner), why Kueue has not admitted it: the message of the first
+    of its QuotaReserved and Admitted conditions that is False."""
     found: dict[str, str] = {}
     for workload in workloads:
         owners = [ref.get("name") for ref in (workload.get("metadata") or {}).get("ownerReferences") or []
-                  if ref.get("kind") == "Job"]  # fmt: skip
+                  if ref.get("kind") in ("Job", "JobSet")]  # fmt: skip
         conditions = {
             item.get("type"): item for item in (workload.get("status") or {}).get("conditions") or []
         }
@@ -730,6 +807,8 @@ class Kubernetes:
     created_at: dict[str, float] = field(default_factory=dict)  # Job name -> when this process made it
     admission_read: float = 0.0  # when Kueue's Workloads were last read
     leadership: Leadership | None = None  # with leader election: the Lease this process must hold
+    jobsets: dict[str, tuple[float, dict[str, Any] | None]] = field(default_factory=dict)  # read when
+    multi_node_kind: tuple[float, str] = (0.0, "")  # what "auto" found, and when
     loop: asyncio.AbstractEventLoop | None = None
 
     # What the agent loop asks ---------------------------------------------------------------------------
@@ -807,11 +886,18 @@ class Kubernetes:
         except task_volumes.VolumeRefused as error:
             raise Refused(str(error), permanent=True) from None
         template = self.settings.template_for(str(assignment.get("compute_resource") or ""))
+        cluster = self.settings.cluster
+        try:
+            if int(assignment.get("nodes") or 1) > 1:
+                cluster = dataclasses.replace(cluster, multi_node=await self._multi_node())
+        except ApiProblem as problem:
+            self.problem = str(problem)
+            raise Refused(f"The JobSet was not created: {problem}", permanent=False) from None
         try:
             manifests = pods.render(
                 template,
                 assignment,
-                self.settings.cluster,
+                cluster,
                 tenant=str(assignment.get("tenant") or ""),
                 environment=environment,
             )
@@ -824,26 +910,55 @@ class Kubernetes:
             self.problem = str(problem)
             with contextlib.suppress(ApiProblem):  # nothing of a run that was not made is left behind
                 await self._call(self.api.delete, "Secret", name, verb="delete", resource="secrets")
-            raise Refused(f"The Job was not created: {problem}", permanent=problem.permanent) from None
+            raise Refused(
+                f"The {manifests.kind} was not created: {problem}", permanent=problem.permanent
+            ) from None
         self.problem = ""
         user = str(assignment.get("user") or "")
-        self.state.add_job(JobRecord(task_id, name, self.settings.cluster.namespace, user))
-        logger.info("task %s is Job %s in namespace %s", task_id, name, self.settings.cluster.namespace)
+        self.state.add_job(JobRecord(task_id, name, cluster.namespace, user, kind=manifests.kind))
+        logger.info("task %s is %s %s in namespace %s", task_id, manifests.kind, name, cluster.namespace)
         await report(task_id, "status", {"state": "pending", "reason": "submitted", "job_id": name}, None)
         self.state.job_seen(task_id, "pending|submitted")
         self.changed.set()
 
+    async def _multi_node(self) -> str:
+        """The workload of a multi-node task: as configured, or with "auto" JobSet where the cluster serves
+        it (asked again every DISCOVERY_SECONDS, so a JobSet installed later is taken up). JobSet asked for
+        on a cluster that does not serve it is refused saying so."""
+        if self.settings.multi_node == "indexed-job":
+            return "indexed-job"
+        asked, served = self.multi_node_kind
+        if not served or time.monotonic() - asked >= DISCOVERY_SECONDS:
+            found = await self._call(
+                self.api.serves, pods.JOBSET_API, pods.JOBSET_PLURAL, verb="discover", resource="API groups"
+            )
+            served = "jobset" if found else "indexed-job"
+            if served != self.multi_node_kind[1]:
+                logger.info("the cluster %s JobSet", "serves" if found else "does not serve")
+            self.multi_node_kind = (time.monotonic(), served)
+        if self.settings.multi_node == "jobset" and served != "jobset":
+            raise ApiProblem(
+                f"the cluster at {self.api.where} does not serve {pods.JOBSET_API} jobsets: install JobSet, "
+                "or set multi_node to auto or indexed-job in [agent.kubernetes]",
+                status=404,
+            )
+        return served
+
     async def _create(self, manifests: pods.Manifests) -> None:
-        """The Secret first (the pods need it), the Service, then the Job, which then owns the other two.
-        One that exists already is this run's own (the name carries the lease): an assignment repeated."""
+        """The Secret first (the pods need it), the Service, then the Job (or JobSet), which then owns the
+        other two. One that exists already is this run's own (the name carries the lease): an assignment
+        repeated."""
         name = manifests.job["metadata"]["name"]
         if await self._create_one(manifests.secret, "secrets") is None:
             await self._call(self.api.replace_secret, manifests.secret, verb="replace", resource="secrets")
         if manifests.service is not None:
             await self._create_one(manifests.service, "services")
-        job = await self._create_one(manifests.job, "jobs") or {}
+        resource = "jobsets.jobset.x-k8s.io" if manifests.kind == "JobSet" else "jobs"
+        job = await self._create_one(manifests.job, resource) or {}
         self.created_at[name] = time.monotonic()
-        if job and name not in self.seen_jobs:  # what the watch will say: known now, not after its lag
+        if manifests.kind == "JobSet":
+            self.jobsets[name] = (time.monotonic(), job or None)
+        elif job and name not in self.seen_jobs:  # what the watch will say: known now, not after its lag
             self.seen_jobs[name] = job
         for kind in ("Secret", "Service") if manifests.service is not None else ("Secret",):
             with contextlib.suppress(ApiProblem):  # the agent deletes them itself anyway
@@ -945,7 +1060,9 @@ class Kubernetes:
             self.gone_jobs = {
                 record.job_id
                 for record in self.state.jobs()
-                if record.job_id not in store and self.created_at.get(record.job_id, 0.0) < listed_at - 5.0
+                if record.kind == "Job"  # a JobSet's Job comes after its controller's lag: the JobSet is read
+                and record.job_id not in store
+                and self.created_at.get(record.job_id, 0.0) < listed_at - 5.0
             }
             self._adopt_labelled()
         self.changed.set()
@@ -982,15 +1099,17 @@ class Kubernetes:
                 and pods.label_value(lease) == labels.get("klique.io/lease")
             ):
                 annotations = (job.get("metadata") or {}).get("annotations") or {}
+                jobset = labels.get(JOBSET_NAME_LABEL, "")
                 self.state.add_job(
                     JobRecord(
                         task,
-                        name,
+                        jobset or name,
                         self.settings.cluster.namespace,
                         str(annotations.get("klique.io/submitter") or ""),
+                        kind="JobSet" if jobset else "Job",
                     )
                 )
-                logger.info("adopted Job %s of task %s", name, task)
+                logger.info("adopted %s of task %s", f"JobSet {jobset}" if jobset else f"Job {name}", task)
 
     async def _follow_forever(self) -> None:
         while not self.closing.is_set():
@@ -1003,7 +1122,7 @@ class Kubernetes:
                 await asyncio.wait_for(self.changed.wait(), timeout=self.settings.poll_seconds)
 
     def pods_of(self, record: JobRecord) -> list[dict[str, Any]]:
-        return self._pods_by_job().get(record.job_id, [])
+        return self._pods_by_job().get(_followed(record), [])
 
     def _pods_by_job(self) -> dict[str, list[dict[str, Any]]]:
         """The pods seen, by the name of the Job that made them: one pass, not one per Job."""
@@ -1024,7 +1143,7 @@ class Kubernetes:
         by_job = self._pods_by_job()
         await asyncio.gather(
             *(
-                self._look_at(record, by_job.get(record.job_id, []))
+                self._look_at(record, by_job.get(_followed(record), []))
                 for record in records
                 if record.task_id not in self.ending
             )
@@ -1036,7 +1155,8 @@ class Kubernetes:
         suspended = [
             record.job_id
             for record in records
-            if ((self.seen_jobs.get(record.job_id) or {}).get("spec") or {}).get("suspend")
+            if ((self.seen_jobs.get(_followed(record)) or {}).get("spec") or {}).get("suspend")
+            or (record.kind == "JobSet" and _followed(record) not in self.seen_jobs)
         ]
         now = time.monotonic()
         if (
@@ -1058,22 +1178,10 @@ class Kubernetes:
         self, record: JobRecord, task_pods: list[dict[str, Any]]
     ) -> None:
         assert self.reporter is not None
-        job = self.seen_jobs.get(record.job_id)
+        job = self.seen_jobs.get(_followed(record))
         await self._read_logs(record, task_pods)
         if job is None:
-            if record.stopping and not any(_alive(pod) for pod in task_pods):
-                await self._end(record, Seen("ended", "stopped", _exit(task_pods).exit_code), task_pods)
-            elif not record.stopping and record.job_id in self.gone_jobs:
-                gone = Seen(
-                    "ended",
-                    "deleted",
-                    None,
-                    (
-                        f"kubernetes: Job {record.job_id} was deleted outside "
-                        "Klique (kubectl delete?); the task ended with it",
-                    ),
-                )
-                await self._end(record, gone, task_pods)
+            await self._without_job(record, task_pods)
             return
         seen = what_is_seen(
             job,
@@ -1115,6 +1223,82 @@ class Kubernetes:
             await self.reporter(record.task_id, "status", body, None)
             self.state.job_seen(record.task_id, seen.key)
 
+    async def _without_job(self, record: JobRecord, task_pods: list[dict[str, Any]]) -> None:
+        """The run's Job is not seen: a stopped one's pods are gone, its JobSet has not made it yet, or it
+        was deleted outside Klique."""
+        if record.stopping and not any(_alive(pod) for pod in task_pods):
+            await self._end(record, Seen("ended", "stopped", _exit(task_pods).exit_code), task_pods)
+        elif not record.stopping and record.kind == "JobSet":
+            await self._jobset_without_job(record, task_pods)
+        elif not record.stopping and record.job_id in self.gone_jobs:
+            gone = Seen(
+                "ended",
+                "deleted",
+                None,
+                (
+                    f"kubernetes: Job {record.job_id} was deleted outside "
+                    "Klique (kubectl delete?); the task ended with it",
+                ),
+            )
+            await self._end(record, gone, task_pods)
+
+    async def _jobset_without_job(self, record: JobRecord, task_pods: list[dict[str, Any]]) -> None:
+        """A JobSet whose Job is not seen: its controller has not made it yet (or Kueue holds the JobSet),
+        or the JobSet has ended or is gone. The JobSet is read every JOBSET_READ_SECONDS to tell which."""
+        assert self.reporter is not None
+        read_at, jobset = self.jobsets.get(record.job_id, (0.0, None))
+        if time.monotonic() - read_at >= JOBSET_READ_SECONDS:
+            try:
+                jobset = await self._call(
+                    self.api.jobset, record.job_id, verb="read", resource="jobsets.jobset.x-k8s.io"
+                )
+            except ApiProblem as problem:
+                self._trouble(str(problem))
+                return
+            self.jobsets[record.job_id] = (time.monotonic(), jobset)
+        if jobset is None:
+            gone = Seen(
+                "ended",
+                "deleted",
+                None,
+                (f"kubernetes: JobSet {record.job_id} was deleted outside Klique (kubectl delete?); the task "
+                 "ended with it",),
+            )  # fmt: skip
+            await self._end(record, gone, task_pods)
+            return
+        failed, completed = _condition(jobset, "Failed"), _condition(jobset, "Completed")
+        if failed or completed:  # ended, and its Job gone before the agent saw how (its TTL, a restart)
+            said = f"kubernetes: the JobSet {'completed' if completed else 'failed'}"
+            if failed:
+                said += f": {failed.get('reason') or ''}: {failed.get('message') or ''}".rstrip(": ")
+            ended = _exit(task_pods)
+            code = 0 if completed else (ended.exit_code or 1)
+            await self._end(record, Seen("ended", ended.reason, code, (*ended.lines, said)), task_pods)
+            return
+        if (jobset.get("spec") or {}).get("suspend"):
+            queue = self.settings.cluster.local_queue
+            said = self.admission.get(record.job_id, "")
+            seen = Seen(
+                "pending",
+                f"waiting for Kueue to admit it into LocalQueue{f' {queue}' if queue else ''}"
+                + (f": {said}" if said else ""),
+            )
+        else:
+            seen = Seen(
+                "pending",
+                f"waiting for the JobSet controller to make Job {_followed(record)} (is JobSet installed and "
+                "running in the cluster?)",
+            )
+        if seen.key != record.last and not record.last.startswith("running|"):
+            body = {
+                "state": "pending",
+                "job_id": record.job_id,
+                "cluster_state": "pending",
+                "reason": seen.reason,
+            }
+            await self.reporter(record.task_id, "status", body, None)
+            self.state.job_seen(record.task_id, seen.key)
+
     def _waited(self, task_id: str, kind: str) -> float:
         now = time.monotonic()
         last = self.since.get(task_id)
@@ -1127,7 +1311,8 @@ class Kubernetes:
         assert self.reporter is not None
         many = (
             len(task_pods) > 1
-            or int(((self.seen_jobs.get(record.job_id) or {}).get("spec") or {}).get("completions") or 1) > 1
+            or int(((self.seen_jobs.get(_followed(record)) or {}).get("spec") or {}).get("completions") or 1)
+            > 1
         )
         for pod in sorted(task_pods, key=_index):
             if not _started(pod):
@@ -1162,6 +1347,7 @@ class Kubernetes:
             uploaded, failed = await self._upload_outputs(record, task_pods)
             cluster = {
                 "scheduler": "kubernetes",
+                "kind": record.kind,
                 "job_id": record.job_id,
                 "namespace": record.folder,
                 "state": seen.reason or seen.state,
@@ -1175,14 +1361,15 @@ class Kubernetes:
             }
             await self.reporter(record.task_id, "result", result, None)
             self._forget(record)
-            await self._clean(record.job_id, job=delete_job)
+            await self._clean(record, workload=delete_job)
         finally:
             self.ending.discard(record.task_id)
 
-    async def _clean(self, name: str, *, job: bool) -> None:
-        """The run's Secret and Service (and its Job, when asked) are deleted; the Job itself otherwise
-        stays until its TTL, for `kubectl describe`."""
-        kinds = ("Secret", "Service", "Job") if job else ("Secret", "Service")
+    async def _clean(self, record: JobRecord, *, workload: bool) -> None:
+        """The run's Secret and Service (and its Job or JobSet, when asked) are deleted; the workload
+        itself otherwise stays until its TTL, for `kubectl describe`."""
+        name = record.job_id
+        kinds = ("Secret", "Service", record.kind) if workload else ("Secret", "Service")
         for kind in kinds:
             try:
                 await self._call(self.api.delete, kind, name, verb="delete", resource=kind.lower() + "s")
@@ -1199,7 +1386,7 @@ class Kubernetes:
         """Give the task back to Klique's queue: its Job goes at once, nothing of it runs on."""
         assert self.reporter is not None
         await self._delete_pods(record, self.pods_of(record), grace=0)
-        await self._clean(record.job_id, job=True)
+        await self._clean(record, workload=True)
         await self.reporter(
             record.task_id, "log", {"stream": "cluster", "lines": [f"kubernetes: {reason}"]}, None
         )
@@ -1217,6 +1404,7 @@ class Kubernetes:
         self.since.pop(record.task_id, None)
         self.created_at.pop(record.job_id, None)
         self.gone_jobs.discard(record.job_id)
+        self.jobsets.pop(record.job_id, None)
 
     async def _upload_outputs(
         self, record: JobRecord, task_pods: list[dict[str, Any]]
@@ -1225,7 +1413,7 @@ class Kubernetes:
         run's Job, or its pods, say which). Without a work volume they cannot be read: each declared pattern
         is said to be not stored."""
         patterns: list[str] = []
-        for item in [self.seen_jobs.get(record.job_id) or {}, *task_pods]:
+        for item in [self.seen_jobs.get(_followed(record)) or {}, *task_pods]:
             annotation = ((item.get("metadata") or {}).get("annotations") or {}).get("klique.io/outputs")
             if annotation:
                 with contextlib.suppress(ValueError):
@@ -1250,12 +1438,20 @@ class Kubernetes:
         task_pods = self.pods_of(record)
         waiting = not any((pod.get("status") or {}).get("phase") == "Running" for pod in task_pods)
         grace = 0 if waiting else max(0, int(grace_seconds))
-        try:  # the Job first, orphaning its pods, so no controller starts another while they stop
-            await self._call(
-                self.api.delete, "Job", record.job_id, propagation="Orphan", verb="delete", resource="jobs"
-            )
-        except ApiProblem as problem:
-            logger.warning("the Job %s was not deleted: %s", record.job_id, problem)
+        # The JobSet and its Job first, orphaning the pods, so no controller starts another while they stop.
+        workloads = [("JobSet", record.job_id), ("Job", _followed(record))] if record.kind == "JobSet" else []
+        for kind, name in workloads or [("Job", record.job_id)]:
+            try:
+                await self._call(
+                    self.api.delete,
+                    kind,
+                    name,
+                    propagation="Orphan",
+                    verb="delete",
+                    resource=kind.lower() + "s",
+                )
+            except ApiProblem as problem:
+                logger.warning("the %s %s was not deleted: %s", kind, name, problem)
         await self._delete_pods(record, task_pods, grace=grace)
         self.changed.set()
 
@@ -1281,6 +1477,11 @@ class Kubernetes:
                         sock.shutdown(socket.SHUT_RDWR)
         for worker in self.workers:
             worker.cancel()
+
+
+def _followed(record: JobRecord) -> str:
+    """The Job whose pods run the record's task: the Job itself, or its JobSet's one Job."""
+    return pods.followed_job(record.kind, record.job_id)
 
 
 def _alive(pod: Mapping[str, Any]) -> bool:

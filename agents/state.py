@@ -41,6 +41,7 @@ class JobRecord:
     account: str  # the Linux account it runs as; on Kubernetes, the submitter
     stopping: bool = False
     last: str = ""  # the state and reason last reported, so that only changes go out
+    kind: str = "Job"  # on Kubernetes, what job_id names: a Job, or a JobSet (whose one Job runs the task)
 
 
 @dataclass(frozen=True)
@@ -72,11 +73,15 @@ class State:
             CREATE TABLE IF NOT EXISTS run_sequences (
                 task_id TEXT, lease_id TEXT, last INTEGER, PRIMARY KEY (task_id, lease_id));
             CREATE TABLE IF NOT EXISTS jobs (task_id TEXT PRIMARY KEY, job_id TEXT, folder TEXT,
-                account TEXT, stopping INTEGER DEFAULT 0, last TEXT DEFAULT '');
+                account TEXT, stopping INTEGER DEFAULT 0, last TEXT DEFAULT '', kind TEXT DEFAULT 'Job');
             CREATE TABLE IF NOT EXISTS pod_logs (task_id TEXT, pod TEXT, since TEXT, seen INTEGER,
                 PRIMARY KEY (task_id, pod));
             """
         )
+
+        # The jobs of an agent from before JobSets were made are all Jobs.
+        if "kind" not in {row[1] for row in self.db.execute("PRAGMA table_info(jobs)")}:
+            self.db.execute("ALTER TABLE jobs ADD COLUMN kind TEXT DEFAULT 'Job'")
 
         # The outbox of an agent from before leases: its reports name no run (lease ""), and numbering goes
         # on from where it was; the plane puts them in the task's current run if this agent holds it.
@@ -152,17 +157,18 @@ class State:
 
     def add_job(self, job: JobRecord) -> None:
         self.db.execute(
-            "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?)",
-            (job.task_id, job.job_id, job.folder, job.account, int(job.stopping), job.last),
+            "INSERT OR REPLACE INTO jobs (task_id, job_id, folder, account, stopping, last, kind) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (job.task_id, job.job_id, job.folder, job.account, int(job.stopping), job.last, job.kind),
         )
 
     def jobs(self) -> list[JobRecord]:
         rows = self.db.execute(
-            "SELECT task_id, job_id, folder, account, stopping, last FROM jobs ORDER BY rowid"
+            "SELECT task_id, job_id, folder, account, stopping, last, kind FROM jobs ORDER BY rowid"
         )
         return [
-            JobRecord(task, job, folder, account, bool(stopping), last)
-            for task, job, folder, account, stopping, last in rows.fetchall()
+            JobRecord(task, job, folder, account, bool(stopping), last, kind or "Job")
+            for task, job, folder, account, stopping, last, kind in rows.fetchall()
         ]
 
     def job_seen(self, task_id: str, last: str) -> None:

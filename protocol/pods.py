@@ -14,6 +14,13 @@ a `schedulerName` with its gang annotations, volumes, an image. Klique owns the 
 - `restartPolicy: Never`, the shared file system at the same path as on every pool, the task's folder on
   the work volume, and an `emptyDir` scratch.
 
+A multi-node task is one of two workloads (`ClusterSettings.multi_node`), the same pods either way:
+- `indexed-job`: an Indexed Job of one pod per node and a headless Service Klique makes for their names;
+- `jobset`: a JobSet (jobset.x-k8s.io/v1alpha2) of one replicated Job, that same Indexed Job, whose
+  controller makes the headless Service and gives the pods their names; its failure policy restarts
+  nothing (a failed attempt is the plane's to retry, as for every task). The agent picks JobSet where the
+  cluster serves it, since Kueue and the cluster's tooling then see the gang as one workload.
+
 Placeholders `${name}` (see VARIABLES) are replaced inside string values only, after the YAML is parsed,
 so a value can never change the document's structure; `$${` writes a literal `${`. The template may not use
 anchors or aliases (a few lines of them expand to gigabytes), must be at most MAX_TEMPLATE_BYTES, and may
@@ -23,6 +30,7 @@ not name GPUs other than what the task's profile counts. Every refusal names the
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from collections.abc import Mapping
@@ -40,6 +48,10 @@ MAIN_CONTAINER = "main"
 WORK_PATH = "/klique"  # the task's folder is WORK_PATH/<task id> on the work volume
 SCRATCH_PATH = "/scratch"
 RENDEZVOUS_PORT = 29500  # torch.distributed's default
+JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
+JOBSET_API = f"{JOBSET_GROUP}/{JOBSET_VERSION}"
+JOBSET_REPLICATED = "node"  # the JobSet's one replicated Job: its Job is <jobset>-node-0
+MULTI_NODE_KINDS = ("indexed-job", "jobset")
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # on each pod of an Indexed Job
 
 VARIABLES = {
@@ -106,6 +118,7 @@ class ClusterSettings:
     # mounts the same volume, so it can upload them. Without one, outputs cannot be collected.
     scratch_size: str = ""  # the emptyDir's sizeLimit, e.g. "100Gi"; "" for none
     volumes: Mapping[str, task_volumes.Offered] = field(default_factory=dict)  # what a task may declare
+    multi_node: str = "indexed-job"  # or "jobset": the workload of a multi-node task (MULTI_NODE_KINDS)
 
 
 # Parsing -------------------------------------------------------------------------------------------------
@@ -249,9 +262,28 @@ def _build(name: str, node: yaml.Node, values: Mapping[str, str], used: dict[str
 
 @dataclass(frozen=True)
 class Manifests:
-    job: dict[str, Any]
+    job: dict[str, Any]  # the workload: a batch/v1 Job, or for a multi-node task on JobSet, the JobSet
     secret: dict[str, Any]
-    service: dict[str, Any] | None  # the headless Service of a multi-node task
+    service: dict[str, Any] | None  # the headless Service of a multi-node Indexed Job (JobSet makes its own)
+
+    @property
+    def kind(self) -> str:
+        return str(self.job["kind"])
+
+    @property
+    def followed(self) -> str:
+        """The name of the Job whose pods run the task: the workload itself, or the JobSet's one Job."""
+        return followed_job(self.kind, self.job["metadata"]["name"])
+
+
+def followed_job(kind: str, name: str) -> str:
+    """The Job that runs a workload of `kind` named `name`."""
+    return f"{name}-{JOBSET_REPLICATED}-0" if kind == "JobSet" else name
+
+
+def rendezvous_host(kind: str, name: str, namespace: str) -> str:
+    """Rank 0's DNS name: `<job>-0.<service>` for an Indexed Job, `<jobset>-node-0-0.<jobset>` on JobSet."""
+    return f"{followed_job(kind, name)}-0.{name}.{namespace}.svc"
 
 
 def job_name(task_id: str, lease_id: str) -> str:
@@ -355,14 +387,22 @@ def render(
     metadata["annotations"] = {**(metadata.get("annotations") or {}), **annotations}
     spec = _mapping(pod, "spec")
     spec["restartPolicy"] = "Never"
+    on_jobset = nodes > 1 and settings.multi_node == "jobset"
     if nodes > 1:
-        spec["subdomain"] = name  # pods are <job>-<index>.<job>: the headless Service's names
+        spec["subdomain"] = name  # pods are <job>-<index>.<name>: the headless Service's names
     containers = _listed(spec, "containers")
     if not containers:
         containers.append({"name": MAIN_CONTAINER, "image": values["image"]})
     index = next((at for at, item in enumerate(containers) if item.get("name") == MAIN_CONTAINER), 0)
     _check_gpus(template, ("spec", "containers", index), containers[index], limits)
-    _main_container(containers[index], assignment, values, limits, fraction=fraction, settings=settings)
+    _main_container(
+        containers[index],
+        assignment,
+        values,
+        limits,
+        fraction=fraction,
+        master=rendezvous_host("JobSet" if on_jobset else "Job", name, settings.namespace),
+    )
     try:
         declared = task_volumes.chosen(
             task_volumes.wanted((assignment.get("spec") or {}).get("volumes")), settings.volumes
@@ -370,8 +410,9 @@ def render(
     except task_volumes.VolumeRefused as error:
         raise PodTemplateInvalid(template.name, None, str(error)) from None
     _volumes(spec, containers[index], values["task_id"], settings, declared)
+    job = _job(pod, name, labels, annotations, nodes=nodes, settings=settings)
     return Manifests(
-        job=_job(pod, name, labels, annotations, nodes=nodes, settings=settings),
+        job=_jobset(job, settings) if on_jobset else job,
         secret={
             "apiVersion": "v1",
             "kind": "Secret",
@@ -379,7 +420,7 @@ def render(
             "type": "Opaque",
             "stringData": dict(environment or {}),
         },
-        service=_service(name, labels, settings) if nodes > 1 else None,
+        service=_service(name, labels, settings) if nodes > 1 and not on_jobset else None,
     )
 
 
@@ -402,9 +443,10 @@ def _main_container(
     limits: Mapping[str, str],
     *,
     fraction: str,
-    settings: ClusterSettings,
+    master: str,
 ) -> None:
-    """The task's command, its GPUs, Klique's variables and the task's Secret in the task's container."""
+    """The task's command, its GPUs, Klique's variables and the task's Secret in the task's container;
+    `master` is rank 0's address for a multi-node task."""
     main.setdefault("image", values["image"])
     command = (assignment.get("spec") or {}).get("command")
     if command:
@@ -428,7 +470,7 @@ def _main_container(
             {"name": "WORLD_SIZE", "value": str(nodes)},
             {"name": "RANK", "valueFrom": rank},
             {"name": "NODE_RANK", "valueFrom": rank},
-            {"name": "MASTER_ADDR", "value": f"{name}-0.{name}.{settings.namespace}.svc"},
+            {"name": "MASTER_ADDR", "value": master},
             {"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
             {"name": "KLIQUE_GPUS_PER_NODE", "value": values["gpus"]},
         ]
@@ -492,6 +534,92 @@ def _job(
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": spec}
 
 
+def _jobset(job: Mapping[str, Any], settings: ClusterSettings) -> dict[str, Any]:
+    """The Indexed Job of a multi-node task inside a JobSet of one replicated Job. The Job keeps Klique's
+    labels (the JobSet controller copies them onto the Job it makes, and the pod template's onto the pods),
+    so the agent follows it as it follows any Job of its own; Kueue's queue, suspension and the TTL move to
+    the JobSet, which Kueue admits as one workload."""
+    metadata = copy.deepcopy(dict(job["metadata"]))
+    name = metadata["name"]
+    inner_labels = {k: v for k, v in metadata["labels"].items() if k != "kueue.x-k8s.io/queue-name"}
+    inner_spec = {
+        key: copy.deepcopy(value)
+        for key, value in job["spec"].items()
+        if key not in ("ttlSecondsAfterFinished", "suspend")
+    }
+    spec: dict[str, Any] = {
+        "replicatedJobs": [
+            {
+                "name": JOBSET_REPLICATED,
+                "replicas": 1,
+                "template": {
+                    "metadata": {"labels": inner_labels, "annotations": dict(metadata["annotations"])},
+                    "spec": inner_spec,
+                },
+            }
+        ],
+        "failurePolicy": {"maxRestarts": 0},  # a failed attempt is the plane's to retry
+        "successPolicy": {"operator": "All"},
+        "network": {"enableDNSHostnames": True, "subdomain": name, "publishNotReadyAddresses": True},
+        "ttlSecondsAfterFinished": settings.ttl_seconds_after_finished,
+    }
+    if settings.local_queue:
+        spec["suspend"] = True  # Kueue admits the whole JobSet when the queue's quota allows
+    return {"apiVersion": JOBSET_API, "kind": "JobSet", "metadata": metadata, "spec": spec}
+
+
+def jobset_job(jobset: Mapping[str, Any]) -> dict[str, Any]:
+    """The batch/v1 Job the JobSet controller makes of a JobSet's one replicated Job (its name, the
+    template's labels and spec): what is validated against the Kubernetes schema."""
+    replicated = jobset["spec"]["replicatedJobs"][0]
+    template = replicated["template"]
+    name = jobset["metadata"]["name"]
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": followed_job("JobSet", name),
+            "namespace": jobset["metadata"].get("namespace", ""),
+            **{
+                key: template["metadata"][key]
+                for key in ("labels", "annotations")
+                if key in template["metadata"]
+            },
+        },
+        "spec": template["spec"],
+    }
+
+
+JOBSET_SPEC_FIELDS = frozenset(
+    {"replicatedJobs", "failurePolicy", "successPolicy", "network", "ttlSecondsAfterFinished", "suspend"}
+)
+
+
+def validate_jobset(jobset: Mapping[str, Any], version: str = KUBERNETES_VERSION) -> None:
+    """A JobSet as Klique makes it: its envelope checked here (the schema's own CRD is the cluster's), its
+    Job against the Kubernetes schema. Raises ManifestRefused with the path inside the JobSet."""
+    if jobset.get("apiVersion") != JOBSET_API or jobset.get("kind") != "JobSet":
+        raise ManifestRefused(f"not a {JOBSET_API} JobSet", ("kind",))
+    spec = jobset.get("spec") or {}
+    unknown = sorted(set(spec) - JOBSET_SPEC_FIELDS)
+    if unknown:
+        raise ManifestRefused(f"unknown fields {', '.join(unknown)}", ("spec",))
+    replicated = spec.get("replicatedJobs") or []
+    if len(replicated) != 1 or replicated[0].get("name") != JOBSET_REPLICATED:
+        raise ManifestRefused(f"one replicated Job named {JOBSET_REPLICATED!r}", ("spec", "replicatedJobs"))
+    name = str((jobset.get("metadata") or {}).get("name") or "")
+    pods_made = int(replicated[0]["template"]["spec"].get("completions") or 1)
+    longest = f"{followed_job('JobSet', name)}-{pods_made - 1}"
+    if len(longest) > 63:  # the pods' host names are DNS labels
+        raise ManifestRefused(f"the pod host name {longest} is over 63 characters", ("metadata", "name"))
+    try:
+        validate(jobset_job(jobset), version)
+    except ManifestRefused as refused:
+        raise ManifestRefused(
+            refused.problem, ("spec", "replicatedJobs", 0, "template", *refused.path)
+        ) from None
+
+
 def _service(name: str, labels: Mapping[str, str], settings: ClusterSettings) -> dict[str, Any]:
     """The headless Service of a multi-node task: `<job>-<index>.<job>` names each pod."""
     return {
@@ -552,19 +680,21 @@ def check(name: str, text: str, settings: ClusterSettings) -> Template:
     Returns the parsed template; raises PodTemplateInvalid naming the line."""
     template = Template.parse(name, text)
     every_volume = {**SAMPLE_ASSIGNMENT["spec"], "volumes": sorted(settings.volumes)}  # each source checked
-    samples = (
-        SAMPLE_ASSIGNMENT,
-        {**SAMPLE_ASSIGNMENT, "size_units": 4 * UNITS_PER_GPU, "nodes": 2, "spec": every_volume},
-    )
-    for sample in samples:
-        manifests = render(template, sample, settings, tenant="sample", environment={"SAMPLE": "1"})
+    two_nodes = {**SAMPLE_ASSIGNMENT, "size_units": 4 * UNITS_PER_GPU, "nodes": 2, "spec": every_volume}
+    samples = [(SAMPLE_ASSIGNMENT, settings)] + [
+        (two_nodes, dataclasses.replace(settings, multi_node=kind)) for kind in MULTI_NODE_KINDS
+    ]
+    for sample, cluster in samples:
+        manifests = render(template, sample, cluster, tenant="sample", environment={"SAMPLE": "1"})
         for manifest in (manifests.job, manifests.secret, manifests.service):
             if manifest is None:
                 continue
             try:
-                validate(manifest)
+                (validate_jobset if manifest["kind"] == "JobSet" else validate)(manifest)
             except ManifestRefused as refused:
                 path = refused.path
+                if manifest is manifests.job and manifest["kind"] == "JobSet":
+                    path = path[4:] if path[:4] == ("spec", "replicatedJobs", 0, "template") else ()
                 if manifest is manifests.job and path[:2] == ("spec", "template"):
                     line = template.line(*path[2:])
                 else:

@@ -97,7 +97,17 @@ def test_the_agent_chart_lints_renders_and_validates(helm: Path, values: list[st
         pods.validate(document)
     (role,) = of_kind(documents, "Role")
     resources = {resource for rule in role["rules"] for resource in rule["resources"]}
-    assert resources == {"jobs", "pods", "pods/log", "secrets", "services", "events", "workloads", "leases"}
+    assert resources == {
+        "jobs",
+        "jobsets",
+        "pods",
+        "pods/log",
+        "secrets",
+        "services",
+        "events",
+        "workloads",
+        "leases",
+    }
     assert all(document["metadata"].get("namespace") == "ml" for document in of_kind(documents, "Role"))
     cluster_roles = of_kind(documents, "ClusterRole")
     if "capacity.clusterWide=false" in values:

@@ -3,11 +3,12 @@
 The emulator keeps objects, serves lists, watches, fetches, merge patches and deletes; it runs no
 controllers. The tests stand in for them as a cluster would: `Kubelet` makes a Job's pods (the Job
 controller's part), places and runs them, writes their logs and ends them (the kubelet's part), and sets
-the Job's conditions. Beyond the emulator, this module serves Leases with the API server's optimistic
-concurrency (resource versions, 409 Conflict), serves pod logs (with `timestamps` and
-`sinceTime`, as the kubelet does), takes `watch=True` as the API server does (the emulator wants
-`true`), and can cut every open watch, answer the next watch with 410 Gone, or refuse a request as RBAC
-would (403).
+the Job's conditions; on a cluster with JobSet (`Cluster(jobset=True)`, which serves the CRD's API group),
+`Kubelet.make_jobset_job` is the JobSet controller making a JobSet's Job. Beyond the emulator, this module
+serves Leases with the API server's optimistic concurrency (resource versions, 409 Conflict), serves pod
+logs (with `timestamps` and `sinceTime`, as the kubelet does), takes `watch=True` as the API server does
+(the emulator wants `true`), and can cut every open watch, answer the next watch with 410 Gone, or refuse
+a request as RBAC would (403).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import datetime
 import json
 import re
 import threading
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,6 +94,13 @@ class Emulator(kmock.KubernetesEmulator):
                 self.watches.discard(task)
         return await super().__call__(raw_request)
 
+    async def _handle(self, request: Any) -> aiohttp.web.StreamResponse:
+        """Each object created gets its uid, as the API server gives one (owner references name it)."""
+        if request.resource is not None and request.action == kmock.action.CREATE:
+            metadata = request.data.setdefault("metadata", {}) if isinstance(request.data, dict) else {}
+            metadata.setdefault("uid", str(uuid.uuid4()))
+        return await super()._handle(request)
+
     async def _lease(  # noqa: PLR0911 -- one answer per verb and refusal, as the API server's
         self, request: aiohttp.web.BaseRequest, name: str
     ) -> aiohttp.web.StreamResponse:
@@ -157,6 +166,7 @@ def _status(code: int, reason: str, message: str) -> aiohttp.web.Response:
 class Cluster:
     """The emulator serving on 127.0.0.1 in its own thread and event loop."""
 
+    jobset: bool = False  # serve jobset.x-k8s.io/v1alpha2, as a cluster with JobSet installed does
     emulator: Emulator | None = None
     url: str = ""
     loop: asyncio.AbstractEventLoop | None = None
@@ -175,6 +185,7 @@ class Cluster:
                     "v1/services",
                     "v1/nodes",
                     "kueue.x-k8s.io/v1beta1/workloads",
+                    *(["jobset.x-k8s.io/v1alpha2/jobsets"] if self.jobset else []),
                 ):
                     emulator.resources[resource] = kmock.ResourceInfo()
                 self.emulator, self.url, self.loop = (
@@ -243,6 +254,80 @@ class Kubelet:
 
     def job(self, name: str) -> dict[str, Any]:
         return dict(json.loads(self.batch.read_namespaced_job(name, NAMESPACE, _preload_content=False).data))
+
+    def jobset(self, name: str) -> dict[str, Any]:
+        return dict(
+            json.loads(
+                self.custom.get_namespaced_custom_object(
+                    "jobset.x-k8s.io", "v1alpha2", NAMESPACE, "jobsets", name, _preload_content=False
+                ).data
+            )
+        )
+
+    def make_jobset_job(self, jobset_name: str) -> str:
+        """The JobSet controller: the Job of the JobSet's one replicated Job, `<jobset>-<replicated>-0`, with
+        the template's labels and the JobSet's own on the Job and its pod template, owned by the JobSet,
+        suspended while the JobSet is."""
+        jobset = self.jobset(jobset_name)
+        replicated = jobset["spec"]["replicatedJobs"][0]
+        name = f"{jobset_name}-{replicated['name']}-0"
+        ours = {
+            "jobset.sigs.k8s.io/jobset-name": jobset_name,
+            "jobset.sigs.k8s.io/replicatedjob-name": replicated["name"],
+            "jobset.sigs.k8s.io/job-index": "0",
+        }
+        template = json.loads(json.dumps(replicated["template"]))
+        pod_template = template["spec"]["template"]
+        pod_template["metadata"]["labels"] = {**pod_template["metadata"].get("labels", {}), **ours}
+        pod_template["spec"]["hostname"] = name  # the controller names each pod <job>-<index> by index
+        job = {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {
+                "name": name,
+                "namespace": NAMESPACE,
+                "labels": {**template["metadata"].get("labels", {}), **ours},
+                "annotations": template["metadata"].get("annotations", {}),
+                "ownerReferences": [
+                    {
+                        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+                        "kind": "JobSet",
+                        "name": jobset_name,
+                        "uid": jobset["metadata"].get("uid", ""),
+                        "controller": True,
+                    }
+                ],
+            },
+            "spec": {**template["spec"], "suspend": bool(jobset["spec"].get("suspend"))},
+        }
+        self.batch.create_namespaced_job(NAMESPACE, job, _preload_content=False)
+        return name
+
+    def jobset_ended(self, name: str, ok: bool) -> None:
+        condition = (
+            {
+                "type": "Completed",
+                "status": "True",
+                "reason": "AllJobsCompleted",
+                "message": "jobset completed",
+            }
+            if ok
+            else {"type": "Failed", "status": "True", "reason": "FailedJobs", "message": "jobset failed"}
+        )
+        self.custom.patch_namespaced_custom_object(
+            "jobset.x-k8s.io",
+            "v1alpha2",
+            NAMESPACE,
+            "jobsets",
+            name,
+            {"status": {"conditions": [condition]}},
+            _preload_content=False,
+        )
+
+    def delete_jobset(self, name: str) -> None:
+        self.custom.delete_namespaced_custom_object(
+            "jobset.x-k8s.io", "v1alpha2", NAMESPACE, "jobsets", name, _preload_content=False
+        )
 
     def secret(self, name: str) -> dict[str, Any]:
         return dict(
@@ -365,6 +450,12 @@ class Kubelet:
         )
 
     def gone(self, kind: str, name: str) -> bool:
+        if kind == "JobSet":
+            try:
+                self.jobset(name)
+            except client.exceptions.ApiException as error:
+                return bool(error.status == 404)
+            return False
         call = (
             self.batch.read_namespaced_job
             if kind == "Job"

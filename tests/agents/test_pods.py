@@ -198,3 +198,80 @@ def test_job_names_are_dns_labels_one_per_run() -> None:
     assert len(first) <= 52
     assert first.startswith("k-")
     assert pods.job_name("Task_With.Odd/Chars", "L") == "k-taskwithoddchars-l"
+
+
+JOBSET = pods.ClusterSettings(**{**SETTINGS.__dict__, "multi_node": "jobset"})
+
+
+def test_a_multi_node_task_on_jobset_is_one_workload_whose_job_kubernetes_accepts() -> None:
+    template = pods.check("vision", RICH, JOBSET)
+    made = pods.render(template, task(size_units=8 * UNITS_PER_GPU, nodes=2), JOBSET, tenant="acme")
+    pods.validate_jobset(made.job)
+    pods.validate(pods.jobset_job(made.job))
+    name = made.job["metadata"]["name"]
+    assert (made.kind, made.followed, made.service) == ("JobSet", f"{name}-node-0", None)
+    assert made.job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert made.job["spec"]["suspend"] is True
+    inner = made.job["spec"]["replicatedJobs"][0]["template"]
+    assert "kueue.x-k8s.io/queue-name" not in inner["metadata"]["labels"]
+    assert inner["metadata"]["labels"]["klique.io/task"] == task()["task_id"]
+    assert "suspend" not in inner["spec"]
+    assert "ttlSecondsAfterFinished" not in inner["spec"]
+    assert made.job["spec"]["ttlSecondsAfterFinished"] == JOBSET.ttl_seconds_after_finished
+    pod = inner["spec"]["template"]
+    assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == name
+    env = {item["name"]: item.get("value") for item in pod["spec"]["containers"][0]["env"]}
+    assert env["MASTER_ADDR"] == f"{name}-node-0-0.{name}.ml.svc"
+    # The same task as an Indexed Job: rank 0 is the Job's pod 0 behind Klique's own Service.
+    indexed = pods.render(template, task(size_units=8 * UNITS_PER_GPU, nodes=2), SETTINGS, tenant="acme")
+    assert indexed.kind == "Job"
+    assert indexed.service is not None
+    main = indexed.job["spec"]["template"]["spec"]["containers"][0]
+    assert {item["name"]: item.get("value") for item in main["env"]}[
+        "MASTER_ADDR"
+    ] == f"{name}-0.{name}.ml.svc"
+
+
+def jobset_of(**changes: Any) -> dict[str, Any]:
+    made = pods.render(pods.check("default", "", JOBSET), task(nodes=2), JOBSET, tenant="acme").job
+    for key, value in changes.items():
+        made["spec"][key] = value
+    return made
+
+
+@pytest.mark.parametrize(
+    ("made", "words"),
+    [
+        (jobset_of(startupPolicy={"startupPolicyOrder": "InOrder"}), "unknown fields startupPolicy"),
+        (jobset_of(replicatedJobs=[]), "one replicated Job named 'node'"),
+        ({**jobset_of(), "apiVersion": "jobset.x-k8s.io/v1alpha1"}, "not a jobset.x-k8s.io/v1alpha2 JobSet"),
+        ({**jobset_of(), "metadata": {"name": "k-" + "x" * 60}}, "is over 63 characters"),
+    ],
+)
+def test_a_jobset_klique_would_not_make_is_refused(made: dict[str, Any], words: str) -> None:
+    with pytest.raises(pods.ManifestRefused, match=words):
+        pods.validate_jobset(made)
+
+
+def test_a_jobset_whose_job_the_schema_refuses_names_the_path_inside_the_jobset() -> None:
+    made = jobset_of()
+    made["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["hostPID"] = "yes"
+    with pytest.raises(pods.ManifestRefused) as refused:
+        pods.validate_jobset(made)
+    assert refused.value.path == (
+        "spec",
+        "replicatedJobs",
+        0,
+        "template",
+        "spec",
+        "template",
+        "spec",
+        "hostPID",
+    )
+
+
+def test_a_template_checked_for_both_multi_node_workloads_names_its_line() -> None:
+    text = "spec:\n  containers:\n    - name: main\n      image: x\n  hostPID: 'yes'\n"
+    with pytest.raises(pods.PodTemplateInvalid) as refused:
+        pods.check("bad", text, JOBSET)
+    assert refused.value.line == 5
