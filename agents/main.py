@@ -338,9 +338,11 @@ class Checked(str):
 def _backend(args: argparse.Namespace) -> Backend | str:
     """The backend the arguments ask for, or a sentence saying what is missing."""
     work_dir = args.work_dir.resolve()
-    state = State(work_dir / "agent.sqlite")
+    state = State(work_dir / "agent.sqlite", shared=args.shared_state)
     if args.backend == "kubernetes":
         return _kubernetes(args, state)
+    if args.shared_state:
+        return "klique-agent: --shared-state is for the Kubernetes backend with leader election only."
     if args.backend in DIALECTS:
         try:
             config = tomllib.loads(args.config.read_text()) if args.config else {}
@@ -355,6 +357,14 @@ def _backend(args: argparse.Namespace) -> Backend | str:
     return BareMetal(gpus, work_dir, state, "nvml" if detected is not None else "configured", mig=mig)
 
 
+def _check_shared_state(args: argparse.Namespace, leader_election: bool) -> None:
+    if args.shared_state and not leader_election:
+        raise ValueError(
+            "--shared-state needs leader_election = true in [agent.kubernetes], so that one agent at a time "
+            "opens the state"
+        )
+
+
 def _kubernetes(args: argparse.Namespace, state: State) -> Backend | str:
     """The Kubernetes backend, its pod templates checked; or a sentence saying what is wrong."""
     try:
@@ -364,6 +374,7 @@ def _kubernetes(args: argparse.Namespace, state: State) -> Backend | str:
     try:
         config = tomllib.loads(args.config.read_text()) if args.config else {}
         settings = KubeSettings.read(config, args.agent_id)
+        _check_shared_state(args, settings.leader_election)
     except (OSError, tomllib.TOMLDecodeError, ValueError, TypeError) as error:
         return f"klique-agent: the configuration {args.config} cannot be used: {error}"
     if args.check:
@@ -423,10 +434,19 @@ def instance_key(work_dir: Path) -> str:
     agent token to it at the first hello, so the token alone, copied elsewhere, is refused."""
     work_dir.mkdir(parents=True, exist_ok=True)
     path = work_dir / "instance.key"
-    if not path.exists():
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    if not path.exists():  # written whole, then linked in: of agents sharing the folder, the first one's
+        draft = work_dir / f".instance.key.{os.getpid()}.{secrets.token_hex(4)}"
+        descriptor = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(descriptor, "w") as handle:
             handle.write(secrets.token_hex(32))
+            handle.flush()
+            os.fsync(handle.fileno())
+        try:
+            os.link(draft, path)
+        except FileExistsError:
+            pass
+        finally:
+            draft.unlink()
     return path.read_text().strip()
 
 
@@ -449,6 +469,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus", type=int, help="GPUs to offer when NVML finds none (tests, demos)")
     parser.add_argument("--agent-id", default=socket.gethostname())
     parser.add_argument("--work-dir", type=Path, default=Path(".klique-agent"))
+    parser.add_argument(
+        "--shared-state",
+        action="store_true",
+        help="the work folder is on a volume agents of several hosts mount (Kubernetes, leader election):"
+        " the state is opened only once this agent leads, with a journal that needs no shared memory",
+    )
     parser.add_argument("--grace-seconds", type=float, default=30.0, help="for running tasks at shutdown")
     parser.add_argument(
         "--upload-patience",

@@ -58,11 +58,31 @@ Position = int | LogCursor  # where a report leaves its task's output: a file of
 
 
 class State:
-    def __init__(self, path: Path) -> None:
+    """Opened at its first use, not when made: an agent that stands by for its Lease has not touched the
+    file its leader writes. `shared`: the file is on a volume that agents of several hosts mount, one at a
+    time (ReadWriteMany, with leader election); SQLite's write-ahead log needs memory shared by every
+    process that opens the file, which hosts do not share, so a shared state keeps a rollback journal."""
+
+    def __init__(self, path: Path, *, shared: bool = False) -> None:
+        self.path, self.shared = path, shared
+        self._db: sqlite3.Connection | None = None
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            self._db = self._open()
+        return self._db
+
+    def _open(self) -> sqlite3.Connection:
+        path = self.path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(path, isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.executescript(
+        db = sqlite3.connect(path, isolation_level=None, timeout=30)
+        if self.shared:
+            db.execute("PRAGMA journal_mode=DELETE")
+            db.execute("PRAGMA synchronous=FULL")
+        else:
+            db.execute("PRAGMA journal_mode=WAL")
+        db.executescript(
             """
             CREATE TABLE IF NOT EXISTS runs (task_id TEXT PRIMARY KEY, pid INTEGER, log_path TEXT,
                 exit_path TEXT, "offset" INTEGER, devices TEXT, units INTEGER, outputs TEXT DEFAULT '[]',
@@ -80,13 +100,13 @@ class State:
         )
 
         # The jobs of an agent from before JobSets were made are all Jobs.
-        if "kind" not in {row[1] for row in self.db.execute("PRAGMA table_info(jobs)")}:
-            self.db.execute("ALTER TABLE jobs ADD COLUMN kind TEXT DEFAULT 'Job'")
+        if "kind" not in {row[1] for row in db.execute("PRAGMA table_info(jobs)")}:
+            db.execute("ALTER TABLE jobs ADD COLUMN kind TEXT DEFAULT 'Job'")
 
         # The outbox of an agent from before leases: its reports name no run (lease ""), and numbering goes
         # on from where it was; the plane puts them in the task's current run if this agent holds it.
-        if self.db.execute("SELECT 1 FROM sqlite_master WHERE name = 'outbox'").fetchone():
-            self.db.executescript(
+        if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'outbox'").fetchone():
+            db.executescript(
                 """
                 INSERT OR IGNORE INTO reports SELECT task_id, '', seq, message FROM outbox;
                 INSERT OR IGNORE INTO run_sequences SELECT task_id, '', last FROM sequences;
@@ -94,6 +114,7 @@ class State:
                 DROP TABLE sequences;
                 """
             )
+        return db
 
     # Leases ----------------------------------------------------------------------------------------------
 

@@ -148,7 +148,9 @@ def test_the_agent_chart_lints_renders_and_validates(helm: Path, values: list[st
     [
         (["--set", "token.value=kqa_x"], "plane.url is required"),
         (["--set", "plane.url=https://a.example"], "the agent token is required"),
-        ([*AGENT, "--set", "replicas=2"], "maximum"),
+        ([*AGENT, "--set", "replicas=2"], "ReadWriteMany"),
+        ([*AGENT, "--set", "replicas=4,state.accessMode=ReadWriteMany"], "maximum"),
+        ([*AGENT, "--set", "state.accessMode=ReadOnlyMany"], "accessMode"),
         ([*AGENT, "--set", "kubernetes.sharedFilesystem.path=relative"], "sharedFilesystem"),
         ([*AGENT, "--set", "unknown=1"], "additional properties"),
         ([*AGENT, "--set", "volumes.data.path=data,volumes.data.claimName=c"], "volumes"),
@@ -158,7 +160,9 @@ def test_the_agent_chart_lints_renders_and_validates(helm: Path, values: list[st
     ids=[
         "no-url",
         "no-token",
-        "two-replicas",
+        "two-replicas-on-one-node-storage",
+        "four-replicas",
+        "read-only-state",
         "relative-path",
         "unknown-value",
         "volume-path",
@@ -170,6 +174,33 @@ def test_the_agent_chart_refuses_values_it_cannot_use(helm: Path, values: list[s
     done = run(helm, "template", "release", str(CHARTS / "klique-agent"), *values)
     assert done.returncode != 0
     assert words in done.stderr
+
+
+def test_standbys_share_the_state_on_a_claim_every_node_mounts(helm: Path) -> None:
+    values = [*AGENT, "--set", "replicas=2,state.accessMode=ReadWriteMany"]
+    assert run(helm, "lint", str(CHARTS / "klique-agent"), *values).returncode == 0
+    documents = rendered(helm, "klique-agent", *values)
+    for document in documents:
+        pods.validate(document)
+    (deployment,) = of_kind(documents, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert "--shared-state" in container["args"]  # opened once the Lease is held, with a rollback journal
+    spread = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+    assert spread["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert (
+        spread["podAffinityTerm"]["labelSelector"]["matchLabels"]
+        == deployment["spec"]["selector"]["matchLabels"]
+    )
+    (claim,) = of_kind(documents, "PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    (config,) = of_kind(documents, "ConfigMap")
+    assert KubeSettings.read(tomllib.loads(config["data"]["agent.toml"]), "release").leader_election is True
+    # One replica on node-local storage: no flag, no spreading, a ReadWriteOnce claim.
+    (single,) = of_kind(rendered(helm, "klique-agent", *AGENT), "Deployment")
+    assert "--shared-state" not in single["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "affinity" not in single["spec"]["template"]["spec"]
 
 
 def test_a_pod_template_the_agent_would_refuse_is_caught_by_the_agent_check(helm: Path) -> None:

@@ -19,6 +19,7 @@ import pytest
 from agents.kubernetes import Api, KubeSettings
 from agents.leadership import Leadership
 from agents.main import _backend, build_parser
+from agents.state import JobRecord, State
 from tests.agents.kube import NAMESPACE, Cluster
 
 
@@ -180,3 +181,56 @@ def test_leader_election_settings_out_of_range_are_refused(
 
     with pytest.raises((TypeError, ValueError), match=says):
         read_and_elect()
+
+
+@pytest.mark.parametrize(
+    ("backend", "table", "says"),
+    [
+        ("kubernetes", "", "--shared-state needs leader_election = true"),
+        ("kubernetes", "leader_election = false\n", "--shared-state needs leader_election = true"),
+        ("baremetal", "", "--shared-state is for the Kubernetes backend with leader election only"),
+        ("slurm", "", "--shared-state is for the Kubernetes backend with leader election only"),
+    ],
+)
+def test_shared_state_without_leader_election_is_refused(
+    cluster: Cluster, tmp_path: Path, backend: str, table: str, says: str
+) -> None:
+    """Two agents opening one state at once would interleave their outboxes: sharing it needs the Lease."""
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[agent.kubernetes]\nnamespace = "{NAMESPACE}"\napi_url = "{cluster.url}"\n{table}')
+    argv = ["--url", "http://plane", "--backend", backend, "--config", str(config), "--gpus", "1"]
+    args = build_parser().parse_args([*argv, "--work-dir", str(tmp_path / "work"), "--shared-state"])
+    refused = _backend(args)
+    assert isinstance(refused, str)
+    assert says in refused
+    assert not (tmp_path / "work" / "agent.sqlite").exists()
+
+
+def test_the_state_is_opened_at_its_first_use_and_a_shared_one_keeps_a_rollback_journal(
+    tmp_path: Path,
+) -> None:
+    local, shared = State(tmp_path / "local.sqlite"), State(tmp_path / "shared.sqlite", shared=True)
+    assert not (tmp_path / "local.sqlite").exists()  # a standby has not touched it
+    assert not (tmp_path / "shared.sqlite").exists()
+    assert local.db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    assert shared.db.execute("PRAGMA journal_mode").fetchone() == ("delete",)
+    shared.add_job(JobRecord("t", "k-t-1", "ml", "ada", kind="JobSet"))
+    assert not list(tmp_path.glob("shared.sqlite-*"))  # no -wal or -shm file a second host would need
+    assert State(tmp_path / "shared.sqlite", shared=True).jobs() == [
+        JobRecord("t", "k-t-1", "ml", "ada", kind="JobSet")
+    ]
+
+
+def test_the_agent_with_leader_election_has_not_opened_its_state_when_made(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    config = tmp_path / "agent.toml"
+    config.write_text(
+        f'[agent.kubernetes]\nnamespace = "{NAMESPACE}"\napi_url = "{cluster.url}"\nleader_election = true\n'
+    )
+    argv = ["--url", "http://plane", "--backend", "kubernetes", "--config", str(config), "--shared-state"]
+    args = build_parser().parse_args([*argv, "--work-dir", str(tmp_path / "work")])
+    backend = _backend(args)
+    assert not isinstance(backend, str)
+    assert backend.state.shared is True
+    assert not (tmp_path / "work" / "agent.sqlite").exists()

@@ -5,7 +5,9 @@ reason in `klique why`; the agent killed with SIGKILL while a Job runs and start
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import secrets
 import signal
 import subprocess
@@ -81,7 +83,12 @@ class Plane:
             "poll_seconds = 0.2\ngang_seconds = 4\n"
         )
 
-    def start_agent(self, demo: Demo, token_file: Path) -> None:
+    def start_agent(self, demo: Demo, token_file: Path, *extra: str, log: str = "agent.log") -> None:
+        self.agent = self.spawn_agent(demo, token_file, *extra, log=log)
+
+    def spawn_agent(
+        self, demo: Demo, token_file: Path, *extra: str, log: str = "agent.log"
+    ) -> subprocess.Popen[bytes]:
         argv = [
             sys.executable,
             "-m",
@@ -98,9 +105,10 @@ class Plane:
             "k8s-1",
             "--work-dir",
             str(self.tmp_path / "agent"),
+            *extra,
         ]
-        log = (self.tmp_path / "agent.log").open("ab")
-        self.agent = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        output = (self.tmp_path / log).open("ab")
+        return subprocess.Popen(argv, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
 
 
 @pytest.fixture
@@ -219,3 +227,75 @@ def test_tasks_of_each_size_run_on_kubernetes_and_survive_an_agent_killed_mid_jo
             plane.agent.wait(15)
         assert running.interrupt() == 0
     assert secret not in running.everything()  # web, worker, beat and the demo agent print there
+
+
+def opened(process: subprocess.Popen[bytes], name: str) -> bool:
+    """Whether the process holds a file of that name open (its descriptors, as /proc shows them)."""
+    folder = Path(f"/proc/{process.pid}/fd")
+    held = []
+    for descriptor in folder.iterdir():
+        with contextlib.suppress(OSError):
+            held.append(os.readlink(descriptor))
+    return any(Path(target).name == name for target in held)
+
+
+def holder(cluster: Cluster) -> str:
+    assert cluster.emulator is not None
+    emulator = cluster.emulator
+    lease = cluster.call(lambda: dict(emulator.leases.get("klique-agent-k8s-1") or {}))
+    return str((lease.get("spec") or {}).get("holderIdentity") or "")
+
+
+def test_a_standby_on_shared_state_takes_over_a_leader_killed_mid_job(
+    fresh_database: str, redis_url: str, tmp_path: Path, cluster: Cluster
+) -> None:
+    """Two agents on one work folder (a ReadWriteMany claim in the chart), leader election on: the standby
+    does not open the state while the leader holds the Lease; the leader is killed with SIGKILL while a Job
+    runs; the standby takes the Lease once it has run out, opens the state, adopts the Job and brings every
+    line home once."""
+    environment = clean_environment(DATABASE_URL=fresh_database, REDIS_URL=redis_url)
+    running = start_up(environment, tmp_path / "data")
+    plane = Plane(tmp_path, cluster)
+    with plane.config.open("a") as config:
+        config.write("leader_election = true\nlease_seconds = 3\n")
+    node = LocalNode(cluster, plane.volume).start()
+    standby: subprocess.Popen[bytes] | None = None
+    try:
+        demo = Demo(running.port, running.wait_for(BANNER_CURL)[1])
+        token_file = tmp_path / "agent.token"
+        token_file.write_text(provision(demo))
+        token_file.chmod(0o600)
+        plane.start_agent(demo, token_file, "--shared-state", log="leader.log")
+        assert plane.agent is not None
+        leader = plane.agent
+        deadline = time.monotonic() + 30
+        while not holder(cluster).endswith(f"-{leader.pid}") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert holder(cluster).endswith(f"-{leader.pid}"), holder(cluster)
+        standby = plane.spawn_agent(demo, token_file, "--shared-state", log="standby.log")
+
+        task = submit(demo, "K8s: 2 GPUs", 24, 0.25)
+        demo.wait_for_lines(task["id"], 4)
+        assert opened(leader, "agent.sqlite")
+        assert not opened(standby, "agent.sqlite")  # a standby has not touched the leader's state
+        assert standby.poll() is None
+        leader.send_signal(signal.SIGKILL)
+        leader.wait(10)
+        done = wait_for_state(demo, task["id"], {"completed", "failed"})
+        standby_log = (tmp_path / "standby.log").read_text()
+        assert done["state"] == "completed", (done["reason"], cluster_state(cluster), standby_log[-4000:])
+        assert holder(cluster).endswith(f"-{standby.pid}")
+        assert opened(standby, "agent.sqlite")
+        lines = [line for line in demo.logged(task["id"]) if "step" in line]
+        assert lines == [f"rank 0 step {step}" for step in range(24)]  # none lost, none twice
+        made = [name for name in node.created_jobs if task["id"][:8] in name]
+        assert len(made) == 1  # adopted by the standby, not created again
+        outputs = demo.call("GET", f"/api/v1/tasks/{task['id']}/outputs/")
+        assert [item["name"] for item in outputs] == ["metrics.json"]
+    finally:
+        node.stop()
+        for process in (plane.agent, standby):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                process.wait(15)
+        assert running.interrupt() == 0
