@@ -5,7 +5,7 @@ pool's read-only volume stays read-only; backends that mount none refuse a task 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,8 @@ from rest_framework.test import APIClient
 
 from agents.backend import Refused
 from agents.baremetal import BareMetal
+from agents.hpc.backend import DIALECTS, Batch
+from agents.hpc.cluster import Completed, Settings
 from agents.state import Position, State
 from protocol import pods
 from protocol import volumes as rule
@@ -186,3 +188,57 @@ def test_the_bare_metal_agent_refuses_a_task_that_declares_volumes(tmp_path: Pat
         asyncio.run(bare.start(given, report))
     assert refused.value.permanent
     assert bare.running() == []
+
+
+@pytest.mark.parametrize("scheduler", sorted(DIALECTS))
+@pytest.mark.parametrize(
+    "declared",
+    [["datasets"], [{"name": "models", "read_only": True}], ["datasets", "models"], [{"name": "scratch"}]],
+)
+def test_a_batch_agent_refuses_a_task_that_declares_volumes_before_it_submits_anything(
+    tmp_path: Path, scheduler: str, declared: list[Any]
+) -> None:
+    """Slurm, PBS and LSF jobs see the cluster's own file systems: a task that counts on declared volumes is
+    refused for good, naming the scheduler, and no command reaches the cluster."""
+    commands: list[list[str]] = []
+
+    async def cluster(
+        argv: Sequence[str],
+        stdin: bytes | None,
+        environment: Mapping[str, str] | None,
+        account: str | None = None,
+        /,
+    ) -> Completed:
+        commands.append(list(argv))
+        return Completed(0, "", "")
+
+    settings = Settings(jobs_dir=tmp_path / "jobs", poll_seconds=3600)
+    batch = Batch(
+        DIALECTS[scheduler](), settings, State(tmp_path / "agent.sqlite"), "https://acme.example", run=cluster
+    )
+
+    async def report(task_id: str, kind: str, body: dict[str, Any], offset: Position | None) -> None:
+        raise AssertionError("nothing starts")
+
+    given = {
+        "task_id": "t",
+        "lease_id": "l",
+        "size_units": UNITS_PER_GPU,
+        "user": "alice",
+        "task_token": "kqt_x_y",
+        "spec": {"command": ["true"], "volumes": declared},
+    }
+
+    async def start() -> None:
+        try:
+            await batch.start(given, report)
+        finally:
+            if batch.poller is not None:
+                batch.poller.cancel()
+
+    with pytest.raises(Refused, match=f"a {scheduler.upper()} pool does not mount") as refused:
+        asyncio.run(start())
+    assert refused.value.permanent
+    assert batch.running() == []
+    assert not [argv for argv in commands if argv[0] in ("sbatch", "qsub", "bsub")]
+    assert not (tmp_path / "jobs" / "t").exists()
