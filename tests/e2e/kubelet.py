@@ -8,7 +8,8 @@ container like a kubelet, except that there is no container runtime here: its co
 of this host, with the pod's environment (its `env`, field references and the `envFrom` Secret), its
 task folder on the work volume mapped to a folder here, its output written to the pod's log with
 timestamps, and its exit code put in the pod's status. Deleting a pod sends SIGTERM and, after its grace
-period, SIGKILL; the Job's condition follows its pods.
+period, SIGKILL; the Job's condition follows its pods. On a cluster with JobSet (`Cluster(jobset=True)`) it is
+the JobSet controller too: each JobSet that is not suspended gets its Job (`Kubelet.make_jobset_job`).
 """
 
 from __future__ import annotations
@@ -56,11 +57,14 @@ class LocalNode:
     stop_event: threading.Event = field(default_factory=threading.Event)
     grace_seconds: float = 30.0
     created_jobs: list[str] = field(default_factory=list)
+    jobsets_made: set[str] = field(default_factory=set)
+    created_jobsets: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         api = self.cluster.api()
         self.batch, self.core = client.BatchV1Api(api), client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
 
     def start(self) -> LocalNode:
         threading.Thread(target=self._loop, daemon=True, name="local-node").start()
@@ -85,8 +89,26 @@ class LocalNode:
                 self.errors.append(f"{type(error).__name__}: {error}")
             time.sleep(0.2)
 
+    def _jobsets(self, jobs: dict[str, dict[str, Any]]) -> None:
+        """The JobSet controller's part: a JobSet admitted (not suspended) gets its one Job."""
+        listed = json.loads(
+            self.custom.list_namespaced_custom_object(
+                "jobset.x-k8s.io", "v1alpha2", NAMESPACE, "jobsets", _preload_content=False
+            ).data
+        )
+        jobsets = {item["metadata"]["name"]: item for item in listed.get("items") or []}
+        for name, jobset in jobsets.items():
+            made = f"{name}-{jobset['spec']['replicatedJobs'][0]['name']}-0"
+            if made not in jobs and name not in self.jobsets_made and not jobset["spec"].get("suspend"):
+                self.jobsets_made.add(name)
+                self.created_jobsets.append(name)
+                Kubelet(self.cluster).make_jobset_job(name)
+
     def _pass(self) -> None:
         jobs = {job["metadata"]["name"]: job for job in self._list(self.batch.list_namespaced_job)}
+        if self.cluster.jobset:
+            self._jobsets(jobs)
+            jobs = {job["metadata"]["name"]: job for job in self._list(self.batch.list_namespaced_job)}
         pods = {pod["metadata"]["name"]: pod for pod in self._list(self.core.list_namespaced_pod)}
         for name, job in jobs.items():
             if name not in self.jobs_seen and not job["spec"].get("suspend"):

@@ -299,3 +299,44 @@ def test_a_standby_on_shared_state_takes_over_a_leader_killed_mid_job(
                 process.terminate()
                 process.wait(15)
         assert running.interrupt() == 0
+
+
+def test_a_multi_node_task_runs_as_a_jobset_where_the_cluster_has_jobset(
+    fresh_database: str, redis_url: str, tmp_path: Path
+) -> None:
+    """The same 2 x 4 task through the API, on a cluster that serves JobSet: the agent finds it by discovery
+    and makes a JobSet, whose controller (the node's stand-in) makes the Indexed Job; both ranks run, their
+    lines and the output come home, and no Service or Job of Klique's own is made."""
+    cluster = Cluster(jobset=True).start()
+    environment = clean_environment(DATABASE_URL=fresh_database, REDIS_URL=redis_url)
+    running = start_up(environment, tmp_path / "data")
+    plane = Plane(tmp_path, cluster)
+    node = LocalNode(cluster, plane.volume).start()
+    try:
+        demo = Demo(running.port, running.wait_for(BANNER_CURL)[1])
+        token_file = tmp_path / "agent.token"
+        token_file.write_text(provision(demo))
+        token_file.chmod(0o600)
+        plane.start_agent(demo, token_file)
+        task = submit(demo, "K8s: 2 x 4 GPUs", 3, 0.1)
+        done = wait_for_state(demo, task["id"], {"completed", "failed"})
+        assert done["state"] == "completed", (done["reason"], cluster_state(cluster), node.errors)
+        lines = demo.logged(task["id"])
+        assert sorted(line for line in lines if "step" in line) == sorted(
+            f"rank {rank} step {step}" for rank in (0, 1) for step in range(3)
+        )
+        (jobset,) = [name for name in node.created_jobsets if task["id"][:8] in name]
+        assert len(cluster.requests("POST", r"/apis/jobset.x-k8s.io/v1alpha2/namespaces/ml/jobsets")) == 1
+        jobs = Kubelet(cluster).jobs()  # only the one the JobSet controller made
+        assert [job["metadata"]["name"] for job in jobs] == [f"{jobset}-node-0"]
+        assert jobs[0]["metadata"]["labels"]["jobset.sigs.k8s.io/jobset-name"] == jobset
+        assert len(cluster.requests("POST", r"/api/v1/namespaces/ml/services")) == 0
+        outputs = demo.call("GET", f"/api/v1/tasks/{task['id']}/outputs/")
+        assert [item["name"] for item in outputs] == ["metrics.json"]
+    finally:
+        node.stop()
+        if plane.agent is not None and plane.agent.poll() is None:
+            plane.agent.terminate()
+            plane.agent.wait(15)
+        assert running.interrupt() == 0
+        cluster.stop()
