@@ -48,16 +48,22 @@ logger = logging.getLogger("klique.agent.kubernetes")
 
 T = TypeVar("T")
 
-JOB_NAME_LABELS = ("batch.kubernetes.io/job-name", "job-name")
+# What groups a task's pods: their Job's name, or the training operator's name for its PyTorchJob.
+TRAINING_JOB_LABEL = "training.kubeflow.org/job-name"
+JOB_NAME_LABELS = ("batch.kubernetes.io/job-name", "job-name", TRAINING_JOB_LABEL)
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"  # on a JobSet's Jobs and pods
+REPLICA_TYPE_LABEL, REPLICA_INDEX_LABEL = (
+    "training.kubeflow.org/replica-type",
+    "training.kubeflow.org/replica-index",
+)
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 # Waiting reasons of a container that no wait will cure: the task fails at once, saying why.
 HOPELESS = frozenset({"InvalidImageName", "ErrImageNeverPull"})
 # Waiting reasons that may pass (a registry down, a tag pushed late): the task fails after image_pull_seconds.
 IMAGE_PULL = frozenset({"ErrImagePull", "ImagePullBackOff", "RegistryUnavailable"})
 ADMISSION_SECONDS = 5.0  # how often Kueue's Workloads are read while a Job waits for admission
-JOBSET_READ_SECONDS = 2.0  # how often a JobSet is read while the Job it runs is not seen
-DISCOVERY_SECONDS = 300.0  # how long the answer "does the cluster serve JobSet" is kept
+WORKLOAD_READ_SECONDS = 2.0  # how often the JobSets (while one's Job is not seen) and PyTorchJobs are listed
+DISCOVERY_SECONDS = 300.0  # how long the answer "which workload APIs does the cluster serve" is kept
 GPU_RESOURCE = re.compile(r"nvidia\.com/gpu|nvidia\.com/gpu\.shared|nvidia\.com/mig-[a-z0-9.+]+|amd\.com/gpu")
 
 
@@ -78,7 +84,7 @@ class KubeSettings:
     leader_election: bool = False  # act only while holding the Lease `lease_name` (agents.leadership)
     lease_name: str = ""
     lease_seconds: int = 15
-    multi_node: str = "auto"  # "jobset", "indexed-job", or "auto": JobSet where the cluster serves it
+    multi_node: str = "auto"  # one of pods.MULTI_NODE_KINDS, or "auto": JobSet, else PyTorchJob, where served
 
     @classmethod
     def read(cls, config: Mapping[str, Any], agent_id: str) -> KubeSettings:
@@ -340,16 +346,11 @@ class Api:
 
     def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
         kind, ns = manifest["kind"], self.namespace
-        if kind == "JobSet":
+        if kind in pods.CUSTOM_WORKLOADS:
+            group, version, plural = pods.CUSTOM_WORKLOADS[kind]
             return self._raw(
                 self.custom.create_namespaced_custom_object(
-                    pods.JOBSET_GROUP,
-                    pods.JOBSET_VERSION,
-                    ns,
-                    pods.JOBSET_PLURAL,
-                    dict(manifest),
-                    _preload_content=False,
-                    _request_timeout=30,
+                    group, version, ns, plural, dict(manifest), _preload_content=False, _request_timeout=30
                 )
             )
         create = {
@@ -388,30 +389,25 @@ class Api:
         resources = self._raw(response).get("resources") or []
         return any(item.get("name") == plural for item in resources if isinstance(item, dict))
 
-    def jobset(self, name: str) -> dict[str, Any] | None:
-        """The JobSet, or None where it is gone."""
-        from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
-
-        try:
-            return self._raw(
-                self.custom.get_namespaced_custom_object(
-                    pods.JOBSET_GROUP,
-                    pods.JOBSET_VERSION,
-                    self.namespace,
-                    pods.JOBSET_PLURAL,
-                    name,
-                    _preload_content=False,
-                    _request_timeout=30,
-                )
+    def custom_workloads(self, kind: str) -> dict[str, dict[str, Any]]:
+        """This agent's JobSets or PyTorchJobs (pods.CUSTOM_WORKLOADS), by name."""
+        group, version, plural = pods.CUSTOM_WORKLOADS[kind]
+        data = self._raw(
+            self.custom.list_namespaced_custom_object(
+                group,
+                version,
+                self.namespace,
+                plural,
+                label_selector=self.selector,
+                _preload_content=False,
+                _request_timeout=60,
             )
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
+        )
+        return {_name(item): item for item in data.get("items") or [] if _ours(item, self.selector)}
 
     def own(self, kind: str, name: str, job: Mapping[str, Any]) -> None:
-        """Make the workload (the Job, or the JobSet) the owner of its Secret or Service, so Kubernetes
-        deletes them with it."""
+        """Make the workload (the Job, JobSet or PyTorchJob) the owner of its Secret or Service, so
+        Kubernetes deletes them with it."""
         uid = (job.get("metadata") or {}).get("uid")
         if not uid:
             return
@@ -436,7 +432,8 @@ class Api:
 
         call: Callable[..., Any] = {
             "Job": self.batch.delete_namespaced_job,
-            "JobSet": self._delete_jobset,
+            "JobSet": self._delete_custom("JobSet"),
+            "PyTorchJob": self._delete_custom("PyTorchJob"),
             "Pod": self.core.delete_namespaced_pod,
             "Secret": self.core.delete_namespaced_secret,
             "Service": self.core.delete_namespaced_service,
@@ -450,10 +447,15 @@ class Api:
             if error.status != 404:
                 raise
 
-    def _delete_jobset(self, name: str, namespace: str, **options: Any) -> Any:
-        return self.custom.delete_namespaced_custom_object(
-            pods.JOBSET_GROUP, pods.JOBSET_VERSION, namespace, pods.JOBSET_PLURAL, name, **options
-        )
+    def _delete_custom(self, kind: str) -> Callable[..., Any]:
+        group, version, plural = pods.CUSTOM_WORKLOADS[kind]
+
+        def delete(name: str, namespace: str, **options: Any) -> Any:
+            return self.custom.delete_namespaced_custom_object(
+                group, version, namespace, plural, name, **options
+            )
+
+        return delete
 
     def listing(self, kind: str) -> tuple[list[dict[str, Any]], str]:
         """Klique's Jobs or Pods of this agent, and the resource version to watch from."""
@@ -503,9 +505,9 @@ class Api:
             response.close()
             response.release_conn()
 
-    def log(self, pod: str, since: str) -> str:
-        """The pod's main container's log with timestamps, from the second of `since` on."""
-        query: list[tuple[str, str]] = [("container", pods.MAIN_CONTAINER), ("timestamps", "true")]
+    def log(self, pod: str, since: str, container: str = pods.MAIN_CONTAINER) -> str:
+        """The task's container's log with timestamps, from the second of `since` on."""
+        query: list[tuple[str, str]] = [("container", container), ("timestamps", "true")]
         if since:
             query.append(("sinceTime", since[:19] + "Z"))  # whole seconds; lines before are skipped here
         response = self.client.call_api(
@@ -607,20 +609,49 @@ def _condition(item: Mapping[str, Any], kind: str) -> dict[str, Any] | None:
     return None
 
 
+def _main_container(pod: Mapping[str, Any]) -> str:
+    """The task's container: `main`, or `pytorch` in a PyTorchJob's pods."""
+    return pods.PYTORCH_CONTAINER if TRAINING_JOB_LABEL in _labels(pod) else pods.MAIN_CONTAINER
+
+
 def _main_status(pod: Mapping[str, Any]) -> dict[str, Any]:
     statuses = (pod.get("status") or {}).get("containerStatuses") or []
-    return dict(
-        next((s for s in statuses if s.get("name") == pods.MAIN_CONTAINER), statuses[0] if statuses else {})
-    )
+    main = _main_container(pod)
+    return dict(next((s for s in statuses if s.get("name") == main), statuses[0] if statuses else {}))
 
 
 def _index(pod: Mapping[str, Any]) -> int:
+    """The pod's rank: its completion index, or in a PyTorchJob the Master's 0 and Worker i's i + 1."""
+    labels = _labels(pod)
     value = ((pod.get("metadata") or {}).get("annotations") or {}).get(INDEX_ANNOTATION)
-    value = value or _labels(pod).get(INDEX_ANNOTATION)
+    value = value or labels.get(INDEX_ANNOTATION)
     try:
+        if REPLICA_TYPE_LABEL in labels:
+            worker = labels[REPLICA_TYPE_LABEL].lower() == "worker"
+            return int(labels.get(REPLICA_INDEX_LABEL) or 0) + (1 if worker else 0)
         return int(value or 0)
     except ValueError:
         return 0
+
+
+def job_view(workload: Mapping[str, Any]) -> dict[str, Any]:
+    """A PyTorchJob as the Job the agent reads elsewhere: suspended (Kueue), how many pods, and its
+    Succeeded or Failed condition as a Job's Complete or Failed."""
+    spec = workload.get("spec") or {}
+    replicas = spec.get("pytorchReplicaSpecs") or {}
+    conditions = []
+    for condition in (workload.get("status") or {}).get("conditions") or []:
+        kind = {"Succeeded": "Complete", "Failed": "Failed"}.get(str(condition.get("type")))
+        if kind and condition.get("status") == "True":
+            conditions.append({**condition, "type": kind})
+    return {
+        "metadata": dict(workload.get("metadata") or {}),
+        "spec": {
+            "suspend": bool((spec.get("runPolicy") or {}).get("suspend")),
+            "parallelism": sum(int((item or {}).get("replicas") or 0) for item in replicas.values()),
+        },
+        "status": {"conditions": conditions},
+    }
 
 
 @dataclass(frozen=True)
@@ -741,12 +772,12 @@ def _exit(task_pods: list[dict[str, Any]]) -> Seen:
 
 
 def admission_of(workloads: list[dict[str, Any]]) -> dict[str, str]:
-    """Per Job or JobSet name (its Workload's owner), why Kueue has not admitted it: the message of the first
-    of its QuotaReserved and Admitted conditions that is False."""
+    """Per Job, JobSet or PyTorchJob name (its Workload's owner), why Kueue has not admitted it: the message
+    of the first of its QuotaReserved and Admitted conditions that is False."""
     found: dict[str, str] = {}
     for workload in workloads:
         owners = [ref.get("name") for ref in (workload.get("metadata") or {}).get("ownerReferences") or []
-                  if ref.get("kind") in ("Job", "JobSet")]  # fmt: skip
+                  if ref.get("kind") in ("Job", "JobSet", "PyTorchJob")]  # fmt: skip
         conditions = {
             item.get("type"): item for item in (workload.get("status") or {}).get("conditions") or []
         }
@@ -807,8 +838,9 @@ class Kubernetes:
     created_at: dict[str, float] = field(default_factory=dict)  # Job name -> when this process made it
     admission_read: float = 0.0  # when Kueue's Workloads were last read
     leadership: Leadership | None = None  # with leader election: the Lease this process must hold
-    jobsets: dict[str, tuple[float, dict[str, Any] | None]] = field(default_factory=dict)  # read when
-    multi_node_kind: tuple[float, str] = (0.0, "")  # what "auto" found, and when
+    workloads: dict[str, tuple[float, dict[str, dict[str, Any]]]] = field(default_factory=dict)  # kind ->
+    # (listed when, JobSets or PyTorchJobs by name), listed every WORKLOAD_READ_SECONDS while needed
+    served: tuple[float, frozenset[str]] = (0.0, frozenset())  # the custom workload kinds served, and when
     loop: asyncio.AbstractEventLoop | None = None
 
     # What the agent loop asks ---------------------------------------------------------------------------
@@ -892,7 +924,7 @@ class Kubernetes:
                 cluster = dataclasses.replace(cluster, multi_node=await self._multi_node())
         except ApiProblem as problem:
             self.problem = str(problem)
-            raise Refused(f"The JobSet was not created: {problem}", permanent=False) from None
+            raise Refused(f"The multi-node workload was not created: {problem}", permanent=False) from None
         try:
             manifests = pods.render(
                 template,
@@ -922,27 +954,42 @@ class Kubernetes:
         self.changed.set()
 
     async def _multi_node(self) -> str:
-        """The workload of a multi-node task: as configured, or with "auto" JobSet where the cluster serves
-        it (asked again every DISCOVERY_SECONDS, so a JobSet installed later is taken up). JobSet asked for
-        on a cluster that does not serve it is refused saying so."""
-        if self.settings.multi_node == "indexed-job":
-            return "indexed-job"
-        asked, served = self.multi_node_kind
-        if not served or time.monotonic() - asked >= DISCOVERY_SECONDS:
-            found = await self._call(
-                self.api.serves, pods.JOBSET_API, pods.JOBSET_PLURAL, verb="discover", resource="API groups"
+        """The workload of a multi-node task: as configured, or with "auto" JobSet, else PyTorchJob, where the
+        cluster serves it (asked again every DISCOVERY_SECONDS, so one installed later is taken up), else the
+        Indexed Job. A kind asked for that the cluster does not serve is refused saying so."""
+        chosen = self.settings.multi_node
+        if chosen == "indexed-job":
+            return chosen
+        asked, served = self.served
+        if not asked or time.monotonic() - asked >= DISCOVERY_SECONDS:
+            found = set()
+            for kind, (group, version, plural) in pods.CUSTOM_WORKLOADS.items():
+                if await self._call(
+                    self.api.serves, f"{group}/{version}", plural, verb="discover", resource="API groups"
+                ):
+                    found.add(kind)
+            if frozenset(found) != served:
+                logger.info(
+                    "the cluster serves %s", ", ".join(sorted(found)) or "neither JobSet nor PyTorchJob"
+                )
+            served = frozenset(found)
+            self.served = (time.monotonic(), served)
+        if chosen == "auto":
+            return (
+                "jobset"
+                if "JobSet" in served
+                else ("pytorchjob" if "PyTorchJob" in served else "indexed-job")
             )
-            served = "jobset" if found else "indexed-job"
-            if served != self.multi_node_kind[1]:
-                logger.info("the cluster %s JobSet", "serves" if found else "does not serve")
-            self.multi_node_kind = (time.monotonic(), served)
-        if self.settings.multi_node == "jobset" and served != "jobset":
+        kind = {"jobset": "JobSet", "pytorchjob": "PyTorchJob"}[chosen]
+        if kind not in served:
+            group, version, plural = pods.CUSTOM_WORKLOADS[kind]
+            product = "JobSet" if kind == "JobSet" else "the Kubeflow training operator"
             raise ApiProblem(
-                f"the cluster at {self.api.where} does not serve {pods.JOBSET_API} jobsets: install JobSet, "
-                "or set multi_node to auto or indexed-job in [agent.kubernetes]",
+                f"the cluster at {self.api.where} does not serve {group}/{version} {plural}: install "
+                f"{product}, or set multi_node to auto or indexed-job in [agent.kubernetes]",
                 status=404,
             )
-        return served
+        return chosen
 
     async def _create(self, manifests: pods.Manifests) -> None:
         """The Secret first (the pods need it), the Service, then the Job (or JobSet), which then owns the
@@ -953,11 +1000,12 @@ class Kubernetes:
             await self._call(self.api.replace_secret, manifests.secret, verb="replace", resource="secrets")
         if manifests.service is not None:
             await self._create_one(manifests.service, "services")
-        resource = "jobsets.jobset.x-k8s.io" if manifests.kind == "JobSet" else "jobs"
+        custom = pods.CUSTOM_WORKLOADS.get(manifests.kind)
+        resource = f"{custom[2]}.{custom[0]}" if custom else "jobs"
         job = await self._create_one(manifests.job, resource) or {}
         self.created_at[name] = time.monotonic()
-        if manifests.kind == "JobSet":
-            self.jobsets[name] = (time.monotonic(), job or None)
+        if custom and job:  # known now, not after the next listing
+            self.workloads.setdefault(manifests.kind, (0.0, {}))[1][name] = job
         elif job and name not in self.seen_jobs:  # what the watch will say: known now, not after its lag
             self.seen_jobs[name] = job
         for kind in ("Secret", "Service") if manifests.service is not None else ("Secret",):
@@ -1064,7 +1112,9 @@ class Kubernetes:
                 and record.job_id not in store
                 and self.created_at.get(record.job_id, 0.0) < listed_at - 5.0
             }
-            self._adopt_labelled()
+            self._adopt_labelled(self.seen_jobs)
+        else:
+            self._adopt_labelled(self.seen_pods)  # a PyTorchJob's pods: it has no Job
         self.changed.set()
 
     def _event(self, kind: str, event: str, item: dict[str, Any]) -> None:
@@ -1084,32 +1134,37 @@ class Kubernetes:
             logger.warning("%s", problem)
         self.problem = problem
 
-    def _adopt_labelled(self) -> None:
-        """Jobs this agent labelled for a run it holds but never recorded (it was killed between creating
-        the Job and recording it): recorded now, so they are followed, not made again."""
+    def _adopt_labelled(self, seen: Mapping[str, dict[str, Any]]) -> None:
+        """Workloads this agent labelled for a run it holds but never recorded (it was killed between
+        creating one and recording it), found by their Jobs (a Job, a JobSet's Job) or, for a PyTorchJob,
+        its pods: recorded now, so they are followed, not made again."""
         recorded = {job.task_id for job in self.state.jobs()}
-        for name, job in self.seen_jobs.items():
-            labels = _labels(job)
+        for name, item in seen.items():
+            labels = _labels(item)
             task = labels.get("klique.io/task", "")
             lease = self.state.lease(task) if task else ""
-            if (
+            if not (
                 task
                 and task not in recorded
                 and lease
                 and pods.label_value(lease) == labels.get("klique.io/lease")
             ):
-                annotations = (job.get("metadata") or {}).get("annotations") or {}
-                jobset = labels.get(JOBSET_NAME_LABEL, "")
-                self.state.add_job(
-                    JobRecord(
-                        task,
-                        jobset or name,
-                        self.settings.cluster.namespace,
-                        str(annotations.get("klique.io/submitter") or ""),
-                        kind="JobSet" if jobset else "Job",
-                    )
-                )
-                logger.info("adopted %s of task %s", f"JobSet {jobset}" if jobset else f"Job {name}", task)
+                continue
+            if labels.get(JOBSET_NAME_LABEL):
+                kind, workload = "JobSet", labels[JOBSET_NAME_LABEL]
+            elif labels.get(TRAINING_JOB_LABEL):
+                kind, workload = "PyTorchJob", labels[TRAINING_JOB_LABEL]
+            elif item.get("kind", "Job") == "Job" and seen is self.seen_jobs:
+                kind, workload = "Job", name
+            else:
+                continue
+            annotations = (item.get("metadata") or {}).get("annotations") or {}
+            submitter = str(annotations.get("klique.io/submitter") or "")
+            self.state.add_job(
+                JobRecord(task, workload, self.settings.cluster.namespace, submitter, kind=kind)
+            )
+            recorded.add(task)
+            logger.info("adopted %s %s of task %s", kind, workload, task)
 
     async def _follow_forever(self) -> None:
         while not self.closing.is_set():
@@ -1139,6 +1194,7 @@ class Kubernetes:
         if self.reporter is None or {"Job", "Pod"} - self.synced:
             return
         records = self.state.jobs()
+        await self._read_workloads(records)
         await self._read_admission(records)
         by_job = self._pods_by_job()
         await asyncio.gather(
@@ -1149,13 +1205,51 @@ class Kubernetes:
             )
         )
 
+    async def _read_workloads(self, records: list[JobRecord]) -> None:
+        """List the JobSets whose Job is not seen yet and the PyTorchJobs (whose state is their own): one
+        listing per kind, at most every WORKLOAD_READ_SECONDS, only while some run needs it."""
+        needed = {
+            record.kind
+            for record in records
+            if record.kind == "PyTorchJob"
+            or (record.kind == "JobSet" and _followed(record) not in self.seen_jobs)
+        }
+        now = time.monotonic()
+        for kind in sorted(needed):
+            if now - self.workloads.get(kind, (0.0, {}))[0] < WORKLOAD_READ_SECONDS:
+                continue
+            group, _, plural = pods.CUSTOM_WORKLOADS[kind]
+            try:
+                listed = await self._call(
+                    self.api.custom_workloads, kind, verb="list", resource=f"{plural}.{group}"
+                )
+            except ApiProblem as problem:
+                self._trouble(str(problem))
+                continue
+            self.workloads[kind] = (time.monotonic(), listed)
+
+    def _workload(self, record: JobRecord) -> tuple[dict[str, Any] | None, bool]:
+        """The record's JobSet or PyTorchJob as last listed, and whether it is gone: missed by a listing
+        made a while after this process created it (never on a listing's lag)."""
+        listed_at, items = self.workloads.get(record.kind, (0.0, {}))
+        found = items.get(record.job_id)
+        gone = found is None and listed_at > 0 and self.created_at.get(record.job_id, 0.0) < listed_at - 5.0
+        return found, gone
+
+    def _job_of(self, record: JobRecord) -> dict[str, Any] | None:
+        """The Job the record's state is read from: its own, its JobSet's, or its PyTorchJob read as one."""
+        if record.kind == "PyTorchJob":
+            found, _ = self._workload(record)
+            return job_view(found) if found is not None else None
+        return self.seen_jobs.get(_followed(record))
+
     async def _read_admission(self, records: list[JobRecord]) -> None:
         """What Kueue says of the suspended Jobs (read at most every ADMISSION_SECONDS, and only while
         some Job waits for admission): a Workload's QuotaReserved or Admitted condition, when False."""
         suspended = [
             record.job_id
             for record in records
-            if ((self.seen_jobs.get(_followed(record)) or {}).get("spec") or {}).get("suspend")
+            if ((self._job_of(record) or {}).get("spec") or {}).get("suspend")
             or (record.kind == "JobSet" and _followed(record) not in self.seen_jobs)
         ]
         now = time.monotonic()
@@ -1178,7 +1272,7 @@ class Kubernetes:
         self, record: JobRecord, task_pods: list[dict[str, Any]]
     ) -> None:
         assert self.reporter is not None
-        job = self.seen_jobs.get(_followed(record))
+        job = self._job_of(record)
         await self._read_logs(record, task_pods)
         if job is None:
             await self._without_job(record, task_pods)
@@ -1224,19 +1318,20 @@ class Kubernetes:
             self.state.job_seen(record.task_id, seen.key)
 
     async def _without_job(self, record: JobRecord, task_pods: list[dict[str, Any]]) -> None:
-        """The run's Job is not seen: a stopped one's pods are gone, its JobSet has not made it yet, or it
-        was deleted outside Klique."""
-        if record.stopping and not any(_alive(pod) for pod in task_pods):
-            await self._end(record, Seen("ended", "stopped", _exit(task_pods).exit_code), task_pods)
-        elif not record.stopping and record.kind == "JobSet":
+        """The run's Job is not seen: a stopped one's pods are gone, its JobSet has not made it yet, its
+        PyTorchJob is not listed yet, or it was deleted outside Klique."""
+        if record.stopping:
+            if not any(_alive(pod) for pod in task_pods):
+                await self._end(record, Seen("ended", "stopped", _exit(task_pods).exit_code), task_pods)
+        elif record.kind == "JobSet":
             await self._jobset_without_job(record, task_pods)
-        elif not record.stopping and record.job_id in self.gone_jobs:
+        elif record.job_id in self.gone_jobs or (record.kind != "Job" and self._workload(record)[1]):
             gone = Seen(
                 "ended",
                 "deleted",
                 None,
                 (
-                    f"kubernetes: Job {record.job_id} was deleted outside "
+                    f"kubernetes: {record.kind} {record.job_id} was deleted outside "
                     "Klique (kubectl delete?); the task ended with it",
                 ),
             )
@@ -1244,18 +1339,11 @@ class Kubernetes:
 
     async def _jobset_without_job(self, record: JobRecord, task_pods: list[dict[str, Any]]) -> None:
         """A JobSet whose Job is not seen: its controller has not made it yet (or Kueue holds the JobSet),
-        or the JobSet has ended or is gone. The JobSet is read every JOBSET_READ_SECONDS to tell which."""
+        or the JobSet has ended or is gone; the JobSets are listed every WORKLOAD_READ_SECONDS to tell."""
         assert self.reporter is not None
-        read_at, jobset = self.jobsets.get(record.job_id, (0.0, None))
-        if time.monotonic() - read_at >= JOBSET_READ_SECONDS:
-            try:
-                jobset = await self._call(
-                    self.api.jobset, record.job_id, verb="read", resource="jobsets.jobset.x-k8s.io"
-                )
-            except ApiProblem as problem:
-                self._trouble(str(problem))
-                return
-            self.jobsets[record.job_id] = (time.monotonic(), jobset)
+        jobset, gone_now = self._workload(record)
+        if jobset is None and not gone_now:
+            return  # not listed yet
         if jobset is None:
             gone = Seen(
                 "ended",
@@ -1309,18 +1397,17 @@ class Kubernetes:
 
     async def _read_logs(self, record: JobRecord, task_pods: list[dict[str, Any]]) -> None:
         assert self.reporter is not None
-        many = (
-            len(task_pods) > 1
-            or int(((self.seen_jobs.get(_followed(record)) or {}).get("spec") or {}).get("completions") or 1)
-            > 1
-        )
+        spec = (self._job_of(record) or {}).get("spec") or {}
+        many = len(task_pods) > 1 or int(spec.get("completions") or spec.get("parallelism") or 1) > 1
         for pod in sorted(task_pods, key=_index):
             if not _started(pod):
                 continue
             name = _name(pod)
             cursor = self.state.log_cursor(record.task_id, name)
             try:
-                text = await self._call(self.api.log, name, cursor.since, verb="read", resource="pods/log")
+                text = await self._call(
+                    self.api.log, name, cursor.since, _main_container(pod), verb="read", resource="pods/log"
+                )
             except ApiProblem as problem:
                 if problem.status != 404:
                     self._trouble(str(problem))
@@ -1404,7 +1491,8 @@ class Kubernetes:
         self.since.pop(record.task_id, None)
         self.created_at.pop(record.job_id, None)
         self.gone_jobs.discard(record.job_id)
-        self.jobsets.pop(record.job_id, None)
+        for _, items in self.workloads.values():
+            items.pop(record.job_id, None)
 
     async def _upload_outputs(
         self, record: JobRecord, task_pods: list[dict[str, Any]]
@@ -1413,7 +1501,7 @@ class Kubernetes:
         run's Job, or its pods, say which). Without a work volume they cannot be read: each declared pattern
         is said to be not stored."""
         patterns: list[str] = []
-        for item in [self.seen_jobs.get(_followed(record)) or {}, *task_pods]:
+        for item in [self._job_of(record) or {}, *task_pods]:
             annotation = ((item.get("metadata") or {}).get("annotations") or {}).get("klique.io/outputs")
             if annotation:
                 with contextlib.suppress(ValueError):
@@ -1439,8 +1527,10 @@ class Kubernetes:
         waiting = not any((pod.get("status") or {}).get("phase") == "Running" for pod in task_pods)
         grace = 0 if waiting else max(0, int(grace_seconds))
         # The JobSet and its Job first, orphaning the pods, so no controller starts another while they stop.
-        workloads = [("JobSet", record.job_id), ("Job", _followed(record))] if record.kind == "JobSet" else []
-        for kind, name in workloads or [("Job", record.job_id)]:
+        workloads = [(record.kind, record.job_id)]
+        if record.kind == "JobSet":
+            workloads.append(("Job", _followed(record)))
+        for kind, name in workloads:
             try:
                 await self._call(
                     self.api.delete,
@@ -1480,7 +1570,7 @@ class Kubernetes:
 
 
 def _followed(record: JobRecord) -> str:
-    """The Job whose pods run the record's task: the Job itself, or its JobSet's one Job."""
+    """What the record's pods are grouped by: its Job, its JobSet's one Job, or its PyTorchJob."""
     return pods.followed_job(record.kind, record.job_id)
 
 

@@ -14,12 +14,17 @@ a `schedulerName` with its gang annotations, volumes, an image. Klique owns the 
 - `restartPolicy: Never`, the shared file system at the same path as on every pool, the task's folder on
   the work volume, and an `emptyDir` scratch.
 
-A multi-node task is one of two workloads (`ClusterSettings.multi_node`), the same pods either way:
+A multi-node task is one of three workloads (`ClusterSettings.multi_node`), one pod per node either way:
 - `indexed-job`: an Indexed Job of one pod per node and a headless Service Klique makes for their names;
 - `jobset`: a JobSet (jobset.x-k8s.io/v1alpha2) of one replicated Job, that same Indexed Job, whose
   controller makes the headless Service and gives the pods their names; its failure policy restarts
-  nothing (a failed attempt is the plane's to retry, as for every task). The agent picks JobSet where the
-  cluster serves it, since Kueue and the cluster's tooling then see the gang as one workload.
+  nothing (a failed attempt is the plane's to retry, as for every task);
+- `pytorchjob`: the Kubeflow training operator's PyTorchJob (kubeflow.org/v1), a Master and N-1 Workers
+  of the same pod, the task's container named `pytorch` as the operator wants it; the operator makes the
+  pods and their Services and sets the rendezvous variables itself (MASTER_ADDR, MASTER_PORT, WORLD_SIZE,
+  RANK); nothing restarts (`restartPolicy: Never`, `runPolicy.backoffLimit: 0`).
+The agent picks JobSet where the cluster serves it, else the PyTorchJob where the operator is installed,
+since Kueue and the cluster's tooling then see the gang as one workload; else the Indexed Job.
 
 Placeholders `${name}` (see VARIABLES) are replaced inside string values only, after the YAML is parsed,
 so a value can never change the document's structure; `$${` writes a literal `${`. The template may not use
@@ -51,7 +56,15 @@ RENDEZVOUS_PORT = 29500  # torch.distributed's default
 JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 JOBSET_API = f"{JOBSET_GROUP}/{JOBSET_VERSION}"
 JOBSET_REPLICATED = "node"  # the JobSet's one replicated Job: its Job is <jobset>-node-0
-MULTI_NODE_KINDS = ("indexed-job", "jobset")
+PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, PYTORCHJOB_PLURAL = "kubeflow.org", "v1", "pytorchjobs"
+PYTORCHJOB_API = f"{PYTORCHJOB_GROUP}/{PYTORCHJOB_VERSION}"
+PYTORCH_CONTAINER = "pytorch"  # the container the training operator gives the rendezvous variables to
+MULTI_NODE_KINDS = ("indexed-job", "jobset", "pytorchjob")
+# The workloads Klique makes beside batch/v1 Jobs, by kind: (group, version, plural).
+CUSTOM_WORKLOADS = {
+    "JobSet": (JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL),
+    "PyTorchJob": (PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, PYTORCHJOB_PLURAL),
+}
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # on each pod of an Indexed Job
 
 VARIABLES = {
@@ -118,7 +131,7 @@ class ClusterSettings:
     # mounts the same volume, so it can upload them. Without one, outputs cannot be collected.
     scratch_size: str = ""  # the emptyDir's sizeLimit, e.g. "100Gi"; "" for none
     volumes: Mapping[str, task_volumes.Offered] = field(default_factory=dict)  # what a task may declare
-    multi_node: str = "indexed-job"  # or "jobset": the workload of a multi-node task (MULTI_NODE_KINDS)
+    multi_node: str = "indexed-job"  # the workload of a multi-node task, one of MULTI_NODE_KINDS
 
 
 # Parsing -------------------------------------------------------------------------------------------------
@@ -262,9 +275,11 @@ def _build(name: str, node: yaml.Node, values: Mapping[str, str], used: dict[str
 
 @dataclass(frozen=True)
 class Manifests:
-    job: dict[str, Any]  # the workload: a batch/v1 Job, or for a multi-node task on JobSet, the JobSet
+    job: dict[str, Any]  # the workload: a batch/v1 Job, or for a multi-node task a JobSet or PyTorchJob
     secret: dict[str, Any]
-    service: dict[str, Any] | None  # the headless Service of a multi-node Indexed Job (JobSet makes its own)
+    service: (
+        dict[str, Any] | None
+    )  # the headless Service of a multi-node Indexed Job (the others make theirs)
 
     @property
     def kind(self) -> str:
@@ -272,12 +287,13 @@ class Manifests:
 
     @property
     def followed(self) -> str:
-        """The name of the Job whose pods run the task: the workload itself, or the JobSet's one Job."""
+        """What the task's pods are grouped by: the Job's name (the workload, or the JobSet's one Job), or
+        the PyTorchJob's, whose pods the operator makes without a Job."""
         return followed_job(self.kind, self.job["metadata"]["name"])
 
 
 def followed_job(kind: str, name: str) -> str:
-    """The Job that runs a workload of `kind` named `name`."""
+    """The Job that runs a workload of `kind` named `name` (a PyTorchJob's own name: its pods carry it)."""
     return f"{name}-{JOBSET_REPLICATED}-0" if kind == "JobSet" else name
 
 
@@ -388,7 +404,8 @@ def render(
     spec = _mapping(pod, "spec")
     spec["restartPolicy"] = "Never"
     on_jobset = nodes > 1 and settings.multi_node == "jobset"
-    if nodes > 1:
+    on_pytorchjob = nodes > 1 and settings.multi_node == "pytorchjob"
+    if nodes > 1 and not on_pytorchjob:
         spec["subdomain"] = name  # pods are <job>-<index>.<name>: the headless Service's names
     containers = _listed(spec, "containers")
     if not containers:
@@ -401,8 +418,12 @@ def render(
         values,
         limits,
         fraction=fraction,
-        master=rendezvous_host("JobSet" if on_jobset else "Job", name, settings.namespace),
+        master=""
+        if on_pytorchjob
+        else rendezvous_host("JobSet" if on_jobset else "Job", name, settings.namespace),
     )
+    if on_pytorchjob:
+        containers[index]["name"] = PYTORCH_CONTAINER
     try:
         declared = task_volumes.chosen(
             task_volumes.wanted((assignment.get("spec") or {}).get("volumes")), settings.volumes
@@ -411,8 +432,12 @@ def render(
         raise PodTemplateInvalid(template.name, None, str(error)) from None
     _volumes(spec, containers[index], values["task_id"], settings, declared)
     job = _job(pod, name, labels, annotations, nodes=nodes, settings=settings)
+    if on_jobset:
+        job = _jobset(job, settings)
+    elif on_pytorchjob:
+        job = _pytorchjob(job, nodes, settings)
     return Manifests(
-        job=_jobset(job, settings) if on_jobset else job,
+        job=job,
         secret={
             "apiVersion": "v1",
             "kind": "Secret",
@@ -420,7 +445,7 @@ def render(
             "type": "Opaque",
             "stringData": dict(environment or {}),
         },
-        service=_service(name, labels, settings) if nodes > 1 and not on_jobset else None,
+        service=_service(name, labels, settings) if nodes > 1 and job["kind"] == "Job" else None,
     )
 
 
@@ -446,7 +471,8 @@ def _main_container(
     master: str,
 ) -> None:
     """The task's command, its GPUs, Klique's variables and the task's Secret in the task's container;
-    `master` is rank 0's address for a multi-node task."""
+    `master` is rank 0's address for a multi-node task, "" where the training operator sets the rendezvous
+    variables itself."""
     main.setdefault("image", values["image"])
     command = (assignment.get("spec") or {}).get("command")
     if command:
@@ -464,7 +490,9 @@ def _main_container(
     ]
     if fraction:
         klique_env.append({"name": "KLIQUE_GPU_MEMORY_FRACTION", "value": fraction})
-    if nodes > 1:
+    if nodes > 1 and not master:
+        klique_env.append({"name": "KLIQUE_GPUS_PER_NODE", "value": values["gpus"]})
+    elif nodes > 1:
         rank = {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}}
         klique_env += [
             {"name": "WORLD_SIZE", "value": str(nodes)},
@@ -566,6 +594,76 @@ def _jobset(job: Mapping[str, Any], settings: ClusterSettings) -> dict[str, Any]
     if settings.local_queue:
         spec["suspend"] = True  # Kueue admits the whole JobSet when the queue's quota allows
     return {"apiVersion": JOBSET_API, "kind": "JobSet", "metadata": metadata, "spec": spec}
+
+
+def _pytorchjob(job: Mapping[str, Any], nodes: int, settings: ClusterSettings) -> dict[str, Any]:
+    """The multi-node task as the training operator's PyTorchJob: a Master and nodes - 1 Workers of the same
+    pod. Nothing restarts: a failed attempt is the plane's to retry. Kueue's queue and suspension are on the
+    PyTorchJob, which Kueue admits as one workload."""
+    metadata = copy.deepcopy(dict(job["metadata"]))
+    pod = job["spec"]["template"]
+
+    def replicas(count: int) -> dict[str, Any]:
+        return {"replicas": count, "restartPolicy": "Never", "template": copy.deepcopy(pod)}
+
+    run_policy: dict[str, Any] = {
+        "cleanPodPolicy": "None",  # finished pods stay for their logs; the PyTorchJob's TTL takes them
+        "backoffLimit": 0,
+        "ttlSecondsAfterFinished": settings.ttl_seconds_after_finished,
+    }
+    if settings.local_queue:
+        run_policy["suspend"] = True
+    spec = {
+        "runPolicy": run_policy,
+        "pytorchReplicaSpecs": {"Master": replicas(1), "Worker": replicas(nodes - 1)},
+    }
+    return {"apiVersion": PYTORCHJOB_API, "kind": "PyTorchJob", "metadata": metadata, "spec": spec}
+
+
+PYTORCHJOB_SPEC_FIELDS = frozenset({"runPolicy", "pytorchReplicaSpecs"})
+
+
+def validate_pytorchjob(job: Mapping[str, Any], version: str = KUBERNETES_VERSION) -> None:
+    """A PyTorchJob as Klique makes it: its envelope checked here, each replica's pod template against the
+    Kubernetes schema (inside a Job, as a pod template is checked). Raises ManifestRefused with the path."""
+    if job.get("apiVersion") != PYTORCHJOB_API or job.get("kind") != "PyTorchJob":
+        raise ManifestRefused(f"not a {PYTORCHJOB_API} PyTorchJob", ("kind",))
+    spec = job.get("spec") or {}
+    unknown = sorted(set(spec) - PYTORCHJOB_SPEC_FIELDS)
+    if unknown:
+        raise ManifestRefused(f"unknown fields {', '.join(unknown)}", ("spec",))
+    replicas = spec.get("pytorchReplicaSpecs") or {}
+    if set(replicas) != {"Master", "Worker"} or (replicas["Master"] or {}).get("replicas") != 1:
+        raise ManifestRefused("one Master and the Workers", ("spec", "pytorchReplicaSpecs"))
+    name = str((job.get("metadata") or {}).get("name") or "")
+    longest = f"{name}-worker-{max(0, int(replicas['Worker'].get('replicas') or 0) - 1)}"
+    if len(longest) > 63:  # the pods' and their Services' names are DNS labels
+        raise ManifestRefused(f"the pod name {longest} is over 63 characters", ("metadata", "name"))
+    for role in ("Master", "Worker"):
+        template = replicas[role].get("template") or {}
+        containers = (template.get("spec") or {}).get("containers") or []
+        if not any(container.get("name") == PYTORCH_CONTAINER for container in containers):
+            raise ManifestRefused(
+                f"the task's container is named {PYTORCH_CONTAINER!r}", ("spec", "pytorchReplicaSpecs", role)
+            )
+        wrapped = {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": f"{name}-{role.lower()}"[:63]},
+            "spec": {"template": template},
+        }
+        try:
+            validate(wrapped, version)
+        except ManifestRefused as refused:
+            raise ManifestRefused(
+                refused.problem, ("spec", "pytorchReplicaSpecs", role, "template", *refused.path[2:])
+            ) from None
+
+
+def validate_workload(manifest: Mapping[str, Any], version: str = KUBERNETES_VERSION) -> None:
+    """Any manifest Klique makes, each by its own rule."""
+    checks = {"JobSet": validate_jobset, "PyTorchJob": validate_pytorchjob}
+    checks.get(str(manifest.get("kind")), validate)(manifest, version)
 
 
 def jobset_job(jobset: Mapping[str, Any]) -> dict[str, Any]:
@@ -690,11 +788,15 @@ def check(name: str, text: str, settings: ClusterSettings) -> Template:
             if manifest is None:
                 continue
             try:
-                (validate_jobset if manifest["kind"] == "JobSet" else validate)(manifest)
+                validate_workload(manifest)
             except ManifestRefused as refused:
                 path = refused.path
                 if manifest is manifests.job and manifest["kind"] == "JobSet":
                     path = path[4:] if path[:4] == ("spec", "replicatedJobs", 0, "template") else ()
+                elif manifest is manifests.job and manifest["kind"] == "PyTorchJob":
+                    path = (
+                        ("spec", "template", *path[4:]) if path[:2] == ("spec", "pytorchReplicaSpecs") else ()
+                    )
                 if manifest is manifests.job and path[:2] == ("spec", "template"):
                     line = template.line(*path[2:])
                 else:

@@ -100,6 +100,7 @@ def test_the_agent_chart_lints_renders_and_validates(helm: Path, values: list[st
     assert resources == {
         "jobs",
         "jobsets",
+        "pytorchjobs",
         "pods",
         "pods/log",
         "secrets",

@@ -4,7 +4,9 @@ The emulator keeps objects, serves lists, watches, fetches, merge patches and de
 controllers. The tests stand in for them as a cluster would: `Kubelet` makes a Job's pods (the Job
 controller's part), places and runs them, writes their logs and ends them (the kubelet's part), and sets
 the Job's conditions; on a cluster with JobSet (`Cluster(jobset=True)`, which serves the CRD's API group),
-`Kubelet.make_jobset_job` is the JobSet controller making a JobSet's Job. Beyond the emulator, this module
+`Kubelet.make_jobset_job` is the JobSet controller making a JobSet's Job; with the training operator
+(`Cluster(pytorchjob=True)`), `Kubelet.make_pytorchjob_pods` is the operator making a PyTorchJob's pods
+with its labels and rendezvous variables. Beyond the emulator, this module
 serves Leases with the API server's optimistic concurrency (resource versions, 409 Conflict), serves pod
 logs (with `timestamps` and `sinceTime`, as the kubelet does), takes `watch=True` as the API server does
 (the emulator wants `true`), and can cut every open watch, answer the next watch with 410 Gone, or refuse
@@ -167,6 +169,7 @@ class Cluster:
     """The emulator serving on 127.0.0.1 in its own thread and event loop."""
 
     jobset: bool = False  # serve jobset.x-k8s.io/v1alpha2, as a cluster with JobSet installed does
+    pytorchjob: bool = False  # serve kubeflow.org/v1 pytorchjobs, as one with the training operator does
     emulator: Emulator | None = None
     url: str = ""
     loop: asyncio.AbstractEventLoop | None = None
@@ -186,6 +189,7 @@ class Cluster:
                     "v1/nodes",
                     "kueue.x-k8s.io/v1beta1/workloads",
                     *(["jobset.x-k8s.io/v1alpha2/jobsets"] if self.jobset else []),
+                    *(["kubeflow.org/v1/pytorchjobs"] if self.pytorchjob else []),
                 ):
                     emulator.resources[resource] = kmock.ResourceInfo()
                 self.emulator, self.url, self.loop = (
@@ -303,6 +307,79 @@ class Kubelet:
         self.batch.create_namespaced_job(NAMESPACE, job, _preload_content=False)
         return name
 
+    def pytorchjob(self, name: str) -> dict[str, Any]:
+        return dict(
+            json.loads(
+                self.custom.get_namespaced_custom_object(
+                    "kubeflow.org", "v1", NAMESPACE, "pytorchjobs", name, _preload_content=False
+                ).data
+            )
+        )
+
+    def make_pytorchjob_pods(self, name: str) -> list[str]:
+        """The training operator: a pod per replica, `<job>-master-0` and `<job>-worker-<i>`, with the
+        template's labels and the operator's, and the rendezvous variables in the `pytorch` container."""
+        job = self.pytorchjob(name)
+        replicas = job["spec"]["pytorchReplicaSpecs"]
+        world = sum(int(spec["replicas"]) for spec in replicas.values())
+        names, rank = [], 0
+        for role in ("Master", "Worker"):
+            for index in range(int(replicas[role]["replicas"])):
+                template = json.loads(json.dumps(replicas[role]["template"]))
+                pod_name = f"{name}-{role.lower()}-{index}"
+                labels = {
+                    **template["metadata"].get("labels", {}),
+                    "training.kubeflow.org/job-name": name,
+                    "training.kubeflow.org/operator-name": "pytorchjob-controller",
+                    "training.kubeflow.org/replica-type": role.lower(),
+                    "training.kubeflow.org/replica-index": str(index),
+                    **({"training.kubeflow.org/job-role": "master"} if role == "Master" else {}),
+                }
+                for container in template["spec"]["containers"]:
+                    if container["name"] == "pytorch":
+                        container["env"] = [
+                            *container.get("env", []),
+                            {"name": "MASTER_PORT", "value": "23456"},
+                            {"name": "MASTER_ADDR", "value": f"{name}-master-0"},
+                            {"name": "WORLD_SIZE", "value": str(world)},
+                            {"name": "RANK", "value": str(rank)},
+                        ]
+                pod = {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {
+                        "name": pod_name,
+                        "namespace": NAMESPACE,
+                        "labels": labels,
+                        "annotations": template["metadata"].get("annotations", {}),
+                        "ownerReferences": [
+                            {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": name, "uid": "u"}
+                        ],
+                    },
+                    "spec": template["spec"],
+                    "status": {"phase": "Pending"},
+                }
+                self.core.create_namespaced_pod(NAMESPACE, pod, _preload_content=False)
+                names.append(pod_name)
+                rank += 1
+        return names
+
+    def pytorchjob_ended(self, name: str, ok: bool) -> None:
+        condition = (
+            {"type": "Succeeded", "status": "True", "reason": "PyTorchJobSucceeded", "message": "succeeded"}
+            if ok
+            else {
+                "type": "Failed",
+                "status": "True",
+                "reason": "PyTorchJobFailed",
+                "message": "a replica failed",
+            }
+        )
+        self.custom.patch_namespaced_custom_object(
+            "kubeflow.org", "v1", NAMESPACE, "pytorchjobs", name,
+            {"status": {"conditions": [condition]}}, _preload_content=False,
+        )  # fmt: skip
+
     def jobset_ended(self, name: str, ok: bool) -> None:
         condition = (
             {
@@ -335,8 +412,17 @@ class Kubelet:
         )
 
     def pods_of(self, job: str) -> list[dict[str, Any]]:
+        """The pods of a Job, or of a PyTorchJob (by the operator's label)."""
         data = json.loads(self.core.list_namespaced_pod(NAMESPACE, _preload_content=False).data)
-        return [pod for pod in data.get("items") or [] if pod["metadata"]["labels"].get("job-name") == job]
+        return [
+            pod
+            for pod in data.get("items") or []
+            if job
+            in (
+                pod["metadata"]["labels"].get("job-name"),
+                pod["metadata"]["labels"].get("training.kubeflow.org/job-name"),
+            )
+        ]
 
     def make_pods(self, job_name: str, *, terminating: bool = False) -> list[str]:
         """The Job controller: one pod per completion index, with the template's labels and the job's.
@@ -450,9 +536,9 @@ class Kubelet:
         )
 
     def gone(self, kind: str, name: str) -> bool:
-        if kind == "JobSet":
+        if kind in ("JobSet", "PyTorchJob"):
             try:
-                self.jobset(name)
+                (self.jobset if kind == "JobSet" else self.pytorchjob)(name)
             except client.exceptions.ApiException as error:
                 return bool(error.status == 404)
             return False

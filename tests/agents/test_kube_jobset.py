@@ -205,12 +205,12 @@ def test_a_jobset_waits_for_its_controller_and_one_deleted_outside_klique_ends_t
             lambda: any("JobSet controller" in body.get("reason", "") for body in recorder.of("status"))
         )
         kube.created_at[name] = 0.0  # long ago: a Job would have been taken for gone by now
-        kube.jobsets.clear()
+        kube.workloads.clear()
         for _ in range(5):
             await kube.look()
         assert not recorder.of("result")
         await asyncio.to_thread(kubelet.delete_jobset, name)
-        kube.jobsets.clear()  # read it at once rather than in JOBSET_READ_SECONDS
+        kube.workloads.clear()  # read it at once rather than in JOBSET_READ_SECONDS
         (result,) = await until(lambda: recorder.of("result"))
         assert result["exit_code"] is None
         assert any(f"JobSet {name} was deleted outside Klique" in line for line in recorder.lines())
@@ -230,7 +230,7 @@ def test_a_jobset_that_ended_before_its_job_was_seen_ends_the_task(cluster: Clus
         begin(kube, task)
         await kube.start(task, recorder)
         await asyncio.to_thread(kubelet.jobset_ended, name, False)
-        kube.jobsets.clear()
+        kube.workloads.clear()
         (result,) = await until(lambda: recorder.of("result"))
         assert result["exit_code"] == 1
         assert any("the JobSet failed: FailedJobs: jobset failed" in line for line in recorder.lines())
@@ -323,7 +323,7 @@ def test_kueue_admits_the_jobset_as_one_workload(cluster: Cluster, tmp_path: Pat
             kubelet.custom.create_namespaced_custom_object,
             "kueue.x-k8s.io", "v1beta1", NAMESPACE, "workloads", workload,
         )  # fmt: skip
-        kube.admission_read, kube.jobsets = 0.0, {}
+        kube.admission_read, kube.workloads = 0.0, {}
         await until(lambda: any(said in body.get("reason", "") for body in recorder.of("status")))
         reason = next(body["reason"] for body in recorder.of("status") if said in body.get("reason", ""))
         assert reason.startswith("waiting for Kueue to admit it into LocalQueue team-a: ")
@@ -384,7 +384,7 @@ def test_jobset_asked_for_on_a_cluster_without_it_is_refused_in_words(tmp_path: 
             return refused.value
 
         refused = asyncio.run(scenario())
-        assert "The JobSet was not created" in str(refused)
+        assert "The multi-node workload was not created" in str(refused)
         assert "does not serve jobset.x-k8s.io/v1alpha2 jobsets: install JobSet" in str(refused)
         assert refused.permanent is False  # the task waits for JobSet, or for another pool
         assert kube.state.jobs() == []
@@ -399,7 +399,7 @@ def test_an_unknown_multi_node_setting_is_refused_when_read(value: object) -> No
     if value == "":
         assert KubeSettings.read({"agent": {"kubernetes": table}}, "a").multi_node == "auto"
         return
-    with pytest.raises(ValueError, match="multi_node is one of auto, indexed-job, jobset"):
+    with pytest.raises(ValueError, match="multi_node is one of auto, indexed-job, jobset, pytorchjob"):
         KubeSettings.read({"agent": {"kubernetes": table}}, "a")
 
 

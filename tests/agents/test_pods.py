@@ -275,3 +275,58 @@ def test_a_template_checked_for_both_multi_node_workloads_names_its_line() -> No
     with pytest.raises(pods.PodTemplateInvalid) as refused:
         pods.check("bad", text, JOBSET)
     assert refused.value.line == 5
+
+
+PYTORCHJOB = pods.ClusterSettings(**{**SETTINGS.__dict__, "multi_node": "pytorchjob"})
+
+
+def test_a_multi_node_task_for_the_training_operator_is_a_pytorchjob_of_a_master_and_workers() -> None:
+    template = pods.check("vision", RICH, PYTORCHJOB)
+    made = pods.render(template, task(size_units=8 * UNITS_PER_GPU, nodes=4), PYTORCHJOB, tenant="acme")
+    pods.validate_workload(made.job)
+    name = made.job["metadata"]["name"]
+    assert (made.kind, made.followed, made.service) == ("PyTorchJob", name, None)
+    assert made.job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert made.job["spec"]["runPolicy"]["suspend"] is True
+    replicas = made.job["spec"]["pytorchReplicaSpecs"]
+    assert (replicas["Master"]["replicas"], replicas["Worker"]["replicas"]) == (1, 3)
+    main, sidecar = replicas["Worker"]["template"]["spec"]["containers"]
+    assert (main["name"], sidecar["name"]) == ("pytorch", "sidecar")  # the operator's container name
+    assert main["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert "subdomain" not in replicas["Master"]["template"]["spec"]
+
+
+def pytorchjob_of() -> dict[str, Any]:
+    template = pods.check("default", "", PYTORCHJOB)
+    return pods.render(template, task(nodes=2), PYTORCHJOB, tenant="acme").job
+
+
+def renamed(job: dict[str, Any], container: str) -> dict[str, Any]:
+    job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["name"] = container
+    return job
+
+
+@pytest.mark.parametrize(
+    ("made", "words"),
+    [
+        ({**pytorchjob_of(), "apiVersion": "kubeflow.org/v2"}, "not a kubeflow.org/v1 PyTorchJob"),
+        ({**pytorchjob_of(), "spec": {**pytorchjob_of()["spec"], "elasticPolicy": {}}}, "unknown fields"),
+        (
+            {**pytorchjob_of(), "spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": 2}}}},
+            "one Master and the Workers",
+        ),
+        (renamed(pytorchjob_of(), "main"), "the task's container is named 'pytorch'"),
+        ({**pytorchjob_of(), "metadata": {"name": "k-" + "x" * 60}}, "is over 63 characters"),
+    ],
+)
+def test_a_pytorchjob_klique_would_not_make_is_refused(made: dict[str, Any], words: str) -> None:
+    with pytest.raises(pods.ManifestRefused, match=words):
+        pods.validate_workload(made)
+
+
+def test_a_pytorchjob_whose_pod_the_schema_refuses_names_the_path_inside_it() -> None:
+    made = pytorchjob_of()
+    made["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["hostPID"] = "yes"
+    with pytest.raises(pods.ManifestRefused) as refused:
+        pods.validate_workload(made)
+    assert refused.value.path == ("spec", "pytorchReplicaSpecs", "Worker", "template", "spec", "hostPID")
