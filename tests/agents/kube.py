@@ -316,9 +316,10 @@ class Kubelet:
             )
         )
 
-    def make_pytorchjob_pods(self, name: str) -> list[str]:
+    def make_pytorchjob_pods(self, name: str, *, terminating: bool = False) -> list[str]:
         """The training operator: a pod per replica, `<job>-master-0` and `<job>-worker-<i>`, with the
-        template's labels and the operator's, and the rendezvous variables in the `pytorch` container."""
+        template's labels and the operator's, and the rendezvous variables in the `pytorch` container.
+        `terminating` as for make_pods."""
         job = self.pytorchjob(name)
         replicas = job["spec"]["pytorchReplicaSpecs"]
         world = sum(int(spec["replicas"]) for spec in replicas.values())
@@ -355,6 +356,7 @@ class Kubelet:
                         "ownerReferences": [
                             {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": name, "uid": "u"}
                         ],
+                        "finalizers": ["tests.klique.io/kubelet"] if terminating else [],
                     },
                     "spec": template["spec"],
                     "status": {"phase": "Pending"},

@@ -1,13 +1,14 @@
 """Multi-node tasks on a cluster with JobSet: the agent finds the JobSet API by discovery and makes each
 multi-node task a JobSet of one Indexed Job (the JobSet controller's headless Service, its pods' names),
-follows that Job as it follows its own, stops, requeues and cleans up through the JobSet, adopts it after
-a restart, and hands it to Kueue as one workload. The JobSet controller is the tests' stand-in
-(tests/agents/kube.py); the client and the API calls are the official ones against kmock's emulator."""
+follows that Job as it follows its own, waits for the JobSet controller without taking a Job not made yet
+for one gone, and reads the JobSet's own condition when its Job went unseen. What every multi-node workload
+does alike (failures, half a gang, preemption, deletion, adoption, Kueue) is in test_kube_gangs.py. The
+JobSet controller is the tests' stand-in (tests/agents/kube.py); the client and the API calls are the
+official ones against kmock's emulator."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,93 +102,6 @@ def test_a_multi_node_task_is_a_jobset_whose_job_runs_to_completion(cluster: Clu
     assert (submitted["state"], submitted["job_id"]) == ("pending", name)
 
 
-def test_a_failing_rank_ends_the_task_with_its_exit_code(cluster: Cluster, tmp_path: Path) -> None:
-    kube, kubelet = backend(cluster, tmp_path), Kubelet(cluster)
-    recorder = Recorder(kube.state)
-    task = assignment("jsf", gpus=2, nodes=2)
-    name = pods.job_name("jsf", "lease-jsf")
-
-    async def scenario() -> None:
-        begin(kube, task)
-        await kube.start(task, recorder)
-        job = await asyncio.to_thread(kubelet.make_jobset_job, name)
-        first, second = await asyncio.to_thread(kubelet.make_pods, job)
-        for pod in (first, second):
-            await asyncio.to_thread(kubelet.run, pod)
-        await asyncio.to_thread(kubelet.end, second, 3)
-        await asyncio.to_thread(kubelet.end, first, 143)
-        await asyncio.to_thread(kubelet.job_ended, job, False)
-        (result,) = await until(lambda: recorder.of("result"))
-        assert result["exit_code"] == 143  # the lowest index that failed
-        await kube.stop_all(0)
-
-    asyncio.run(scenario())
-
-
-def test_half_a_gang_goes_back_to_the_queue_and_its_jobset_is_deleted(
-    cluster: Cluster, tmp_path: Path
-) -> None:
-    kube, kubelet = backend(cluster, tmp_path, gang_seconds=0.5), Kubelet(cluster)
-    recorder = Recorder(kube.state)
-    task = assignment("jsh", gpus=8, nodes=2)
-    name = pods.job_name("jsh", "lease-jsh")
-
-    async def scenario() -> None:
-        begin(kube, task)
-        await kube.start(task, recorder)
-        job = await asyncio.to_thread(kubelet.make_jobset_job, name)
-        first, second = await asyncio.to_thread(kubelet.make_pods, job)
-        await asyncio.to_thread(kubelet.run, first)
-        await asyncio.to_thread(
-            kubelet.unschedulable, second, "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
-        )
-        (result,) = await until(lambda: recorder.of("result"))
-        assert result["requeue"] is True
-        assert "Insufficient nvidia.com/gpu" in result["reason"]
-        assert await until(lambda: kubelet.gone("JobSet", name))
-        assert await until(lambda: not kubelet.pods_of(job))  # nothing of it holds GPUs
-        await kube.stop_all(0)
-
-    asyncio.run(scenario())
-
-
-def test_preempt_deletes_the_jobset_and_its_job_then_the_pods_with_the_grace_period(
-    cluster: Cluster, tmp_path: Path
-) -> None:
-    kube, kubelet = backend(cluster, tmp_path), Kubelet(cluster)
-    recorder = Recorder(kube.state)
-    task = assignment("jsp", gpus=2, nodes=2)
-    name = pods.job_name("jsp", "lease-jsp")
-
-    async def scenario() -> None:
-        begin(kube, task)
-        await kube.start(task, recorder)
-        job = await asyncio.to_thread(kubelet.make_jobset_job, name)
-        made = await asyncio.to_thread(kubelet.make_pods, job, terminating=True)
-        for pod in made:
-            await asyncio.to_thread(kubelet.run, pod)
-        await until(lambda: any(body["state"] == "running" for body in recorder.of("status")))
-        await kube.stop("jsp", 9)
-        deleted = cluster.requests("DELETE", rf"{JOBSETS}/{name}")
-        assert [query.get("propagationPolicy") for _, _, query in deleted] == ["Orphan"]
-        jobs = cluster.requests("DELETE", rf"/apis/batch/v1/namespaces/{NAMESPACE}/jobs/{job}")
-        assert [query.get("propagationPolicy") for _, _, query in jobs] == ["Orphan"]
-        for pod in made:
-            deletes = cluster.requests("DELETE", rf"/api/v1/namespaces/{NAMESPACE}/pods/{pod}")
-            assert [query.get("gracePeriodSeconds") for _, _, query in deletes] == ["9"]
-        await asyncio.to_thread(kubelet.write, made[0], "SIGTERM: checkpoint saved")
-        await asyncio.sleep(0.3)
-        assert not recorder.of("result")  # within its grace
-        for pod in made:
-            await asyncio.to_thread(kubelet.terminated, pod)
-        (result,) = await until(lambda: recorder.of("result"))
-        assert result["stopped"] is True
-        assert "SIGTERM: checkpoint saved" in recorder.lines()
-        await kube.stop_all(0)
-
-    asyncio.run(scenario())
-
-
 def test_a_jobset_waits_for_its_controller_and_one_deleted_outside_klique_ends_the_task(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -210,7 +124,7 @@ def test_a_jobset_waits_for_its_controller_and_one_deleted_outside_klique_ends_t
             await kube.look()
         assert not recorder.of("result")
         await asyncio.to_thread(kubelet.delete_jobset, name)
-        kube.workloads.clear()  # read it at once rather than in JOBSET_READ_SECONDS
+        kube.workloads.clear()  # listed at once rather than in WORKLOAD_READ_SECONDS
         (result,) = await until(lambda: recorder.of("result"))
         assert result["exit_code"] is None
         assert any(f"JobSet {name} was deleted outside Klique" in line for line in recorder.lines())
@@ -234,108 +148,6 @@ def test_a_jobset_that_ended_before_its_job_was_seen_ends_the_task(cluster: Clus
         (result,) = await until(lambda: recorder.of("result"))
         assert result["exit_code"] == 1
         assert any("the JobSet failed: FailedJobs: jobset failed" in line for line in recorder.lines())
-        await kube.stop_all(0)
-
-    asyncio.run(scenario())
-
-
-def test_a_restarted_agent_adopts_its_jobset_and_one_it_never_recorded(
-    cluster: Cluster, tmp_path: Path
-) -> None:
-    """The JobSet kind is kept in the agent's state; a JobSet made by an agent killed before it recorded it
-    is found through its Job's labels. Neither is made twice."""
-    kubelet = Kubelet(cluster)
-    recorded, unrecorded = assignment("jsa", gpus=2, nodes=2), assignment("jsb", gpus=2, nodes=2)
-    state_path = tmp_path / "agent.sqlite"
-
-    async def before() -> None:
-        kube = backend(cluster, tmp_path, State(state_path))
-        recorder = Recorder(kube.state)
-        for task in (recorded, unrecorded):
-            begin(kube, task)
-        await kube.start(recorded, recorder)
-        jobset_on = await kube._multi_node()
-        assert jobset_on == "jobset"
-        manifests = pods.render(
-            kube.settings.template_for(""),
-            unrecorded,
-            dataclasses.replace(kube.settings.cluster, multi_node="jobset"),
-            tenant="acme",
-        )
-        await asyncio.to_thread(kube.api.create, manifests.secret)
-        await asyncio.to_thread(kube.api.create, manifests.job)  # ... killed before add_job
-        await kube.stop_all(0)
-
-    asyncio.run(before())
-    for task in ("jsa", "jsb"):
-        job = kubelet.make_jobset_job(pods.job_name(task, f"lease-{task}"))
-        for pod in kubelet.make_pods(job):
-            kubelet.run(pod)
-
-    async def after() -> Recorder:
-        kube = backend(cluster, tmp_path, State(state_path))
-        recorder = Recorder(kube.state)
-        kube.adopt(recorder)
-        await until(lambda: kube.running() == ["jsa", "jsb"])
-        assert {record.kind for record in kube.state.jobs()} == {"JobSet"}
-        await kube.start(recorded, recorder)  # assigned again: nothing is made twice
-        await until(lambda: len([body for body in recorder.of("status") if body["state"] == "running"]) == 2)
-        for task in ("jsa", "jsb"):
-            job = f"{pods.job_name(task, f'lease-{task}')}-node-0"
-            for pod in kubelet.pods_of(job):
-                await asyncio.to_thread(kubelet.end, pod["metadata"]["name"], 0)
-            await asyncio.to_thread(kubelet.job_ended, job, True)
-        await until(lambda: len(recorder.of("result")) == 2)
-        await kube.stop_all(0)
-        return recorder
-
-    recorder = asyncio.run(after())
-    assert {body["exit_code"] for body in recorder.of("result")} == {0}
-    assert len(cluster.requests("POST", JOBSETS)) == 2
-
-
-def test_kueue_admits_the_jobset_as_one_workload(cluster: Cluster, tmp_path: Path) -> None:
-    kube, kubelet = backend(cluster, tmp_path, local_queue="team-a"), Kubelet(cluster)
-    recorder = Recorder(kube.state)
-    task = assignment("jsk", gpus=8, nodes=2)
-    name = pods.job_name("jsk", "lease-jsk")
-    said = (
-        "couldn't assign flavors to pod set node: insufficient unused quota for nvidia.com/gpu in flavor h100"
-    )
-
-    async def scenario() -> None:
-        begin(kube, task)
-        await kube.start(task, recorder)
-        jobset = await asyncio.to_thread(kubelet.jobset, name)
-        assert jobset["spec"]["suspend"] is True
-        assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
-        inner = jobset["spec"]["replicatedJobs"][0]["template"]
-        assert "kueue.x-k8s.io/queue-name" not in inner["metadata"]["labels"]  # one workload: the JobSet
-        assert "suspend" not in inner["spec"]
-        workload = {
-            "apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "Workload",
-            "metadata": {"name": f"jobset-{name}-1a2b3", "namespace": NAMESPACE, "ownerReferences": [
-                {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "name": name, "uid": "u"}]},
-            "status": {"conditions": [{"type": "QuotaReserved", "status": "False", "reason": "Pending",
-                                       "message": said}]},
-        }  # fmt: skip
-        await asyncio.to_thread(
-            kubelet.custom.create_namespaced_custom_object,
-            "kueue.x-k8s.io", "v1beta1", NAMESPACE, "workloads", workload,
-        )  # fmt: skip
-        kube.admission_read, kube.workloads = 0.0, {}
-        await until(lambda: any(said in body.get("reason", "") for body in recorder.of("status")))
-        reason = next(body["reason"] for body in recorder.of("status") if said in body.get("reason", ""))
-        assert reason.startswith("waiting for Kueue to admit it into LocalQueue team-a: ")
-        # Kueue admits it; the JobSet controller makes its Job, which runs.
-        await asyncio.to_thread(
-            kubelet.custom.patch_namespaced_custom_object,
-            "jobset.x-k8s.io", "v1alpha2", NAMESPACE, "jobsets", name, {"spec": {"suspend": False}},
-        )  # fmt: skip
-        job = await asyncio.to_thread(kubelet.make_jobset_job, name)
-        for pod in await asyncio.to_thread(kubelet.make_pods, job):
-            await asyncio.to_thread(kubelet.run, pod)
-        await until(lambda: any(body["state"] == "running" for body in recorder.of("status")))
         await kube.stop_all(0)
 
     asyncio.run(scenario())

@@ -1,21 +1,20 @@
 """Multi-node tasks on a cluster with the Kubeflow training operator (and no JobSet): the agent finds the
 PyTorchJob API by discovery and makes each multi-node task a PyTorchJob of a Master and Workers of the
-task's pod, whose container is `pytorch` so the operator gives it the rendezvous variables. It follows the
-PyTorchJob through its pods (the operator's labels) and its own conditions, stops, requeues and cleans up
-through it, adopts it after a restart, and hands it to Kueue as one workload. The operator is the tests'
-stand-in (tests/agents/kube.py); the client and the API calls are the official ones against kmock."""
+task's pod, whose container is `pytorch` so the operator gives it the rendezvous variables, and follows it
+through its pods (the operator's labels give each rank) and its own conditions. What every multi-node
+workload does alike (failures, half a gang, preemption, deletion, adoption, Kueue) is in
+test_kube_gangs.py. The operator is the tests' stand-in (tests/agents/kube.py); the client and the API
+calls are the official ones against kmock's emulator."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from agents.backend import Refused
-from agents.state import State
 from protocol import pods
 from tests.agents.kube import NAMESPACE, Cluster, Kubelet
 from tests.agents.test_kubernetes import Recorder, assignment, backend, begin, until
@@ -89,205 +88,6 @@ def test_a_multi_node_task_is_a_pytorchjob_that_runs_to_completion(cluster: Clus
         assert (result["cluster"]["kind"], result["cluster"]["job_id"]) == ("PyTorchJob", name)
         assert await until(lambda: kubelet.gone("Secret", name))
         assert not kubelet.gone("PyTorchJob", name)  # kept for `kubectl describe` until its TTL
-        await kube.stop_all(0)
-
-    asyncio.run(scenario())
-
-
-def test_a_failing_worker_ends_the_task_with_its_exit_code(cluster: Cluster, tmp_path: Path) -> None:
-    kube, kubelet = backend(cluster, tmp_path), Kubelet(cluster)
-    recorder = Recorder(kube.state)
-    task = assignment("ptf", gpus=2, nodes=2)
-    name = pods.job_name("ptf", "lease-ptf")
-
-    async def scenario() -> None:
-        begin(kube, task)
-        await kube.start(task, recorder)
-        master, worker = await asyncio.to_thread(kubelet.make_pytorchjob_pods, name)
-        for pod in (master, worker):
-            await asyncio.to_thread(kubelet.run, pod)
-        await asyncio.to_thread(kubelet.end, worker, 7)
-        await asyncio.to_thread(kubelet.end, master, 143)
-        await asyncio.to_thread(kubelet.pytorchjob_ended, name, False)
-        (result,) = await until(lambda: recorder.of("result"), timeout=20)
-        assert result["exit_code"] == 143  # the lowest rank that failed: the master
-        await kube.stop_all(0)
-
-    asyncio.run(scenario())
-
-
-def test_half_a_gang_goes_back_to_the_queue_and_its_pytorchjob_is_deleted(
-    cluster: Cluster, tmp_path: Path
-) -> None:
-    kube, kubelet = backend(cluster, tmp_path, gang_seconds=0.5), Kubelet(cluster)
-    recorder = Recorder(kube.state)
-    task = assignment("pth", gpus=8, nodes=2)
-    name = pods.job_name("pth", "lease-pth")
-
-    async def scenario() -> None:
-        begin(kube, task)
-        await kube.start(task, recorder)
-        master, worker = await asyncio.to_thread(kubelet.make_pytorchjob_pods, name)
-        await asyncio.to_thread(kubelet.run, master)
-        await asyncio.to_thread(
-            kubelet.unschedulable, worker, "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
-        )
-        (result,) = await until(lambda: recorder.of("result"), timeout=20)
-        assert result["requeue"] is True
-        assert "Insufficient nvidia.com/gpu" in result["reason"]
-        assert await until(lambda: kubelet.gone("PyTorchJob", name))
-        assert await until(lambda: not kubelet.pods_of(name))  # nothing of it holds GPUs
-        await kube.stop_all(0)
-
-    asyncio.run(scenario())
-
-
-def test_preempt_deletes_the_pytorchjob_then_its_pods_with_the_grace_period(
-    cluster: Cluster, tmp_path: Path
-) -> None:
-    kube, kubelet = backend(cluster, tmp_path), Kubelet(cluster)
-    recorder = Recorder(kube.state)
-    task = assignment("ptp", gpus=2, nodes=2)
-    name = pods.job_name("ptp", "lease-ptp")
-
-    async def scenario() -> None:
-        begin(kube, task)
-        await kube.start(task, recorder)
-        made = await asyncio.to_thread(kubelet.make_pytorchjob_pods, name)
-        for pod in made:
-            await asyncio.to_thread(kubelet.core.patch_namespaced_pod, pod, NAMESPACE,
-                                    {"metadata": {"finalizers": ["tests.klique.io/kubelet"]}},
-                                    _preload_content=False)  # fmt: skip
-            await asyncio.to_thread(kubelet.run, pod)
-        await until(lambda: running_states(recorder) == 1)
-        await kube.stop("ptp", 11)
-        deleted = cluster.requests("DELETE", rf"{PYTORCHJOBS}/{name}")
-        assert [query.get("propagationPolicy") for _, _, query in deleted] == ["Orphan"]
-        for pod in made:
-            deletes = cluster.requests("DELETE", rf"/api/v1/namespaces/{NAMESPACE}/pods/{pod}")
-            assert [query.get("gracePeriodSeconds") for _, _, query in deletes] == ["11"]
-        await asyncio.to_thread(kubelet.write, made[0], "SIGTERM: checkpoint saved")
-        await asyncio.sleep(0.3)
-        assert not recorder.of("result")  # within its grace
-        for pod in made:
-            await asyncio.to_thread(kubelet.terminated, pod)
-        (result,) = await until(lambda: recorder.of("result"))
-        assert result["stopped"] is True
-        assert "SIGTERM: checkpoint saved" in recorder.lines()
-        await kube.stop_all(0)
-
-    asyncio.run(scenario())
-
-
-def test_a_pytorchjob_deleted_outside_klique_ends_the_task(cluster: Cluster, tmp_path: Path) -> None:
-    kube, kubelet = backend(cluster, tmp_path), Kubelet(cluster)
-    recorder = Recorder(kube.state)
-    task = assignment("ptd", gpus=2, nodes=2)
-    name = pods.job_name("ptd", "lease-ptd")
-
-    async def scenario() -> None:
-        begin(kube, task)
-        await kube.start(task, recorder)
-        for _ in range(5):  # listed, and not yet taken for gone
-            await kube.look()
-        assert not recorder.of("result")
-        await asyncio.to_thread(
-            kubelet.custom.delete_namespaced_custom_object,
-            "kubeflow.org", "v1", NAMESPACE, "pytorchjobs", name, _preload_content=False,
-        )  # fmt: skip
-        kube.created_at[name] = 0.0  # made long ago
-        kube.workloads.clear()  # listed at once rather than in WORKLOAD_READ_SECONDS
-        (result,) = await until(lambda: recorder.of("result"))
-        assert result["exit_code"] is None
-        assert any(f"PyTorchJob {name} was deleted outside Klique" in line for line in recorder.lines())
-        await kube.stop_all(0)
-
-    asyncio.run(scenario())
-
-
-def test_a_restarted_agent_adopts_its_pytorchjob_and_one_it_never_recorded(
-    cluster: Cluster, tmp_path: Path
-) -> None:
-    kubelet = Kubelet(cluster)
-    recorded, unrecorded = assignment("pta", gpus=2, nodes=2), assignment("ptb", gpus=2, nodes=2)
-    state_path = tmp_path / "agent.sqlite"
-
-    async def before() -> None:
-        kube = backend(cluster, tmp_path, State(state_path))
-        recorder = Recorder(kube.state)
-        for task in (recorded, unrecorded):
-            begin(kube, task)
-        await kube.start(recorded, recorder)
-        cluster_settings = dataclasses.replace(kube.settings.cluster, multi_node="pytorchjob")
-        manifests = pods.render(kube.settings.template_for(""), unrecorded, cluster_settings, tenant="acme")
-        await asyncio.to_thread(kube.api.create, manifests.secret)
-        await asyncio.to_thread(kube.api.create, manifests.job)  # ... killed before add_job
-        await kube.stop_all(0)
-
-    asyncio.run(before())
-    for task in ("pta", "ptb"):
-        for pod in kubelet.make_pytorchjob_pods(pods.job_name(task, f"lease-{task}")):
-            kubelet.run(pod)
-            kubelet.write(pod, f"{task} {pod[-8:]} up")
-
-    async def after() -> Recorder:
-        kube = backend(cluster, tmp_path, State(state_path))
-        recorder = Recorder(kube.state)
-        kube.adopt(recorder)
-        await until(lambda: kube.running() == ["pta", "ptb"])
-        assert {record.kind for record in kube.state.jobs()} == {"PyTorchJob"}
-        await kube.start(recorded, recorder)  # assigned again: nothing is made twice
-        await until(lambda: running_states(recorder) == 2)
-        await until(lambda: len(recorder.lines()) == 4)
-        for task in ("pta", "ptb"):
-            name = pods.job_name(task, f"lease-{task}")
-            for pod in kubelet.pods_of(name):
-                await asyncio.to_thread(kubelet.end, pod["metadata"]["name"], 0)
-            await asyncio.to_thread(kubelet.pytorchjob_ended, name, True)
-        await until(lambda: len(recorder.of("result")) == 2, timeout=20)
-        await kube.stop_all(0)
-        return recorder
-
-    recorder = asyncio.run(after())
-    assert {body["exit_code"] for body in recorder.of("result")} == {0}
-    assert len(cluster.requests("POST", PYTORCHJOBS)) == 2
-
-
-def test_kueue_admits_the_pytorchjob_as_one_workload(cluster: Cluster, tmp_path: Path) -> None:
-    kube, kubelet = backend(cluster, tmp_path, local_queue="team-a"), Kubelet(cluster)
-    recorder = Recorder(kube.state)
-    task = assignment("ptk", gpus=8, nodes=2)
-    name = pods.job_name("ptk", "lease-ptk")
-    said = "couldn't assign flavors to pod set master: insufficient unused quota for nvidia.com/gpu"
-
-    async def scenario() -> None:
-        begin(kube, task)
-        await kube.start(task, recorder)
-        job = await asyncio.to_thread(kubelet.pytorchjob, name)
-        assert job["spec"]["runPolicy"]["suspend"] is True
-        assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
-        workload = {
-            "apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "Workload",
-            "metadata": {"name": f"pytorchjob-{name}-1a2b3", "namespace": NAMESPACE, "ownerReferences": [
-                {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": name, "uid": "u"}]},
-            "status": {"conditions": [{"type": "QuotaReserved", "status": "False", "reason": "Pending",
-                                       "message": said}]},
-        }  # fmt: skip
-        await asyncio.to_thread(
-            kubelet.custom.create_namespaced_custom_object,
-            "kueue.x-k8s.io", "v1beta1", NAMESPACE, "workloads", workload,
-        )  # fmt: skip
-        kube.admission_read, kube.workloads = 0.0, {}
-        await until(lambda: any(said in body.get("reason", "") for body in recorder.of("status")))
-        reason = next(body["reason"] for body in recorder.of("status") if said in body.get("reason", ""))
-        assert reason.startswith("waiting for Kueue to admit it into LocalQueue team-a: ")
-        await asyncio.to_thread(
-            kubelet.custom.patch_namespaced_custom_object,
-            "kubeflow.org", "v1", NAMESPACE, "pytorchjobs", name, {"spec": {"runPolicy": {"suspend": False}}},
-        )  # fmt: skip
-        for pod in await asyncio.to_thread(kubelet.make_pytorchjob_pods, name):
-            await asyncio.to_thread(kubelet.run, pod)
-        await until(lambda: running_states(recorder) == 1)
         await kube.stop_all(0)
 
     asyncio.run(scenario())
