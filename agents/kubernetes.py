@@ -1148,6 +1148,7 @@ class Kubernetes:
                 and task not in recorded
                 and lease
                 and pods.label_value(lease) == labels.get("klique.io/lease")
+                and not self.state.run_ended(task, lease)  # ended here, its result not yet answered
             ):
                 continue
             if labels.get(JOBSET_NAME_LABEL):

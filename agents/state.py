@@ -242,6 +242,13 @@ class State:
             raise
         return message
 
+    def run_ended(self, task_id: str, lease_id: str) -> bool:
+        """Whether the run's result waits in the outbox: it ended here, however it looks in the cluster."""
+        rows = self.db.execute(
+            "SELECT message FROM reports WHERE task_id = ? AND lease_id = ?", (task_id, lease_id)
+        ).fetchall()
+        return any(json.loads(message).get("type") == "result" for (message,) in rows)
+
     def acknowledge(self, task_id: str, lease_id: str, seq: int) -> None:
         """The plane answered the report (applied, duplicate or stale): it leaves the outbox."""
         self.db.execute(

@@ -305,3 +305,40 @@ def test_kueue_admits_the_workload_as_one(gang: Gang, cluster: Cluster, tmp_path
         await kube.stop_all(0)
 
     asyncio.run(scenario())
+
+
+def test_a_run_that_ended_is_not_adopted_again_while_its_result_waits_for_the_plane(
+    gang: Gang, cluster: Cluster, tmp_path: Path
+) -> None:
+    """The workload and its pods stay until their TTL; a listing made before the plane answered the result
+    (the watch listing again after a 410, the plane away) must not take the run up again: its result and
+    its lines would go out twice."""
+    kube, kubelet = backend(cluster, tmp_path), Kubelet(cluster)
+    recorder = Recorder(kube.state)
+    task = assignment("once", gpus=2, nodes=2)
+    name = pods.job_name("once", "lease-once")
+
+    async def scenario() -> list[str]:
+        begin(kube, task)
+        await kube.start(task, recorder)
+        made = await asyncio.to_thread(gang.make_pods, kubelet, name)
+        for pod in made:
+            await asyncio.to_thread(kubelet.run, pod)
+            await asyncio.to_thread(kubelet.write, pod, f"{pod} done")
+            await asyncio.to_thread(kubelet.end, pod, 0)
+        await asyncio.to_thread(gang.ended, kubelet, name, True)
+        await until(lambda: recorder.of("result"), timeout=20)
+        assert kube.running() == []
+        for kind in ("Job", "Pod"):  # listed again, as after 410 Gone
+            items, _ = await asyncio.to_thread(kube.api.listing, kind)
+            kube._synced(kind, items)
+        kube.workloads.clear()
+        for _ in range(5):
+            await kube.look()
+        assert kube.running() == []
+        await kube.stop_all(0)
+        return made
+
+    made = asyncio.run(scenario())
+    assert len(recorder.of("result")) == 1
+    assert sorted(recorder.lines()) == sorted(f"{pod} done" for pod in made)  # each line once

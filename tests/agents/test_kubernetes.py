@@ -780,3 +780,35 @@ def test_volumes_the_configuration_cannot_offer_are_refused_when_it_is_read(tmp_
         table = {"namespace": NAMESPACE, "shared_path": "/shared", "volumes": volumes}
         with pytest.raises(ValueError, match=says):
             KubeSettings.read({"agent": {"kubernetes": table}}, "agent-1")
+
+
+def test_a_job_that_ended_is_not_adopted_again_while_its_result_waits_for_the_plane(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The Job and its pod stay until their TTL; listing them again (after 410 Gone) before the plane
+    answered the result must not take the run up again, or its result and log would go out twice."""
+    kube, kubelet = backend(cluster, tmp_path), Kubelet(cluster)
+    recorder = Recorder(kube.state)
+    task = assignment("once")
+    name = pods.job_name("once", "lease-once")
+
+    async def scenario() -> None:
+        begin(kube, task)
+        await kube.start(task, recorder)
+        (pod,) = await asyncio.to_thread(kubelet.make_pods, name)
+        await asyncio.to_thread(kubelet.run, pod)
+        await asyncio.to_thread(kubelet.write, pod, "one", "two")
+        await asyncio.to_thread(kubelet.end, pod, 0)
+        await asyncio.to_thread(kubelet.job_ended, name, True)
+        await until(lambda: recorder.of("result"))
+        for kind in ("Job", "Pod"):
+            items, _ = await asyncio.to_thread(kube.api.listing, kind)
+            kube._synced(kind, items)
+        for _ in range(5):
+            await kube.look()
+        assert kube.running() == []
+        await kube.stop_all(0)
+
+    asyncio.run(scenario())
+    assert len(recorder.of("result")) == 1
+    assert recorder.lines() == ["one", "two"]
