@@ -1,5 +1,5 @@
-"""The ASGI entry point that `klique web` serves: Django for HTTP, the LLM gateway for /v1/, Channels
-consumers for websockets."""
+"""The ASGI entry point that `klique web` serves: Django for HTTP, the LLM gateway for /v1/, the MCP server
+for /mcp (and its OAuth metadata), Channels consumers for websockets."""
 
 from __future__ import annotations
 
@@ -15,16 +15,23 @@ django_application = get_asgi_application()
 # Imported after Django is set up: the routing pulls in consumers that touch models.
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
+from apps.mcp.asgi import METADATA_PATHS, McpApp  # noqa: E402
+from apps.mcp.asgi import PATH as MCP_PATH  # noqa: E402
 from config.routing import websocket_urlpatterns  # noqa: E402
 from gateway.app import GatewayApp  # noqa: E402
 
 gateway_application = GatewayApp()
+mcp_application = McpApp()
 
 
 async def http_application(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """The LLM gateway answers OpenAI's paths (/v1/...) itself, lean; Django answers everything else."""
-    if scope["path"].startswith("/v1/"):
+    """The LLM gateway answers OpenAI's paths (/v1/...) itself, lean, and the MCP server /mcp; Django answers
+    everything else."""
+    path = scope["path"]
+    if path.startswith("/v1/"):
         await gateway_application(scope, receive, send)
+    elif path in (MCP_PATH, f"{MCP_PATH}/") or path in METADATA_PATHS:
+        await mcp_application(scope, receive, send)
     else:
         await django_application(scope, receive, send)
 

@@ -9,46 +9,31 @@ from django_tenants.utils import get_public_schema_name
 from rest_framework.permissions import SAFE_METHODS, BasePermission
 from rest_framework.request import Request
 
+from apps.accounts import access
 from apps.accounts.models import ApiToken, Project, ProjectMembership, Role, User
 
 
 class TenantRole(BasePermission):
-    """Reads need the view's `read_role` (viewer by default), writes its `write_role` (admin by default)."""
+    """Reads need the view's `read_role` (viewer by default), writes its `write_role` (admin by default); a
+    token acts with the lesser of its user's role and its own scope (apps.accounts.access)."""
 
     def has_permission(self, request: Request, view: Any) -> bool:
         user = request.user
         if not isinstance(user, User):
             return False
-        needed = (
-            getattr(view, "read_role", Role.VIEWER)
-            if request.method in SAFE_METHODS
-            else getattr(view, "write_role", Role.ADMIN)
+        write = request.method not in SAFE_METHODS
+        refused = access.refusal(
+            user,
+            request.auth if isinstance(request.auth, ApiToken) else None,
+            needed=getattr(view, "write_role", Role.ADMIN)
+            if write
+            else getattr(view, "read_role", Role.VIEWER),
+            write=write,
+            submit=getattr(view, "submit_scope", False),
         )
-        if user.has_role(needed):
-            return self._scope_allows(request, view)
-        self.message = (
-            f"This needs the {needed} role in this tenant and {user.username} is a {user.role}. "
-            "Ask a tenant admin for access."
-        )
-        return False
-
-    def _scope_allows(self, request: Request, view: Any) -> bool:
-        """A token acts with the lesser of its user's role and its own scope: read tokens only read;
-        submit tokens also submit and cancel tasks (views that say `submit_scope = True`)."""
-        token = request.auth
-        if not isinstance(token, ApiToken) or token.scope == ApiToken.Scope.ADMIN:
-            return True
-        if request.method in SAFE_METHODS:
-            return True
-        if token.scope == ApiToken.Scope.SUBMIT and getattr(view, "submit_scope", False):
-            return True
-        who = f"agent {token.agent}'s token" if token.agent else f"token klq_{token.prefix}"
-        self.message = f"This {who} has scope {token.scope}, which does not allow this. " + (
-            "It may only read."
-            if token.scope == ApiToken.Scope.READ
-            else "It may read and submit or cancel tasks."
-        )
-        return False
+        if refused:
+            self.message = refused
+        return not refused
 
 
 def is_project_admin(user: User, project: Project) -> bool:

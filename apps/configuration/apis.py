@@ -259,15 +259,7 @@ class ComputeResourceOut(serializers.ModelSerializer[ComputeResource]):
         return to_gpus_text(resource.policy.limit_units)
 
     def get_size(self, resource: ComputeResource) -> str:
-        profile = resource.profile
-        if profile.size_from_task:
-            return (
-                f"{to_gpus_text(profile.min_units)} to {to_gpus_text(profile.max_units)} GPUs, from the task"
-            )
-        nodes = f"{profile.nodes} nodes, " if profile.nodes > 1 else ""
-        return f"{nodes}{to_gpus_text(profile.size_units)} GPUs" + (
-            f" ({profile.mig_profile})" if profile.mig_profile else ""
-        )
+        return resource.profile.size_text()
 
     def _depth(self, resource: ComputeResource) -> dict[str, int]:
         depths: dict[str, dict[str, int]] = self.context["depths"]

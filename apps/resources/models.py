@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from django.db import models
 
 from apps.accounts.models import Group, User
+from apps.scheduling.engine import to_gpus_text
 
 
 class Environment(models.TextChoices):
@@ -101,6 +102,15 @@ class ResourceProfile(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def size_text(self) -> str:
+        """The size as a person reads it: "2 nodes, 8 GPUs", "1 GPUs (1g.10gb)", "0.25 to 1 GPUs, from the
+        task"."""
+        if self.size_from_task:
+            return f"{to_gpus_text(self.min_units)} to {to_gpus_text(self.max_units)} GPUs, from the task"
+        nodes = f"{self.nodes} nodes, " if self.nodes > 1 else ""
+        mig = f" ({self.mig_profile})" if self.mig_profile else ""
+        return f"{nodes}{to_gpus_text(self.size_units)} GPUs{mig}"
 
 
 class ProfilePool(models.Model):

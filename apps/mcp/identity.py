@@ -1,0 +1,58 @@
+"""Who an MCP request is: the tenant its address serves and the Klique token it presents (a person's, a
+service account's, or an AI agent's delegated token), read in the tenant's schema like the REST API reads
+it. Runs in a thread, off the event loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django_tenants.utils import schema_context
+
+from apps.accounts.services import TokenRejected, token_authenticate
+from tenants.selectors import tenant_for_host
+
+
+class NotServed(Exception):
+    """The request cannot be taken at all: `status` and the words to answer with."""
+
+    def __init__(self, status: int, message: str, *, invalid_token: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.invalid_token = status, invalid_token
+
+
+@dataclass(frozen=True)
+class Identity:
+    schema: str  # the tenant's schema
+    tenant_slug: str
+    user_id: str
+    token_id: str
+    acting: str  # "alice", or "agent claude for alice"
+    username: str
+
+
+def identity_for(*, host: str, presented: str) -> Identity:
+    """The identity behind `presented` at `host`; raises NotServed saying why not."""
+    tenant = tenant_for_host(host)
+    if tenant is None or tenant.schema_name == "public":
+        raise NotServed(404, f"No tenant is served at {host!r}: use your tenant's own address, /mcp there.")
+    if tenant.is_suspended:
+        raise NotServed(403, f"Tenant {tenant.slug} is suspended: {tenant.suspended_reason}")
+    if not presented:
+        raise NotServed(
+            401,
+            "Send your Klique token as a bearer token ('Authorization: Bearer klq_...'); create one with "
+            "POST /api/v1/tokens/, or a delegated token for an AI agent.",
+        )
+    with schema_context(tenant.schema_name):
+        try:
+            user, token = token_authenticate(tenant=tenant, presented=presented)
+        except TokenRejected as rejected:
+            raise NotServed(401, str(rejected), invalid_token=True) from None
+        return Identity(
+            schema=tenant.schema_name,
+            tenant_slug=tenant.slug,
+            user_id=str(user.pk),
+            token_id=str(token.pk),
+            acting=token.acting,
+            username=user.username,
+        )

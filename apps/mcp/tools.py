@@ -1,0 +1,248 @@
+"""What each MCP tool does, in the caller's tenant and as the caller: the same services and selectors the
+REST API calls, the same role and scope rule (apps.accounts.access), the same audit record. Each runs in a
+thread (Django's ORM), and either answers with plain data or raises Refused with words a model can act on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from django.db import transaction
+from django_tenants.utils import schema_context
+
+from apps.accounts import access
+from apps.accounts.models import ApiToken, Role
+from apps.audit.services import record
+from apps.configuration.selectors import compute_resource_figures
+from apps.core.errors import KliqueError
+from apps.fleet import selectors as fleet
+from apps.mcp.identity import Identity
+from apps.scheduling import selectors, services
+from apps.scheduling.engine import to_gpus_text
+from apps.scheduling.models import ENDED_STATES, Task, TaskState
+from tenants.models import Tenant
+from tenants.selectors import tenant_get
+
+T = TypeVar("T")
+
+MAX_LIST = 100
+MAX_LOG_LINES = 500
+
+
+class Refused(Exception):
+    """The tool cannot do what was asked; the message says what was wrong and what to do."""
+
+
+class Caller:
+    """The identity's user and token, read again for each call: a revoked token is refused at once."""
+
+    def __init__(self, identity: Identity) -> None:
+        token = ApiToken.objects.select_related("user").filter(pk=identity.token_id).first()
+        if token is None or not token.is_active or not token.user.is_active:
+            raise Refused("Your token was revoked or has expired since this call began; use a valid one.")
+        self.identity, self.token, self.user = identity, token, token.user
+
+    def may(self, *, needed: str = Role.VIEWER, write: bool = False, submit: bool = False) -> None:
+        refused = access.refusal(self.user, self.token, needed=needed, write=write, submit=submit)
+        if refused:
+            if self.token.agent:
+                record(
+                    actor=self.token.acting,
+                    on_behalf_of=self.user.username,
+                    action="token.refused",
+                    target="mcp",
+                    reason=refused,
+                )
+            raise Refused(refused)
+
+    def tenant(self) -> Tenant:
+        tenant = tenant_get(slug=self.identity.tenant_slug)
+        if tenant is None:
+            raise Refused(f"Tenant {self.identity.tenant_slug} no longer exists.")
+        return tenant
+
+    def audit(self, action: str, target: str) -> None:
+        acting = self.token.acting
+        record(
+            actor=acting,
+            action=action,
+            target=target,
+            on_behalf_of=self.user.username if acting != self.user.username else "",
+        )
+
+
+def run_as(identity: Identity, work: Callable[[Caller], T]) -> T:
+    """`work` in the caller's tenant as the caller; the project's own refusals become Refused."""
+    with schema_context(identity.schema):
+        try:
+            return work(Caller(identity))
+        except KliqueError as error:
+            raise Refused(str(error)) from None
+
+
+# The tools' bodies --------------------------------------------------------------------------------------
+
+
+def list_compute_resources(caller: Caller) -> list[dict[str, Any]]:
+    caller.may()
+    figures = compute_resource_figures(caller.user)
+    depths: dict[str, dict[str, int]] = figures["depths"]  # type: ignore[assignment]
+    waits: dict[str, Any] = figures["waits"]  # type: ignore[assignment]
+    rows = []
+    for resource in selectors.compute_resources_for(caller.user).order_by("name"):
+        depth = depths.get(str(resource.pk), {"queued": 0, "active": 0})
+        stats = waits.get(str(resource.pk))
+        rows.append(
+            {
+                "name": resource.name,
+                "id": str(resource.pk),
+                "size": resource.profile.size_text(),
+                "gpus_from_task": resource.profile.size_from_task,
+                "group": resource.policy.group.name,
+                "reservation_gpus": to_gpus_text(resource.policy.reservation_units),
+                "limit_gpus": to_gpus_text(resource.policy.limit_units),
+                "queued": depth["queued"],
+                "active": depth["active"],
+                "wait_p50_seconds": None if stats is None else stats.p50_seconds,
+                "wait_p95_seconds": None if stats is None else stats.p95_seconds,
+            }
+        )
+    return rows
+
+
+def task_view(task: Task) -> dict[str, Any]:
+    return {
+        "id": str(task.pk),
+        "name": task.name,
+        "compute_resource": task.compute_resource_name,
+        "state": task.state,
+        "reason": task.reason,
+        "reason_code": task.reason_code,
+        "gpus": to_gpus_text(task.size_units),
+        "nodes": task.nodes,
+        "pool": task.pool.name if task.pool is not None else None,
+        "project": task.project.name if task.project is not None else None,
+        "submitter": task.submitter.username,
+        "submitted_by_agent": task.submitted_by_agent,
+        "attempts": task.attempts,
+        "exit_code": task.exit_code,
+        "submitted_at": task.submitted_at.isoformat() if task.submitted_at else None,
+        "started_at": task.started_at.isoformat() if task.started_at else None,
+        "ended_at": task.ended_at.isoformat() if task.ended_at else None,
+    }
+
+
+def _task(caller: Caller, task_id: str) -> Task:
+    """A task of the caller's tenant; another tenant's, or none, is not found (never told apart)."""
+    task = (
+        selectors.tasks_visible_to(caller.user).filter(pk=_uuid(task_id)).first() if _uuid(task_id) else None
+    )
+    if task is None:
+        raise Refused(f"No task {task_id!r} here. list_tasks shows the tasks you may see, with their ids.")
+    return task
+
+
+def _uuid(text: str) -> str:
+    cleaned = text.strip().lower()
+    return cleaned if len(cleaned) == 36 and all(c in "0123456789abcdef-" for c in cleaned) else ""
+
+
+def submit_task(
+    caller: Caller,
+    *,
+    compute_resource: str,
+    command: list[str],
+    gpus: str | None,
+    name: str,
+    project: str | None,
+    secrets: list[str],
+    outputs: list[str],
+    environment: dict[str, str],
+) -> dict[str, Any]:
+    caller.may(needed=Role.MEMBER, write=True, submit=True)
+    spec: dict[str, Any] = {"command": command}
+    if secrets:
+        spec["secrets"] = secrets
+    if outputs:
+        spec["outputs"] = outputs
+    if environment:
+        spec["environment"] = environment
+    request = services.TaskRequest(
+        compute_resource=compute_resource, gpus=gpus, name=name, project=project, spec=spec
+    )
+    with transaction.atomic():
+        tenant = caller.tenant()
+        (task,) = services.tasks_submit(
+            tenant=tenant, user=caller.user, requests=[request], token=caller.token
+        )
+        caller.audit("mcp.submit_task", f"task {task.pk}")
+    return task_view(task)
+
+
+def task_status(caller: Caller, *, task_id: str) -> dict[str, Any]:
+    caller.may()
+    return task_view(_task(caller, task_id))
+
+
+def why_pending(caller: Caller, *, task_id: str) -> dict[str, Any]:
+    caller.may()
+    task = _task(caller, task_id)
+    why = selectors.why(task)
+    return {
+        "state": why.state,
+        "reason_code": why.reason_code,
+        "reason": why.reason,
+        "position": why.position,
+        "queued_ahead": why.queued_ahead,
+        "waiting_seconds": why.waiting_seconds,
+    }
+
+
+def task_logs(caller: Caller, *, task_id: str, after: int, last: int) -> dict[str, Any]:
+    caller.may()
+    task = _task(caller, task_id)
+    if not selectors.may_read_output(caller.user, task):
+        raise Refused(
+            f"The output of task {task.pk} is {selectors.output_readers(task)}'s to read; ask one of them."
+        )
+    chunks = fleet.task_logs(task, after=max(0, after))
+    lines = [
+        {"stream": chunk["stream"], "line": line, "cursor": chunk["cursor"]}
+        for chunk in chunks
+        for line in chunk["lines"]
+    ]
+    cursor = chunks[-1]["cursor"] if chunks else max(0, after)
+    kept = lines[-min(max(1, last), MAX_LOG_LINES) :]
+    return {
+        "task_id": str(task.pk),
+        "state": task.state,
+        "lines": [f"[{item['stream']}] {item['line']}" for item in kept],
+        "omitted_before": len(lines) - len(kept),
+        "next_after": cursor,  # pass as `after` to read only what comes next
+        "ended": task.state in ENDED_STATES,
+    }
+
+
+def cancel_task(caller: Caller, *, task_id: str) -> dict[str, Any]:
+    caller.may(needed=Role.MEMBER, write=True, submit=True)
+    task = _task(caller, task_id)
+    if task.submitter_id != caller.user.pk and not caller.user.has_role(Role.ADMIN):
+        raise Refused("Only the task's submitter or a tenant admin may cancel it.")
+    with transaction.atomic():
+        tenant = caller.tenant()
+        task = services.task_cancel(tenant=tenant, user=caller.user, task=task)
+        caller.audit("mcp.cancel_task", f"task {task.pk}")
+    return task_view(task)
+
+
+def list_tasks(caller: Caller, *, state: str | None, mine: bool, limit: int) -> list[dict[str, Any]]:
+    caller.may()
+    tasks = selectors.tasks_visible_to(caller.user)
+    if state:
+        if state not in TaskState.values:
+            raise Refused(f"Unknown state {state!r}; use one of {', '.join(TaskState.values)}.")
+        tasks = tasks.filter(state=state)
+    if mine:
+        tasks = tasks.filter(submitter=caller.user)
+    return [task_view(task) for task in tasks.order_by("-submitted_at")[: max(1, min(limit, MAX_LIST))]]
