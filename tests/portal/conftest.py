@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from django.db import connections
 from django_tenants.utils import schema_context
+from playwright.sync_api import Error as PlaywrightError
 
 from tests.e2e.conftest import free_port
 from tests.gateway.conftest import committed, start_web, wait_until_listening
@@ -153,11 +154,21 @@ def screenshot(page: Any, name: str) -> None:
 def wait_for(page: Any, expression: str, timeout: float = 30, **given: Any) -> None:
     """Wait until `expression` is true in the page. Playwright's wait_for_function evaluates its string
     with eval inside the page, which the portal's Content Security Policy forbids; page.evaluate goes
-    through DevTools, which it does not."""
+    through DevTools, which it does not.
+
+    A live page swaps its parts in (htmx): an expression that meets an element in the middle of its swap
+    (null for an instant) is not true yet, and is asked again."""
     deadline = time.monotonic() + timeout
-    while not (page.evaluate(expression, given["arg"]) if "arg" in given else page.evaluate(expression)):
+    last_error = ""
+    while True:
+        try:
+            if page.evaluate(expression, given["arg"]) if "arg" in given else page.evaluate(expression):
+                return
+        except PlaywrightError as error:
+            last_error = str(error).splitlines()[0]
         if time.monotonic() > deadline:
-            raise AssertionError(f"{expression} did not become true within {timeout} s")
+            said = f" (last: {last_error})" if last_error else ""
+            raise AssertionError(f"{expression} did not become true within {timeout} s{said}")
         time.sleep(0.1)
 
 
