@@ -94,6 +94,13 @@ def build() -> MCPServer:
             dict[Annotated[str, Field(max_length=100)], Annotated[str, Field(max_length=4096)]],
             Field(max_length=100, description="Environment variables (never secrets: use `secrets`)."),
         ] = {},  # noqa: B006
+        idempotency_key: Annotated[
+            str,
+            Field(
+                max_length=100,
+                description="Your own key for this submission: calling again with it returns the same task.",
+            ),
+        ] = "",
     ) -> dict[str, Any]:
         """Queue a task on a compute resource, as you. It waits until the scheduler places it within your
         group's reservation and limit (and your token's GPU quota, for an agent's delegated token); follow
@@ -109,6 +116,7 @@ def build() -> MCPServer:
             secrets=secrets,
             outputs=outputs,
             environment=environment,
+            idempotency_key=idempotency_key,
         )
 
     @server.tool(annotations=READ)

@@ -159,6 +159,7 @@ def submit_task(
     secrets: list[str],
     outputs: list[str],
     environment: dict[str, str],
+    idempotency_key: str,
 ) -> dict[str, Any]:
     caller.may(needed=Role.MEMBER, write=True, submit=True)
     spec: dict[str, Any] = {"command": command}
@@ -169,7 +170,12 @@ def submit_task(
     if environment:
         spec["environment"] = environment
     request = services.TaskRequest(
-        compute_resource=compute_resource, gpus=gpus, name=name, project=project, spec=spec
+        compute_resource=compute_resource,
+        gpus=gpus,
+        name=name,
+        project=project,
+        spec=spec,
+        idempotency_key=idempotency_key,
     )
     with transaction.atomic():
         tenant = caller.tenant()

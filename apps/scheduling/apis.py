@@ -26,6 +26,13 @@ class TaskIn(serializers.Serializer[Task]):
     priority = serializers.IntegerField(required=False, default=0, min_value=-100, max_value=100)
     max_attempts = serializers.IntegerField(required=False, default=3, min_value=1, max_value=20)
     spec = serializers.DictField(required=False, default=dict)
+    idempotency_key = serializers.CharField(
+        max_length=100,
+        required=False,
+        default="",
+        allow_blank=True,
+        help_text="your own key for this submission: sent again, it returns the task it made, not a second",
+    )
 
     def validate_gpus(self, value: Any) -> str | None:
         return None if value is None else str(value)

@@ -45,6 +45,8 @@ class Task(models.Model):
         "accounts.ApiToken", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
     submitted_by_agent = models.CharField(max_length=100, blank=True)  # kept when the token is gone
+    # The submitter's own key for this submission: the same key again returns this task, never a second.
+    idempotency_key = models.CharField(max_length=100, blank=True, default="")
     spec = models.JSONField(default=dict, blank=True)  # what to run; the agent renders it
 
     state = models.CharField(
@@ -74,6 +76,13 @@ class Task(models.Model):
     class Meta:
         ordering = ["-submitted_at"]
         indexes = [models.Index(fields=["compute_resource", "state"]), models.Index(fields=["state", "pool"])]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["submitter", "idempotency_key"],
+                condition=~models.Q(idempotency_key=""),
+                name="task_idempotency_key_per_submitter",
+            )
+        ]
 
     def __str__(self) -> str:
         return self.name or str(self.id)

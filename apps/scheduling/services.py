@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from apps.accounts.models import ApiToken, Project, User
@@ -47,6 +47,7 @@ class TaskRequest:
     priority: int = 0
     max_attempts: int = 3
     spec: dict[str, Any] | None = None
+    idempotency_key: str = ""  # the same key again (by the same submitter) returns the task it made
 
 
 def _resolve_compute_resource(user: User, reference: str) -> ComputeResource:
@@ -163,6 +164,7 @@ def _build(tenant: Tenant, user: User, request: TaskRequest, now: datetime) -> T
     _check_environment(request.spec or {})
     secrets_check(user=user, project=project, spec=request.spec or {})
     return Task(
+        idempotency_key=request.idempotency_key,
         name=request.name,
         compute_resource=resource,
         compute_resource_name=resource.name,
@@ -187,10 +189,14 @@ def tasks_submit(
 
     Submitted with an AI agent's delegated token, the tasks are the user's (their policies, their
     project) and say which agent submitted them; the token's own GPU quota caps what its unfinished
-    tasks hold at once."""
+    tasks hold at once. A request whose idempotency key its submitter used before returns the task that
+    key made, and queues nothing (a retried call, a model calling twice)."""
     now = timezone.now()
+    made = _made_before(user, requests)
     tasks = []
     for index, request in enumerate(requests):
+        if request.idempotency_key in made:
+            continue
         try:
             tasks.append(_build(tenant, user, request, now))
         except InvalidInput as error:
@@ -201,7 +207,20 @@ def tasks_submit(
         _within_quota(token, tasks)
         for task in tasks:
             task.submitted_with, task.submitted_by_agent = token, token.agent
-    Task.objects.bulk_create(tasks)
+    try:
+        with transaction.atomic():  # a savepoint: the same key sent twice at once keeps the first
+            Task.objects.bulk_create(tasks)
+    except IntegrityError:
+        # Another submission with one of these keys committed between the look and the insert: the
+        # keys' tasks are theirs now. Anything else is not ours to hide.
+        if len(_made_before(user, requests)) == len(made):
+            raise
+        return tasks_submit(tenant=tenant, user=user, requests=requests, token=token)
+    if made:
+        fresh = iter(tasks)
+        answer = [made.get(request.idempotency_key) or next(fresh) for request in requests]
+    else:
+        answer = tasks
     TaskEvent.objects.bulk_create(
         TaskEvent(
             task=task,
@@ -213,9 +232,25 @@ def tasks_submit(
         )
         for task in tasks
     )
-    publish_event(tenant=tenant, kind="tasks.submitted", data={"ids": [str(task.pk) for task in tasks]})
-    wake.request_cycle(tenant)
-    return tasks
+    if tasks:
+        publish_event(tenant=tenant, kind="tasks.submitted", data={"ids": [str(task.pk) for task in tasks]})
+        wake.request_cycle(tenant)
+    return answer
+
+
+def _made_before(user: User, requests: list[TaskRequest]) -> dict[str, Task]:
+    """The tasks the user's earlier submissions made under these requests' idempotency keys, by key."""
+    keys = [request.idempotency_key for request in requests if request.idempotency_key]
+    if len(keys) != len(set(keys)):
+        raise InvalidInput("Two tasks of one submission share an idempotency key; give each its own.")
+    for key in keys:
+        if len(key) > 100:
+            raise InvalidInput("An idempotency key is at most 100 characters.", field="idempotency_key")
+    if not keys:
+        return {}
+    return {
+        task.idempotency_key: task for task in Task.objects.filter(submitter=user, idempotency_key__in=keys)
+    }
 
 
 def _within_quota(token: ApiToken, tasks: list[Task]) -> None:

@@ -214,6 +214,12 @@ def test_refusals_are_tool_errors_a_model_can_act_on_and_submit_nothing(
     assert "no_such_tool" in str(answer)
     assert demo.call("GET", "/api/v1/tasks/?limit=1")["count"] == before  # nothing was submitted
 
+    # A model that calls submit_task twice with one idempotency key gets one task, through either process.
+    keyed = {"compute_resource": "Research: 4 GPUs", "command": ["true"], "idempotency_key": "plan-7"}
+    once = tool(port, admin, "submit_task", **keyed)
+    assert tool(second, admin, "submit_task", **keyed)["id"] == once["id"]
+    assert demo.call("GET", "/api/v1/tasks/?limit=1")["count"] == before + 1
+
     huge = raw(port, admin, b'{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"x": "'
                + b"a" * (2 * 1024 * 1024) + b'"}}')  # fmt: skip
     assert huge.status_code == 413

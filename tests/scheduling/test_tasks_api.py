@@ -9,8 +9,11 @@ import pytest
 from django_tenants.utils import schema_context
 from rest_framework.test import APIClient
 
+from apps.accounts.models import User
 from apps.resources.models import ResourcePolicy
+from apps.scheduling import services
 from apps.scheduling.cycle import run_cycle
+from apps.scheduling.models import Task
 from tenants.models import Tenant
 from tests.world import World
 
@@ -188,3 +191,64 @@ def test_a_size_no_pool_of_the_profile_holds_is_refused(api: Callable[..., APICl
         "4 GPUs is more than any pool of Research: 4 GPUs holds (the largest has 2 GPUs)"
         in response.json()["detail"]
     )
+
+
+def test_an_idempotency_key_sent_again_returns_the_task_it_made(
+    api: Callable[..., APIClient], world: World
+) -> None:
+    body = {"compute_resource": "Research: 4 GPUs", "name": "once", "idempotency_key": "run-42"}
+    first = submit(api("bob"), body)
+    assert first.status_code == 201, first.content
+    before = api("bob").get("/api/v1/tasks/?mine=true").json()["count"]
+    for again in (body, {**body, "name": "renamed"}, [body, {"compute_resource": "Research: 4 GPUs"}]):
+        answer = submit(api("bob"), again)
+        assert answer.status_code == 201, answer.content
+        returned = answer.json()[0] if isinstance(again, list) else answer.json()
+        assert returned["id"] == first.json()["id"]
+        assert returned["name"] == "once"  # the task the key made, as it was made
+    assert api("bob").get("/api/v1/tasks/?mine=true").json()["count"] == before + 1  # only the unkeyed one
+    # The key is the submitter's own: another person's same key makes their own task.
+    other = submit(api("alice"), body)
+    assert other.status_code == 201
+    assert other.json()["id"] != first.json()["id"]
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ([{"compute_resource": "Research: 4 GPUs", "idempotency_key": "k"}] * 2, "share an idempotency key"),
+        ({"compute_resource": "Research: 4 GPUs", "idempotency_key": "k" * 101}, "no more than 100"),
+    ],
+)
+def test_idempotency_keys_out_of_form_are_refused(
+    api: Callable[..., APIClient], world: World, body: object, fragment: str
+) -> None:
+    before = api("bob").get("/api/v1/tasks/?mine=true").json()["count"]
+    answer = submit(api("bob"), body)
+    assert answer.status_code == 400
+    assert fragment in str(answer.json())
+    assert api("bob").get("/api/v1/tasks/?mine=true").json()["count"] == before
+
+
+def test_a_key_another_submission_used_between_the_look_and_the_insert_returns_that_task(
+    world: World, db: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two submissions racing with one key: the other commits after this one looked for the key and
+    before it inserted. The unique constraint refuses the second row; the submission returns the first."""
+
+    tenant = Tenant.objects.get(schema_name=world.tenant_a.schema_name)
+    with schema_context(tenant.schema_name):
+        bob = User.objects.get(username="bob")
+        request = services.TaskRequest(compute_resource="Research: 4 GPUs", idempotency_key="race")
+        (theirs,) = services.tasks_submit(tenant=tenant, user=bob, requests=[request])
+        looked = services._made_before
+        calls = []
+
+        def missed_it(user: User, requests: list[services.TaskRequest]) -> dict[str, Task]:
+            calls.append(1)
+            return {} if len(calls) == 1 else looked(user, requests)  # the first look came too early
+
+        monkeypatch.setattr(services, "_made_before", missed_it)
+        (mine,) = services.tasks_submit(tenant=tenant, user=bob, requests=[request])
+        assert mine.pk == theirs.pk
+        assert Task.objects.filter(submitter=bob, idempotency_key="race").count() == 1
