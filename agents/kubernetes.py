@@ -678,12 +678,27 @@ def what_is_seen(
     if ended is not None:
         return ended
     if spec.get("suspend"):
-        queue = f" {local_queue}" if local_queue else ""
-        said = admission
-        return Seen(
-            "pending", f"waiting for Kueue to admit it into LocalQueue{queue}" + (f": {said}" if said else "")
-        )
+        return kueue_wait(local_queue, admission)
     return _waiting(task_pods, wanted=int(spec.get("parallelism") or spec.get("completions") or 1))
+
+
+def kueue_wait(local_queue: str, admission: str) -> Seen:
+    """A workload Kueue holds suspended, in Kueue's own words where its Workload has some."""
+    queue = f" {local_queue}" if local_queue else ""
+    return Seen(
+        "pending",
+        f"waiting for Kueue to admit it into LocalQueue{queue}" + (f": {admission}" if admission else ""),
+    )
+
+
+def deleted(record: JobRecord) -> Seen:
+    return Seen(
+        "ended",
+        "deleted",
+        None,
+        (f"kubernetes: {record.kind} {record.job_id} was deleted outside Klique (kubectl delete?); the task "
+         "ended with it",),
+    )  # fmt: skip
 
 
 def _ended(job: Mapping[str, Any], task_pods: list[dict[str, Any]]) -> Seen | None:
@@ -974,13 +989,10 @@ class Kubernetes:
                 )
             served = frozenset(found)
             self.served = (time.monotonic(), served)
-        if chosen == "auto":
-            return (
-                "jobset"
-                if "JobSet" in served
-                else ("pytorchjob" if "PyTorchJob" in served else "indexed-job")
-            )
-        kind = {"jobset": "JobSet", "pytorchjob": "PyTorchJob"}[chosen]
+        if chosen == "auto":  # in order of preference
+            preferred = (setting for setting, kind in pods.MULTI_NODE_WORKLOADS.items() if kind in served)
+            return next(preferred, "indexed-job")
+        kind = pods.MULTI_NODE_WORKLOADS[chosen]
         if kind not in served:
             group, version, plural = pods.CUSTOM_WORKLOADS[kind]
             product = "JobSet" if kind == "JobSet" else "the Kubeflow training operator"
@@ -1110,7 +1122,7 @@ class Kubernetes:
                 for record in self.state.jobs()
                 if record.kind == "Job"  # a JobSet's Job comes after its controller's lag: the JobSet is read
                 and record.job_id not in store
-                and self.created_at.get(record.job_id, 0.0) < listed_at - 5.0
+                and self._missed(record.job_id, listed_at)
             }
             self._adopt_labelled(self.seen_jobs)
         else:
@@ -1142,22 +1154,22 @@ class Kubernetes:
         for name, item in seen.items():
             labels = _labels(item)
             task = labels.get("klique.io/task", "")
-            lease = self.state.lease(task) if task else ""
-            if not (
-                task
-                and task not in recorded
-                and lease
-                and pods.label_value(lease) == labels.get("klique.io/lease")
-                and not self.state.run_ended(task, lease)  # ended here, its result not yet answered
-            ):
+            if not task or task in recorded:
                 continue
             if labels.get(JOBSET_NAME_LABEL):
                 kind, workload = "JobSet", labels[JOBSET_NAME_LABEL]
             elif labels.get(TRAINING_JOB_LABEL):
                 kind, workload = "PyTorchJob", labels[TRAINING_JOB_LABEL]
-            elif item.get("kind", "Job") == "Job" and seen is self.seen_jobs:
+            elif seen is self.seen_jobs:
                 kind, workload = "Job", name
             else:
+                continue  # a Job's pod: the Job itself is adopted
+            lease = self.state.lease(task)
+            if (
+                not lease
+                or pods.label_value(lease) != labels.get("klique.io/lease")
+                or self.state.run_ended(task, lease)  # ended here, its result not yet answered
+            ):
                 continue
             annotations = (item.get("metadata") or {}).get("annotations") or {}
             submitter = str(annotations.get("klique.io/submitter") or "")
@@ -1210,10 +1222,7 @@ class Kubernetes:
         """List the JobSets whose Job is not seen yet and the PyTorchJobs (whose state is their own): one
         listing per kind, at most every WORKLOAD_READ_SECONDS, only while some run needs it."""
         needed = {
-            record.kind
-            for record in records
-            if record.kind == "PyTorchJob"
-            or (record.kind == "JobSet" and _followed(record) not in self.seen_jobs)
+            record.kind for record in records if record.kind == "PyTorchJob" or self._job_not_made(record)
         }
         now = time.monotonic()
         for kind in sorted(needed):
@@ -1234,8 +1243,16 @@ class Kubernetes:
         made a while after this process created it (never on a listing's lag)."""
         listed_at, items = self.workloads.get(record.kind, (0.0, {}))
         found = items.get(record.job_id)
-        gone = found is None and listed_at > 0 and self.created_at.get(record.job_id, 0.0) < listed_at - 5.0
-        return found, gone
+        return found, found is None and listed_at > 0 and self._missed(record.job_id, listed_at)
+
+    def _missed(self, name: str, listed_at: float) -> bool:
+        """Whether a listing made at `listed_at` that lacks `name` means it is gone: the listing came a while
+        after this process created it (or this process did not), never on the API's lag."""
+        return self.created_at.get(name, 0.0) < listed_at - 5.0
+
+    def _job_not_made(self, record: JobRecord) -> bool:
+        """A JobSet whose Job its controller has not made (or this agent not seen) yet."""
+        return record.kind == "JobSet" and _followed(record) not in self.seen_jobs
 
     def _job_of(self, record: JobRecord) -> dict[str, Any] | None:
         """The Job the record's state is read from: its own, its JobSet's, or its PyTorchJob read as one."""
@@ -1250,8 +1267,7 @@ class Kubernetes:
         suspended = [
             record.job_id
             for record in records
-            if ((self._job_of(record) or {}).get("spec") or {}).get("suspend")
-            or (record.kind == "JobSet" and _followed(record) not in self.seen_jobs)
+            if ((self._job_of(record) or {}).get("spec") or {}).get("suspend") or self._job_not_made(record)
         ]
         now = time.monotonic()
         if (
@@ -1269,9 +1285,7 @@ class Kubernetes:
             return
         self.admission = admission_of(workloads)
 
-    async def _look_at(  # noqa: PLR0911 -- one return per outcome
-        self, record: JobRecord, task_pods: list[dict[str, Any]]
-    ) -> None:
+    async def _look_at(self, record: JobRecord, task_pods: list[dict[str, Any]]) -> None:
         assert self.reporter is not None
         job = self._job_of(record)
         await self._read_logs(record, task_pods)
@@ -1305,6 +1319,11 @@ class Kubernetes:
                 f"({seen.reason}); it was taken back so it holds no GPUs",
             )
             return
+        await self._tell(record, seen)
+
+    async def _tell(self, record: JobRecord, seen: Seen) -> None:
+        """Report the task's state where it changed."""
+        assert self.reporter is not None
         if seen.state == "pending" and record.last.startswith("running|"):
             return  # a pod done before the Job's verdict: still running, as far as the task goes
         if seen.key != record.last:
@@ -1327,33 +1346,15 @@ class Kubernetes:
         elif record.kind == "JobSet":
             await self._jobset_without_job(record, task_pods)
         elif record.job_id in self.gone_jobs or (record.kind != "Job" and self._workload(record)[1]):
-            gone = Seen(
-                "ended",
-                "deleted",
-                None,
-                (
-                    f"kubernetes: {record.kind} {record.job_id} was deleted outside "
-                    "Klique (kubectl delete?); the task ended with it",
-                ),
-            )
-            await self._end(record, gone, task_pods)
+            await self._end(record, deleted(record), task_pods)
 
     async def _jobset_without_job(self, record: JobRecord, task_pods: list[dict[str, Any]]) -> None:
         """A JobSet whose Job is not seen: its controller has not made it yet (or Kueue holds the JobSet),
         or the JobSet has ended or is gone; the JobSets are listed every WORKLOAD_READ_SECONDS to tell."""
-        assert self.reporter is not None
         jobset, gone_now = self._workload(record)
-        if jobset is None and not gone_now:
-            return  # not listed yet
         if jobset is None:
-            gone = Seen(
-                "ended",
-                "deleted",
-                None,
-                (f"kubernetes: JobSet {record.job_id} was deleted outside Klique (kubectl delete?); the task "
-                 "ended with it",),
-            )  # fmt: skip
-            await self._end(record, gone, task_pods)
+            if gone_now:  # else not listed yet
+                await self._end(record, deleted(record), task_pods)
             return
         failed, completed = _condition(jobset, "Failed"), _condition(jobset, "Completed")
         if failed or completed:  # ended, and its Job gone before the agent saw how (its TTL, a restart)
@@ -1365,28 +1366,14 @@ class Kubernetes:
             await self._end(record, Seen("ended", ended.reason, code, (*ended.lines, said)), task_pods)
             return
         if (jobset.get("spec") or {}).get("suspend"):
-            queue = self.settings.cluster.local_queue
-            said = self.admission.get(record.job_id, "")
-            seen = Seen(
-                "pending",
-                f"waiting for Kueue to admit it into LocalQueue{f' {queue}' if queue else ''}"
-                + (f": {said}" if said else ""),
-            )
+            seen = kueue_wait(self.settings.cluster.local_queue, self.admission.get(record.job_id, ""))
         else:
             seen = Seen(
                 "pending",
                 f"waiting for the JobSet controller to make Job {_followed(record)} (is JobSet installed and "
                 "running in the cluster?)",
             )
-        if seen.key != record.last and not record.last.startswith("running|"):
-            body = {
-                "state": "pending",
-                "job_id": record.job_id,
-                "cluster_state": "pending",
-                "reason": seen.reason,
-            }
-            await self.reporter(record.task_id, "status", body, None)
-            self.state.job_seen(record.task_id, seen.key)
+        await self._tell(record, seen)
 
     def _waited(self, task_id: str, kind: str) -> float:
         now = time.monotonic()
@@ -1454,8 +1441,8 @@ class Kubernetes:
             self.ending.discard(record.task_id)
 
     async def _clean(self, record: JobRecord, *, workload: bool) -> None:
-        """The run's Secret and Service (and its Job or JobSet, when asked) are deleted; the workload
-        itself otherwise stays until its TTL, for `kubectl describe`."""
+        """The run's Secret and Service (and its workload, when asked) are deleted; the workload itself
+        otherwise stays until its TTL, for `kubectl describe`."""
         name = record.job_id
         kinds = ("Secret", "Service", record.kind) if workload else ("Secret", "Service")
         for kind in kinds:

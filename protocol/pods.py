@@ -60,6 +60,8 @@ PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, PYTORCHJOB_PLURAL = "kubeflow.org", "v1", 
 PYTORCHJOB_API = f"{PYTORCHJOB_GROUP}/{PYTORCHJOB_VERSION}"
 PYTORCH_CONTAINER = "pytorch"  # the container the training operator gives the rendezvous variables to
 MULTI_NODE_KINDS = ("indexed-job", "jobset", "pytorchjob")
+# The multi-node settings that need a workload the cluster must serve, in the order "auto" prefers them.
+MULTI_NODE_WORKLOADS = {"jobset": "JobSet", "pytorchjob": "PyTorchJob"}
 # The workloads Klique makes beside batch/v1 Jobs, by kind: (group, version, plural).
 CUSTOM_WORKLOADS = {
     "JobSet": (JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL),
