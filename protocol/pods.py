@@ -279,9 +279,7 @@ def _build(name: str, node: yaml.Node, values: Mapping[str, str], used: dict[str
 class Manifests:
     job: dict[str, Any]  # the workload: a batch/v1 Job, or for a multi-node task a JobSet or PyTorchJob
     secret: dict[str, Any]
-    service: (
-        dict[str, Any] | None
-    )  # the headless Service of a multi-node Indexed Job (the others make theirs)
+    service: dict[str, Any] | None  # a multi-node Indexed Job's headless Service (the others make theirs)
 
     @property
     def kind(self) -> str:
@@ -414,16 +412,11 @@ def render(
         containers.append({"name": MAIN_CONTAINER, "image": values["image"]})
     index = next((at for at, item in enumerate(containers) if item.get("name") == MAIN_CONTAINER), 0)
     _check_gpus(template, ("spec", "containers", index), containers[index], limits)
-    _main_container(
-        containers[index],
-        assignment,
-        values,
-        limits,
-        fraction=fraction,
-        master=""
-        if on_pytorchjob
-        else rendezvous_host("JobSet" if on_jobset else "Job", name, settings.namespace),
+    # The training operator sets the rendezvous variables of a PyTorchJob itself.
+    master = (
+        "" if on_pytorchjob else rendezvous_host("JobSet" if on_jobset else "Job", name, settings.namespace)
     )
+    _main_container(containers[index], assignment, values, limits, fraction=fraction, master=master)
     if on_pytorchjob:
         containers[index]["name"] = PYTORCH_CONTAINER
     try:
@@ -628,19 +621,12 @@ PYTORCHJOB_SPEC_FIELDS = frozenset({"runPolicy", "pytorchReplicaSpecs"})
 def validate_pytorchjob(job: Mapping[str, Any], version: str = KUBERNETES_VERSION) -> None:
     """A PyTorchJob as Klique makes it: its envelope checked here, each replica's pod template against the
     Kubernetes schema (inside a Job, as a pod template is checked). Raises ManifestRefused with the path."""
-    if job.get("apiVersion") != PYTORCHJOB_API or job.get("kind") != "PyTorchJob":
-        raise ManifestRefused(f"not a {PYTORCHJOB_API} PyTorchJob", ("kind",))
-    spec = job.get("spec") or {}
-    unknown = sorted(set(spec) - PYTORCHJOB_SPEC_FIELDS)
-    if unknown:
-        raise ManifestRefused(f"unknown fields {', '.join(unknown)}", ("spec",))
+    spec = _envelope(job, PYTORCHJOB_API, "PyTorchJob", PYTORCHJOB_SPEC_FIELDS)
     replicas = spec.get("pytorchReplicaSpecs") or {}
     if set(replicas) != {"Master", "Worker"} or (replicas["Master"] or {}).get("replicas") != 1:
         raise ManifestRefused("one Master and the Workers", ("spec", "pytorchReplicaSpecs"))
     name = str((job.get("metadata") or {}).get("name") or "")
-    longest = f"{name}-worker-{max(0, int(replicas['Worker'].get('replicas') or 0) - 1)}"
-    if len(longest) > 63:  # the pods' and their Services' names are DNS labels
-        raise ManifestRefused(f"the pod name {longest} is over 63 characters", ("metadata", "name"))
+    _dns_label(f"{name}-worker-{max(0, int(replicas['Worker'].get('replicas') or 0) - 1)}")
     for role in ("Master", "Worker"):
         template = replicas[role].get("template") or {}
         containers = (template.get("spec") or {}).get("containers") or []
@@ -695,23 +681,33 @@ JOBSET_SPEC_FIELDS = frozenset(
 )
 
 
+def _envelope(manifest: Mapping[str, Any], api: str, kind: str, fields: frozenset[str]) -> Mapping[str, Any]:
+    """The spec of a workload of a CRD Klique makes, once its kind and its spec's fields are its own."""
+    if manifest.get("apiVersion") != api or manifest.get("kind") != kind:
+        raise ManifestRefused(f"not a {api} {kind}", ("kind",))
+    spec: Mapping[str, Any] = manifest.get("spec") or {}
+    unknown = sorted(set(spec) - fields)
+    if unknown:
+        raise ManifestRefused(f"unknown fields {', '.join(unknown)}", ("spec",))
+    return spec
+
+
+def _dns_label(name: str) -> None:
+    """The longest name a workload gives its pods (their host names, their Services) is a DNS label."""
+    if len(name) > 63:
+        raise ManifestRefused(f"the pod name {name} is over 63 characters", ("metadata", "name"))
+
+
 def validate_jobset(jobset: Mapping[str, Any], version: str = KUBERNETES_VERSION) -> None:
     """A JobSet as Klique makes it: its envelope checked here (the schema's own CRD is the cluster's), its
     Job against the Kubernetes schema. Raises ManifestRefused with the path inside the JobSet."""
-    if jobset.get("apiVersion") != JOBSET_API or jobset.get("kind") != "JobSet":
-        raise ManifestRefused(f"not a {JOBSET_API} JobSet", ("kind",))
-    spec = jobset.get("spec") or {}
-    unknown = sorted(set(spec) - JOBSET_SPEC_FIELDS)
-    if unknown:
-        raise ManifestRefused(f"unknown fields {', '.join(unknown)}", ("spec",))
+    spec = _envelope(jobset, JOBSET_API, "JobSet", JOBSET_SPEC_FIELDS)
     replicated = spec.get("replicatedJobs") or []
     if len(replicated) != 1 or replicated[0].get("name") != JOBSET_REPLICATED:
         raise ManifestRefused(f"one replicated Job named {JOBSET_REPLICATED!r}", ("spec", "replicatedJobs"))
     name = str((jobset.get("metadata") or {}).get("name") or "")
     pods_made = int(replicated[0]["template"]["spec"].get("completions") or 1)
-    longest = f"{followed_job('JobSet', name)}-{pods_made - 1}"
-    if len(longest) > 63:  # the pods' host names are DNS labels
-        raise ManifestRefused(f"the pod host name {longest} is over 63 characters", ("metadata", "name"))
+    _dns_label(f"{followed_job('JobSet', name)}-{pods_made - 1}")
     try:
         validate(jobset_job(jobset), version)
     except ManifestRefused as refused:
