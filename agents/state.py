@@ -41,7 +41,7 @@ class JobRecord:
     account: str  # the Linux account it runs as; on Kubernetes, the submitter
     stopping: bool = False
     last: str = ""  # the state and reason last reported, so that only changes go out
-    kind: str = "Job"  # on Kubernetes, what job_id names: a Job, or a JobSet (whose one Job runs the task)
+    kind: str = "Job"  # on Kubernetes, what job_id names: a Job, a JobSet (whose Job runs it) or a PyTorchJob
 
 
 @dataclass(frozen=True)

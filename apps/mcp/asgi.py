@@ -59,23 +59,27 @@ class McpApp:
             transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
         )
         self._running: asyncio.Future[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._holder: asyncio.Task[None] | None = None  # held: the loop keeps only a weak reference
 
     async def _start(self) -> None:
-        """The SDK's session manager, running for as long as this loop serves (started once per loop)."""
-        loop = asyncio.get_running_loop()
-        if self._loop is loop and self._running is not None:
+        """The SDK's session manager, started once, on the loop that serves the first request, and running
+        for as long as that loop serves (the SDK runs it once per server)."""
+        if self._running is not None:
             await self._running
             return
-        self._loop, self._running = loop, loop.create_future()
-        ready = self._running
+        ready = self._running = asyncio.get_running_loop().create_future()
 
         async def hold() -> None:
-            async with self.server.session_manager.run():
-                ready.set_result(None)
-                await asyncio.Event().wait()  # until the process stops
+            try:
+                async with self.server.session_manager.run():
+                    ready.set_result(None)
+                    await asyncio.Event().wait()  # until the process stops
+            except Exception as error:  # a manager that does not start fails the requests, never hangs them
+                if not ready.done():
+                    ready.set_exception(error)
+                raise
 
-        self._holder = loop.create_task(hold(), name="mcp-session-manager")
+        self._holder = asyncio.get_running_loop().create_task(hold(), name="mcp-session-manager")
         await ready
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 from django_tenants.utils import schema_context
 
+from apps.accounts.models import ApiToken, User
 from apps.accounts.services import TokenRejected, token_authenticate
+from tenants.models import Tenant
 from tenants.selectors import tenant_for_host
 
 
@@ -22,12 +24,11 @@ class NotServed(Exception):
 
 @dataclass(frozen=True)
 class Identity:
-    schema: str  # the tenant's schema
-    tenant_slug: str
-    user_id: str
-    token_id: str
-    acting: str  # "alice", or "agent claude for alice"
-    username: str
+    """Who the request is, as authenticated for it: the tools act as this user through this token."""
+
+    tenant: Tenant
+    user: User
+    token: ApiToken
 
 
 def identity_for(*, host: str, presented: str) -> Identity:
@@ -48,11 +49,4 @@ def identity_for(*, host: str, presented: str) -> Identity:
             user, token = token_authenticate(tenant=tenant, presented=presented)
         except TokenRejected as rejected:
             raise NotServed(401, str(rejected), invalid_token=True) from None
-        return Identity(
-            schema=tenant.schema_name,
-            tenant_slug=tenant.slug,
-            user_id=str(user.pk),
-            token_id=str(token.pk),
-            acting=token.acting,
-            username=user.username,
-        )
+        return Identity(tenant=tenant, user=user, token=token)

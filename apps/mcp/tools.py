@@ -12,17 +12,14 @@ from django.db import transaction
 from django_tenants.utils import schema_context
 
 from apps.accounts import access
-from apps.accounts.models import ApiToken, Role
+from apps.accounts.models import Role
 from apps.audit.services import record
-from apps.configuration.selectors import compute_resource_figures
 from apps.core.errors import KliqueError
 from apps.fleet import selectors as fleet
 from apps.mcp.identity import Identity
 from apps.scheduling import selectors, services
 from apps.scheduling.engine import to_gpus_text
 from apps.scheduling.models import ENDED_STATES, Task, TaskState
-from tenants.models import Tenant
-from tenants.selectors import tenant_get
 
 T = TypeVar("T")
 
@@ -35,13 +32,10 @@ class Refused(Exception):
 
 
 class Caller:
-    """The identity's user and token, read again for each call: a revoked token is refused at once."""
+    """The identity the request was authenticated as, moments before (apps.mcp.asgi, on every request)."""
 
     def __init__(self, identity: Identity) -> None:
-        token = ApiToken.objects.select_related("user").filter(pk=identity.token_id).first()
-        if token is None or not token.is_active or not token.user.is_active:
-            raise Refused("Your token was revoked or has expired since this call began; use a valid one.")
-        self.identity, self.token, self.user = identity, token, token.user
+        self.tenant, self.user, self.token = identity.tenant, identity.user, identity.token
 
     def may(self, *, needed: str = Role.VIEWER, write: bool = False, submit: bool = False) -> None:
         refused = access.refusal(self.user, self.token, needed=needed, write=write, submit=submit)
@@ -56,12 +50,6 @@ class Caller:
                 )
             raise Refused(refused)
 
-    def tenant(self) -> Tenant:
-        tenant = tenant_get(slug=self.identity.tenant_slug)
-        if tenant is None:
-            raise Refused(f"Tenant {self.identity.tenant_slug} no longer exists.")
-        return tenant
-
     def audit(self, action: str, target: str) -> None:
         acting = self.token.acting
         record(
@@ -74,7 +62,7 @@ class Caller:
 
 def run_as(identity: Identity, work: Callable[[Caller], T]) -> T:
     """`work` in the caller's tenant as the caller; the project's own refusals become Refused."""
-    with schema_context(identity.schema):
+    with schema_context(identity.tenant.schema_name):
         try:
             return work(Caller(identity))
         except KliqueError as error:
@@ -86,9 +74,7 @@ def run_as(identity: Identity, work: Callable[[Caller], T]) -> T:
 
 def list_compute_resources(caller: Caller) -> list[dict[str, Any]]:
     caller.may()
-    figures = compute_resource_figures(caller.user)
-    depths: dict[str, dict[str, int]] = figures["depths"]  # type: ignore[assignment]
-    waits: dict[str, Any] = figures["waits"]  # type: ignore[assignment]
+    depths, waits = selectors.queue_depths(), selectors.queue_wait(by="compute_resource")
     rows = []
     for resource in selectors.compute_resources_for(caller.user).order_by("name"):
         depth = depths.get(str(resource.pk), {"queued": 0, "active": 0})
@@ -178,9 +164,8 @@ def submit_task(
         idempotency_key=idempotency_key,
     )
     with transaction.atomic():
-        tenant = caller.tenant()
         (task,) = services.tasks_submit(
-            tenant=tenant, user=caller.user, requests=[request], token=caller.token
+            tenant=caller.tenant, user=caller.user, requests=[request], token=caller.token
         )
         caller.audit("mcp.submit_task", f"task {task.pk}")
     return task_view(task)
@@ -236,8 +221,7 @@ def cancel_task(caller: Caller, *, task_id: str) -> dict[str, Any]:
     if task.submitter_id != caller.user.pk and not caller.user.has_role(Role.ADMIN):
         raise Refused("Only the task's submitter or a tenant admin may cancel it.")
     with transaction.atomic():
-        tenant = caller.tenant()
-        task = services.task_cancel(tenant=tenant, user=caller.user, task=task)
+        task = services.task_cancel(tenant=caller.tenant, user=caller.user, task=task)
         caller.audit("mcp.cancel_task", f"task {task.pk}")
     return task_view(task)
 

@@ -216,11 +216,8 @@ def tasks_submit(
         if len(_made_before(user, requests)) == len(made):
             raise
         return tasks_submit(tenant=tenant, user=user, requests=requests, token=token)
-    if made:
-        fresh = iter(tasks)
-        answer = [made.get(request.idempotency_key) or next(fresh) for request in requests]
-    else:
-        answer = tasks
+    fresh = iter(tasks)  # in the requests' order, each the task its key made before, or the new one
+    answer = [made.get(request.idempotency_key) or next(fresh) for request in requests]
     TaskEvent.objects.bulk_create(
         TaskEvent(
             task=task,
