@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 
 import httpx
-from scratch import KLIQUE, ROOT, scratch_klique
+from scratch import klique_web, scratch_klique
 
 MCP_HEADERS = {
     "Content-Type": "application/json",
@@ -53,55 +52,37 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8767)
     args = parser.parse_args()
 
-    with scratch_klique(redis_db=12) as (environment, demo):
-        web = subprocess.Popen(
-            [*KLIQUE, "web", "--port", str(args.port)],
-            env=environment,
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            base = f"http://127.0.0.1:{args.port}"
-            tenant = {"Host": f"demo.localhost:{args.port}", "Authorization": f"Bearer {demo['admin_token']}"}
-            with httpx.Client(timeout=10) as client:
-                for _ in range(200):
-                    try:
-                        if client.get(f"{base}/healthz").status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        time.sleep(0.1)
-                submitted = client.post(
-                    f"{base}/api/v1/tasks/",
-                    headers=tenant,
-                    json={"compute_resource": "Research: 4 GPUs", "spec": {"command": ["true"]}},
-                )
-                submitted.raise_for_status()
-                task_id = submitted.json()["id"]
-                call = {
-                    "jsonrpc": "2.0",
-                    "id": 1,
-                    "method": "tools/call",
-                    "params": {"name": "task_status", "arguments": {"task_id": task_id}},
-                }
-                body = json.dumps(call).encode()
+    with scratch_klique(redis_db=12) as (environment, demo), klique_web(environment, args.port) as base:
+        tenant = {"Host": f"demo.localhost:{args.port}", "Authorization": f"Bearer {demo['admin_token']}"}
+        with httpx.Client(timeout=10) as client:
+            submitted = client.post(
+                f"{base}/api/v1/tasks/",
+                headers=tenant,
+                json={"compute_resource": "Research: 4 GPUs", "spec": {"command": ["true"]}},
+            )
+            submitted.raise_for_status()
+            task_id = submitted.json()["id"]
+            call = {
+                "jsonrpc": "2.0",
+                "id": 1,
+                "method": "tools/call",
+                "params": {"name": "task_status", "arguments": {"task_id": task_id}},
+            }
+            body = json.dumps(call).encode()
 
-                def rest() -> None:
-                    client.get(f"{base}/api/v1/tasks/{task_id}/", headers=tenant).raise_for_status()
+            def rest() -> None:
+                client.get(f"{base}/api/v1/tasks/{task_id}/", headers=tenant).raise_for_status()
 
-                def mcp() -> None:
-                    answer = client.post(f"{base}/mcp", headers={**tenant, **MCP_HEADERS}, content=body)
-                    answer.raise_for_status()
-                    result = answer.json()["result"]
-                    if result.get("isError") or result["structuredContent"]["id"] != task_id:
-                        raise SystemExit(f"task_status did not answer with the task: {result}")
+            def mcp() -> None:
+                answer = client.post(f"{base}/mcp", headers={**tenant, **MCP_HEADERS}, content=body)
+                answer.raise_for_status()
+                result = answer.json()["result"]
+                if result.get("isError") or result["structuredContent"]["id"] != task_id:
+                    raise SystemExit(f"task_status did not answer with the task: {result}")
 
-                mcp()  # the answer is the task, before anything is timed
-                rest_rps, rest_p50, rest_p99 = measure(rest, args.calls)
-                mcp_rps, mcp_p50, mcp_p99 = measure(mcp, args.calls)
-        finally:
-            web.terminate()
-            web.wait(timeout=30)
+            mcp()  # the answer is the task, before anything is timed
+            rest_rps, rest_p50, rest_p99 = measure(rest, args.calls)
+            mcp_rps, mcp_p50, mcp_p99 = measure(mcp, args.calls)
 
     print(f"calls per way in: {args.calls}, sequential, one keep-alive connection, one web process")
     print(f"{'':38}{'calls/s':>10}{'p50 ms':>10}{'p99 ms':>10}")

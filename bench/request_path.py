@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 
 import httpx
-from scratch import KLIQUE, ROOT, scratch_klique
+from scratch import klique_web, scratch_klique
 
 
 def measure(client: httpx.Client, url: str, headers: dict[str, str], count: int) -> tuple[float, float]:
@@ -43,32 +42,14 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8765)
     args = parser.parse_args()
 
-    with scratch_klique(redis_db=11) as (environment, demo):
-        web = subprocess.Popen(
-            [*KLIQUE, "web", "--port", str(args.port)],
-            env=environment,
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            base = f"http://127.0.0.1:{args.port}"
-            with httpx.Client(timeout=10) as client:
-                for _ in range(200):
-                    try:
-                        if client.get(f"{base}/healthz").status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        time.sleep(0.1)
-                baseline_rps, baseline_ms = measure(client, f"{base}/healthz", {}, args.requests)
-                tenant = {
-                    "Host": f"demo.localhost:{args.port}",
-                    "Authorization": f"Bearer {demo['admin_token']}",
-                }
-                klique_rps, klique_ms = measure(client, f"{base}/api/v1/me/", tenant, args.requests)
-        finally:
-            web.terminate()
-            web.wait(timeout=30)
+    with (
+        scratch_klique(redis_db=11) as (environment, demo),
+        klique_web(environment, args.port) as base,
+        httpx.Client(timeout=10) as client,
+    ):
+        baseline_rps, baseline_ms = measure(client, f"{base}/healthz", {}, args.requests)
+        tenant = {"Host": f"demo.localhost:{args.port}", "Authorization": f"Bearer {demo['admin_token']}"}
+        klique_rps, klique_ms = measure(client, f"{base}/api/v1/me/", tenant, args.requests)
 
     print(f"requests per endpoint: {args.requests}, sequential, one keep-alive connection, one web process")
     print(f"{'':34}{'req/s':>10}{'median ms':>12}")

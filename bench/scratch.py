@@ -7,12 +7,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psycopg
 from cryptography.fernet import Fernet
 
@@ -65,3 +67,27 @@ def scratch_django(*, redis_db: int) -> Iterator[dict[str, Any]]:
 
         django.setup()
         yield demo
+
+
+@contextmanager
+def klique_web(environment: dict[str, str], port: int) -> Iterator[str]:
+    """A `klique web` process on `port`, answering /healthz; yields its base address, stops it after."""
+    web = subprocess.Popen(
+        [*KLIQUE, "web", "--port", str(port)],
+        env=environment,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(200):
+            try:
+                if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        yield base
+    finally:
+        web.terminate()
+        web.wait(timeout=30)
