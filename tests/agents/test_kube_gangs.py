@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from agents.backend import Refused
 from agents.state import State
 from protocol import pods
 from tests.agents.kube import NAMESPACE, Cluster, Kubelet
@@ -342,3 +343,31 @@ def test_a_run_that_ended_is_not_adopted_again_while_its_result_waits_for_the_pl
     made = asyncio.run(scenario())
     assert len(recorder.of("result")) == 1
     assert sorted(recorder.lines()) == sorted(f"{pod} done" for pod in made)  # each line once
+
+
+@pytest.mark.parametrize("gang", GANGS, ids=[gang.kind for gang in GANGS])
+def test_a_kind_asked_for_that_the_cluster_does_not_serve_is_refused_saying_what_to_install(
+    gang: Gang, tmp_path: Path
+) -> None:
+    bare = Cluster().start()  # neither JobSet nor the training operator
+    try:
+        kube = backend(bare, tmp_path, multi_node=gang.multi_node)
+        task = assignment("absent", gpus=2, nodes=2)
+
+        async def scenario() -> Refused:
+            begin(kube, task)
+            with pytest.raises(Refused) as refused:
+                await kube.start(task, Recorder(kube.state))
+            await kube.stop_all(0)
+            return refused.value
+
+        refused = asyncio.run(scenario())
+        group, version, plural = pods.CUSTOM_WORKLOADS[gang.kind]
+        product = "JobSet" if gang.kind == "JobSet" else "the Kubeflow training operator"
+        assert "The multi-node workload was not created" in str(refused)
+        assert f"does not serve {group}/{version} {plural}: install {product}" in str(refused)
+        assert refused.permanent is False  # the task waits for it, or for another pool
+        assert kube.state.jobs() == []
+        assert Kubelet(bare).gone("Secret", pods.job_name("absent", "lease-absent"))  # nothing left behind
+    finally:
+        bare.stop()

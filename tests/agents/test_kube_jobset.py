@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from agents.backend import Refused
 from agents.kubernetes import KubeSettings
 from agents.state import JobRecord, State
 from protocol import pods
@@ -177,30 +176,6 @@ def test_the_workload_follows_the_setting_and_the_cluster(
         assert (len(jobs), len(jobsets)) == ((2, 0) if made == "jobs" else (1, 1))  # one node: always a Job
         services = cluster.requests("POST", rf"/api/v1/namespaces/{NAMESPACE}/services")
         assert len(services) == (1 if made == "jobs" else 0)
-    finally:
-        cluster.stop()
-
-
-def test_jobset_asked_for_on_a_cluster_without_it_is_refused_in_words(tmp_path: Path) -> None:
-    cluster = Cluster(jobset=False).start()
-    try:
-        kube = backend(cluster, tmp_path, multi_node="jobset")
-        recorder = Recorder(kube.state)
-        task = assignment("nojs", gpus=2, nodes=2)
-
-        async def scenario() -> Refused:
-            begin(kube, task)
-            with pytest.raises(Refused) as refused:
-                await kube.start(task, recorder)
-            await kube.stop_all(0)
-            return refused.value
-
-        refused = asyncio.run(scenario())
-        assert "The multi-node workload was not created" in str(refused)
-        assert "does not serve jobset.x-k8s.io/v1alpha2 jobsets: install JobSet" in str(refused)
-        assert refused.permanent is False  # the task waits for JobSet, or for another pool
-        assert kube.state.jobs() == []
-        assert Kubelet(cluster).gone("Secret", pods.job_name("nojs", "lease-nojs"))  # nothing left behind
     finally:
         cluster.stop()
 

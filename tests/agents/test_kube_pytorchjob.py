@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from agents.backend import Refused
 from protocol import pods
 from tests.agents.kube import NAMESPACE, Cluster, Kubelet
 from tests.agents.test_kubernetes import Recorder, assignment, backend, begin, until
@@ -121,29 +120,5 @@ def test_auto_prefers_jobset_then_the_training_operator_then_an_indexed_job(
             )
         }
         assert posted == {plural: int(plural == made) for plural in posted}
-    finally:
-        cluster.stop()
-
-
-def test_pytorchjob_asked_for_without_the_operator_is_refused_in_words(tmp_path: Path) -> None:
-    cluster = Cluster().start()
-    try:
-        kube = backend(cluster, tmp_path, multi_node="pytorchjob")
-        recorder = Recorder(kube.state)
-        task = assignment("nopt", gpus=2, nodes=2)
-
-        async def scenario() -> Refused:
-            begin(kube, task)
-            with pytest.raises(Refused) as refused:
-                await kube.start(task, recorder)
-            await kube.stop_all(0)
-            return refused.value
-
-        refused = asyncio.run(scenario())
-        assert "does not serve kubeflow.org/v1 pytorchjobs: install the Kubeflow training operator" in str(
-            refused
-        )
-        assert refused.permanent is False
-        assert kube.state.jobs() == []
     finally:
         cluster.stop()
