@@ -10,6 +10,7 @@ from apps.accounts.urls import urlpatterns as accounts_urlpatterns
 from apps.configuration.urls import urlpatterns as configuration_urlpatterns
 from apps.fleet.urls import agent_urlpatterns
 from apps.fleet.urls import urlpatterns as fleet_urlpatterns
+from apps.mcp.urls import urlpatterns as mcp_urlpatterns
 from apps.metering.urls import urlpatterns as metering_urlpatterns
 from apps.portal.urls import urlpatterns as portal_urlpatterns
 from apps.provider.urls import tenant_urlpatterns
@@ -29,6 +30,7 @@ api_v1 = [
     *sso_urlpatterns,
     *gateway_urlpatterns,
     *metering_urlpatterns,
+    *mcp_urlpatterns,
 ]
 
 urlpatterns = [

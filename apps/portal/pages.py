@@ -14,9 +14,12 @@ from django.views.decorators.http import require_POST
 from apps.accounts import services as accounts
 from apps.accounts.models import ApiToken, Role, User
 from apps.accounts.selectors import service_account_list
+from apps.accounts.serializers import TokenIn
 from apps.configuration.apis import ComputeResourceOut
 from apps.configuration.selectors import compute_resource_figures
 from apps.core.errors import KliqueError
+from apps.mcp import selectors as delegations
+from apps.mcp.services import delegation_revoke
 from apps.portal.views import admin_only, signed_in
 from apps.resources.models import ResourcePolicy
 from apps.scheduling import selectors
@@ -93,21 +96,29 @@ def tokens(request: HttpRequest) -> HttpResponse:
 def token_create(request: HttpRequest) -> HttpResponse:
     user = _user(request)
     context: dict[str, Any] = {}
-    try:
-        days = request.POST.get("days") or None
-        issued = accounts.token_create(
-            tenant=request.tenant,  # type: ignore[attr-defined]
-            user=user,
-            name=request.POST.get("name", "").strip(),
-            scope=request.POST.get("scope", ApiToken.Scope.READ),
-            agent=request.POST.get("agent", "").strip(),
-            expires_in_days=int(days) if days is not None else None,
+    form = {key: value.strip() for key in ("name", "scope", "agent", "gpu_quota", "days")
+            if (value := request.POST.get(key, "")).strip()}  # fmt: skip
+    if "days" in form:
+        form["expires_in_days"] = form.pop("days")
+    form.setdefault("scope", ApiToken.Scope.READ)
+    data = TokenIn(data=form)  # the API's own checks: an agent's name, a quota's GPUs, the days
+    if not data.is_valid():
+        context["error"] = " ".join(
+            f"{field.replace('_', ' ').capitalize()}: {' '.join(str(item) for item in errors)}"
+            for field, errors in data.errors.items()
         )
-        context["issued"] = issued
-    except ValueError:
-        context["error"] = "Days is a whole number."
-    except KliqueError as error:
-        context["error"] = error.message
+    else:
+        fields = dict(data.validated_data)
+        if "gpu_quota" in fields:
+            fields["gpu_quota_units"] = fields.pop("gpu_quota")
+        try:
+            context["issued"] = accounts.token_create(
+                tenant=request.tenant,  # type: ignore[attr-defined]
+                user=user,
+                **fields,
+            )
+        except KliqueError as error:
+            context["error"] = error.message
     context["tokens"] = _tokens(user)
     return render(request, "portal/_token_made.html", context)
 
@@ -118,6 +129,33 @@ def token_revoke(request: HttpRequest, token_id: str) -> HttpResponse:
     user = _user(request)
     accounts.token_revoke(token=get_object_or_404(ApiToken, pk=token_id, user=user))
     return render(request, "portal/_token_made.html", {"tokens": _tokens(user), "revoked": True})
+
+
+def _agents(user: User) -> list[dict[str, Any]]:
+    return [delegation.view() for delegation in delegations.delegations_for(user)]
+
+
+@signed_in
+def agents(request: HttpRequest) -> HttpResponse:
+    """The AI agents acting for the signed-in person: what each submitted, holds and spent; revoke one."""
+    return render(request, "portal/agents.html", {"agents": _agents(_user(request)), "page": "agents"})
+
+
+@signed_in
+@require_POST
+def agent_revoke(request: HttpRequest, token_id: str) -> HttpResponse:
+    user = _user(request)
+    token = get_object_or_404(delegations.delegated_tokens(user), pk=token_id)
+    cancelled = delegation_revoke(
+        tenant=request.tenant,  # type: ignore[attr-defined]
+        user=user,
+        token=token,
+        cancel_tasks=request.POST.get("cancel_tasks") == "on",
+    )
+    done = f"Revoked agent {token.agent}" + (
+        f" and cancelled {cancelled} of its tasks." if cancelled else "."
+    )
+    return render(request, "portal/_agents.html", {"agents": _agents(user), "done": done})
 
 
 def _service_accounts() -> Any:

@@ -20,6 +20,8 @@ urlpatterns = [
     path("portal/tokens/", pages.tokens, name="portal-tokens"),
     path("portal/tokens/create/", pages.token_create, name="portal-token-create"),
     path("portal/tokens/<uuid:token_id>/revoke/", pages.token_revoke, name="portal-token-revoke"),
+    path("portal/agents/", pages.agents, name="portal-agents"),
+    path("portal/agents/<uuid:token_id>/revoke/", pages.agent_revoke, name="portal-agent-revoke"),
     path("portal/service-accounts/", pages.service_accounts, name="portal-service-accounts"),
     path(
         "portal/service-accounts/create/", pages.service_account_create, name="portal-service-account-create"

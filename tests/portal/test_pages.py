@@ -141,3 +141,50 @@ def test_a_task_is_cancelled_from_its_page_and_its_state_follows(page: Any, port
     page.locator("#facts").filter(has_text="Cancelled by pat.").wait_for(timeout=10_000)
     assert page.get_by_role("button", name="Cancel task").count() == 0  # nothing left to cancel
     assert portal.errors == []
+
+
+def test_the_agents_acting_for_a_person_show_what_they_spent_and_are_revoked(
+    page: Any, portal: Portal
+) -> None:
+    from datetime import UTC, datetime
+
+    from apps.accounts.models import ApiToken
+    from gateway.models import Usage
+    from gateway.services import meter_calls
+
+    visit(page, portal, "Tokens")
+    page.get_by_label("Name", exact=True).fill("helper-token")
+    page.get_by_label("Scope").select_option("submit")
+    page.get_by_label("For an AI agent").fill("bad;agent")
+    page.get_by_role("button", name="Create token").click()
+    page.get_by_role("alert").wait_for()  # the API's own check of an agent's name
+    assert "Agent:" in page.get_by_role("alert").inner_text()
+    page.get_by_label("For an AI agent").fill("helper")
+    page.get_by_label("The agent's GPU quota").fill("2")
+    page.get_by_role("button", name="Create token").click()
+    page.get_by_role("status").filter(has_text="Token helper-token created").wait_for()
+
+    def called() -> None:
+        token = ApiToken.objects.get(name="helper-token")
+        Usage.objects.get_or_create(
+            request_id="kqr-portal-agent-1",
+            defaults={"at": datetime.now(UTC), "user_id": token.user_id, "username": "pat",
+                      "token_prefix": token.prefix, "agent": "helper", "endpoint": "chat.completions",
+                      "model": "chat", "tokens_in": 30, "tokens_out": 12},
+        )  # fmt: skip
+        meter_calls()
+
+    portal.run(called)
+    page.get_by_role("navigation", name="Portal").get_by_role("link", name="Agents").click()
+    assert page.evaluate(UNLABELLED) == []
+    row = page.locator("tr[data-agent='helper']")
+    cells = row.locator("td").all_inner_texts()
+    assert cells[2:5] == ["submit", "2", "0 (0)"]
+    assert cells[7] == "42 (1)"  # gateway tokens in and out, one call
+    screenshot(page, "agents")
+    page.on("dialog", lambda dialog: dialog.accept())
+    row.get_by_role("button", name="Revoke helper").click()
+    page.get_by_role("status").filter(has_text="Revoked agent helper").wait_for()
+    assert "revoked" in page.locator("tr[data-agent='helper']").inner_text()
+    assert portal.run(lambda: ApiToken.objects.get(name="helper-token").revoked_at) is not None
+    assert portal.errors == []
