@@ -25,3 +25,12 @@ def budgets_visible_to(user: User) -> QuerySet[Budget]:
         return rows
     projects = ProjectMembership.objects.filter(user=user).values("project_id")
     return rows.filter(Q(scope=Budget.Scope.TENANT) | Q(user=user) | Q(project__in=projects))
+
+
+def budgets_applying_to(user: User) -> QuerySet[Budget]:
+    """The budgets and wallets a user's gateway calls and GPU work draw from: the tenant's, their own and
+    those of the projects they belong to (for an admin too: what applies to them, not everyone's)."""
+    projects = ProjectMembership.objects.filter(user=user).values("project_id")
+    return Budget.objects.select_related("project", "user").filter(
+        Q(scope=Budget.Scope.TENANT) | Q(user=user) | Q(project__in=projects)
+    )

@@ -6,14 +6,15 @@ tasks of a spent wallet) and metering (whose recorded costs reach the live count
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from typing import Any
 
 from django.db import connection, transaction
 from django.db.models import Q, Sum
+from redis.exceptions import RedisError
 
 from apps.metering.selectors import compute_cost
-from gateway.budgets import NANO_PER_USD, Exhausted, budget_key, period_start
+from gateway.budgets import NANO_PER_USD, Exhausted, budget_key, period_end, period_start
 from gateway.budgets import Budget as Enforced
 from gateway.cache import sync_redis
 from gateway.models import Budget, Usage
@@ -57,6 +58,31 @@ def ledger_spent(budget: Enforced, *, now: datetime) -> int:
     if budget.unit == Budget.Unit.TOKENS:
         return int((totals["tokens_in"] or 0) + (totals["tokens_out"] or 0))
     return int(totals["cost"] or 0) + compute_cost(since=since, **subject)
+
+
+@dataclass(frozen=True)
+class Standing:
+    """Where a budget stands this period, in its unit (tokens, or nano-USD): spent per the ledger, held by
+    gateway calls in flight (None when the live counters cannot be read), and what is left."""
+
+    spent: int
+    held: int | None
+    left: int
+    resets: date | None  # the first day of the next period; None for a wallet
+
+
+def standing(budget: Budget, *, now: datetime) -> Standing:
+    rule = enforced(budget)
+    spent = ledger_spent(rule, now=now)
+    held: int | None
+    try:
+        key = budget_key(getattr(connection, "schema_name", ""), rule, now)
+        reserved = sync_redis().hget(key, "reserved")
+        held = int(reserved or 0)
+    except RedisError:
+        held = None
+    left = max(0, rule.limit - spent - (held or 0))
+    return Standing(spent, held, left, period_end(budget.period, period_start(budget.period, now)))
 
 
 def usd_budgets_for(*, user_id: str | None, project_id: str | None) -> list[Budget]:

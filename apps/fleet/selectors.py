@@ -111,6 +111,34 @@ def task_logs(task: Task, *, after: int = 0) -> list[dict[str, Any]]:
     ]
 
 
+def task_log_tail(task: Task, *, after: int = 0, lines: int = 100) -> tuple[list[tuple[str, str]], int, bool]:
+    """The latest `lines` lines the task logged after cursor `after`, oldest first, each with its stream;
+    the cursor of the newest (to read on from); and whether earlier lines after `after` were left out.
+    Reads the newest reports first and stops when it has enough, however long the log."""
+    reports = task.reports.filter(kind=TaskReport.Kind.LOG, pk__gt=after).order_by("-pk")
+    newest_first: list[list[tuple[str, str]]] = []
+    cursor, kept, more, before = after, 0, False, None
+    while kept < lines and not more:
+        batch = reports.filter(pk__lt=before) if before is not None else reports
+        rows = list(batch.values_list("pk", "body")[:200])
+        if not rows:
+            break
+        for pk, body in rows:
+            cursor = max(cursor, pk)
+            if kept >= lines:
+                more = True
+                break
+            said = body.get("lines", [])
+            taken = said[-(lines - kept) :]
+            more = more or len(taken) < len(said)
+            newest_first.append([(body.get("stream", "stdout"), line) for line in taken])
+            kept += len(taken)
+        before = rows[-1][0]
+    if not more and kept >= lines and before is not None:
+        more = reports.filter(pk__lt=before).exists()
+    return [line for chunk in reversed(newest_first) for line in chunk], cursor, more
+
+
 class _Agents:
     """Scheduling's view of the agents (apps.scheduling.agents), answered from the registry here."""
 

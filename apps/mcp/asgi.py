@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import replace
 from typing import Any
 
 from channels.db import database_sync_to_async
@@ -97,6 +98,7 @@ class McpApp:
             await self._refuse(scope, send, refused)
             return
         await self._start()
+        identity = replace(identity, origin=origin(scope))
         await self.http({**scope, mcp_server.SCOPE_KEY: identity}, receive, send)
 
     async def _refuse(self, scope: Scope, send: Any, refused: NotServed) -> None:

@@ -29,6 +29,7 @@ class Identity:
     tenant: Tenant
     user: User
     token: ApiToken
+    origin: str = ""  # the address the client used ("https://acme.klique.example"), for what names it
 
 
 def identity_for(*, host: str, presented: str) -> Identity:

@@ -6,20 +6,30 @@ thread (Django's ORM), and either answers with plain data or raises Refused with
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+from django.core.files.storage import default_storage
 from django.db import transaction
+from django.utils import timezone
 from django_tenants.utils import schema_context
 
 from apps.accounts import access
-from apps.accounts.models import Role
+from apps.accounts.models import Role, User
 from apps.audit.services import record
+from apps.configuration.services import batch_preview
 from apps.core.errors import KliqueError
 from apps.fleet import selectors as fleet
 from apps.mcp.identity import Identity
+from apps.metering import selectors as usage
+from apps.metering.ledger import usd
+from apps.resources.models import ComputeResource
 from apps.scheduling import selectors, services
 from apps.scheduling.engine import to_gpus_text
 from apps.scheduling.models import ENDED_STATES, Task, TaskState
+from gateway import selectors as gateway
+from gateway import wallets
+from gateway.models import Budget
 
 T = TypeVar("T")
 
@@ -36,6 +46,7 @@ class Caller:
 
     def __init__(self, identity: Identity) -> None:
         self.tenant, self.user, self.token = identity.tenant, identity.user, identity.token
+        self.origin = identity.origin
 
     def may(self, *, needed: str = Role.VIEWER, write: bool = False, submit: bool = False) -> None:
         refused = access.refusal(self.user, self.token, needed=needed, write=write, submit=submit)
@@ -190,26 +201,28 @@ def why_pending(caller: Caller, *, task_id: str) -> dict[str, Any]:
     }
 
 
-def task_logs(caller: Caller, *, task_id: str, after: int, last: int) -> dict[str, Any]:
+def _readable(caller: Caller, task_id: str) -> Task:
+    """A task whose output (logs, files) the caller may read."""
     caller.may()
     task = _task(caller, task_id)
     if not selectors.may_read_output(caller.user, task):
         raise Refused(
-            f"The output of task {task.pk} is {selectors.output_readers(task)}'s to read; ask one of them."
+            f"You may not read the log or outputs of task {task.pk}: {selectors.output_readers(task)} "
+            "Ask one of them to share what you need."
         )
-    chunks = fleet.task_logs(task, after=max(0, after))
-    lines = [
-        {"stream": chunk["stream"], "line": line, "cursor": chunk["cursor"]}
-        for chunk in chunks
-        for line in chunk["lines"]
-    ]
-    cursor = chunks[-1]["cursor"] if chunks else max(0, after)
-    kept = lines[-min(max(1, last), MAX_LOG_LINES) :]
+    return task
+
+
+def task_logs(caller: Caller, *, task_id: str, after: int, last: int) -> dict[str, Any]:
+    task = _readable(caller, task_id)
+    lines, cursor, more = fleet.task_log_tail(
+        task, after=max(0, after), lines=min(max(1, last), MAX_LOG_LINES)
+    )
     return {
         "task_id": str(task.pk),
         "state": task.state,
-        "lines": [f"[{item['stream']}] {item['line']}" for item in kept],
-        "omitted_before": len(lines) - len(kept),
+        "lines": [f"[{stream}] {line}" for stream, line in lines],
+        "earlier_lines_omitted": more,  # read them with a smaller `after`, or the log resource
         "next_after": cursor,  # pass as `after` to read only what comes next
         "ended": task.state in ENDED_STATES,
     }
@@ -236,3 +249,161 @@ def list_tasks(caller: Caller, *, state: str | None, mine: bool, limit: int) -> 
     if mine:
         tasks = tasks.filter(submitter=caller.user)
     return [task_view(task) for task in tasks.order_by("-submitted_at")[: max(1, min(limit, MAX_LIST))]]
+
+
+def _compute_resource(caller: Caller, named: str) -> ComputeResource:
+    """A compute resource the caller may submit to, by name or id; any other is not found."""
+    resources = selectors.compute_resources_for(caller.user)
+    found = resources.filter(pk=_uuid(named)).first() if _uuid(named) else None
+    found = found or resources.filter(name=named.strip()).first()
+    if found is None:
+        raise Refused(
+            f"No compute resource {named!r} is open to you. "
+            "list_compute_resources names the ones you may use."
+        )
+    return found
+
+
+def usage_summary(caller: Caller, *, by: str, everyone: bool) -> dict[str, Any]:
+    caller.may()
+    if everyone and not caller.user.has_role(Role.ADMIN):
+        raise Refused("Only a tenant admin may read everyone's usage; call again without everyone.")
+    month = timezone.now().astimezone(UTC).date().replace(day=1)
+    since = datetime.combine(month, datetime.min.time(), tzinfo=UTC).isoformat()
+    summary = usage.usage_summary(
+        user_id=None if everyone else caller.user.pk, by=by, grain="day", bounds={"since": since}
+    )
+    return {**summary, "since": since, "who": "everyone" if everyone else caller.user.username}
+
+
+def _amount(unit: str, value: int | None) -> str | None:
+    if value is None:
+        return None
+    return str(value) if unit == Budget.Unit.TOKENS else str(usd(value))
+
+
+def budget_status(caller: Caller) -> list[dict[str, Any]]:
+    caller.may()
+    now = timezone.now()
+    rows = []
+    for budget in gateway.budgets_applying_to(caller.user).order_by("scope", "created_at"):
+        standing = wallets.standing(budget, now=now)
+        rows.append(
+            {
+                "name": wallets.budget_label(budget),
+                "scope": budget.scope,
+                "wallet": budget.period == Budget.Period.NONE,
+                "unit": budget.unit,
+                "period": budget.period,
+                "limit": _amount(budget.unit, wallets.enforced(budget).limit),
+                "spent": _amount(budget.unit, standing.spent),
+                "held": _amount(budget.unit, standing.held),
+                "left": _amount(budget.unit, standing.left),
+                "resets_on": standing.resets.isoformat() if standing.resets else None,
+                "pays_for": "gateway calls"
+                if budget.unit == Budget.Unit.TOKENS
+                else "gateway calls, GPU time, storage",
+            }
+        )
+    return rows
+
+
+def preview_batch_script(
+    caller: Caller,
+    *,
+    compute_resource: str,
+    command: list[str],
+    gpus: str | None,
+    name: str,
+    scheduler: str | None,
+) -> dict[str, Any]:
+    caller.may(needed=Role.MEMBER, write=True, submit=True)
+    resource = _compute_resource(caller, compute_resource)
+    preview = batch_preview(
+        resource=resource,
+        user=caller.user,
+        url=caller.origin,
+        scheduler=scheduler,
+        template=None,
+        gpus=gpus,
+        name=name,
+        spec={"command": command},
+    )
+    return {
+        "compute_resource": resource.name,
+        "scheduler": preview.scheduler,
+        "template_from": preview.template_from,
+        "script": preview.script,
+        "submit": preview.submit,
+    }
+
+
+MAX_LOG_TEXT_LINES = 5000
+MAX_OUTPUT_BYTES = 4 * 1024 * 1024  # an output read through MCP; larger ones are downloaded over the API
+
+
+def log_text(caller: Caller, *, task_id: str) -> str:
+    """A task's output as one text, the latest MAX_LOG_TEXT_LINES lines, each with its stream."""
+    task = _readable(caller, task_id)
+    lines, _, more = fleet.task_log_tail(task, lines=MAX_LOG_TEXT_LINES)
+    head = (
+        f"(earlier lines omitted: the latest {MAX_LOG_TEXT_LINES} follow; task_logs reads on)\n"
+        if more
+        else ""
+    )
+    return head + "\n".join(f"[{stream}] {line}" for stream, line in lines)
+
+
+def output_list(caller: Caller, *, task_id: str) -> list[dict[str, Any]]:
+    task = _readable(caller, task_id)
+    return [
+        {"name": output.name, "bytes": output.size, "uri": f"klique://tasks/{task.pk}/outputs/{output.name}"}
+        for output in fleet.task_outputs(task).order_by("name")
+    ]
+
+
+def output_content(caller: Caller, *, task_id: str, name: str) -> str | bytes:
+    """One output of the task's latest run: text where it is UTF-8, bytes otherwise."""
+    task = _readable(caller, task_id)
+    output = fleet.task_outputs(task).filter(name=name).order_by("-at").first()
+    if output is None:
+        raise Refused(
+            f"Task {task.pk} has no output {name!r} in its latest run; "
+            f"klique://tasks/{task.pk}/outputs lists them."
+        )
+    download = f"{caller.origin}/api/v1/tasks/{task.pk}/outputs/{output.name}"
+    if output.size > MAX_OUTPUT_BYTES:
+        raise Refused(
+            f"Output {output.name} is {output.size:,} bytes, more than the {MAX_OUTPUT_BYTES:,} read "
+            "through MCP; "
+            f"download it with your token from {download}."
+        )
+    try:
+        with default_storage.open(output.stored, "rb") as stored:
+            content: bytes = stored.read(MAX_OUTPUT_BYTES + 1)
+    except OSError:
+        raise Refused(
+            f"Output {output.name} is listed but its file is gone from the plane's store; "
+            "tell an administrator."
+        ) from None
+    try:
+        return content.decode("utf-8")
+    except UnicodeDecodeError:
+        return content
+
+
+def policies(caller: Caller, *, username: str) -> list[dict[str, Any]]:
+    """The resource policies that apply to a person: their groups' reservations, limits, what is in use."""
+    caller.may()
+    person = caller.user
+    if username not in ("me", caller.user.username):
+        if not caller.user.has_role(Role.ADMIN):
+            raise Refused(
+                "You may read your own policies (klique://users/me/policies); "
+                "a tenant admin may read anyone's."
+            )
+        found = User.objects.filter(username=username).first()
+        if found is None:
+            raise Refused(f"No person {username!r} in this tenant.")
+        person = found
+    return selectors.policies_for(person)

@@ -6,7 +6,6 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
-from django.db.models import Sum
 from django.http import HttpResponse
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
@@ -17,7 +16,7 @@ from apps.accounts.api_base import TenantAPIView
 from apps.accounts.models import Role
 from apps.core.errors import InvalidInput
 from apps.metering import exports, ledger, selectors, services
-from apps.metering.models import LedgerEvent, Period, Rejection, Rollup
+from apps.metering.models import LedgerEvent, Period, Rejection
 from protocol.units import UNITS_PER_GPU
 
 SIX = Decimal("0.000001")
@@ -70,10 +69,6 @@ class UsageListView(TenantAPIView):
         return self.page(events.order_by("-started_at"), EventOut)
 
 
-SUMMARY_KEYS = {"project": "project_id", "user": "user_id", "pool": "pool", "gpu_class": "gpu_class",
-                "model": "model", "kind": "kind"}  # fmt: skip
-
-
 class UsageSummaryView(TenantAPIView):
     @extend_schema(
         summary="Totals from the hourly or daily rollups, grouped by project, user, pool, gpu_class, "
@@ -81,34 +76,14 @@ class UsageSummaryView(TenantAPIView):
     )
     def get(self, request: Request) -> Response:
         query = request.query_params
-        by = query.get("by", "project")
-        grain = query.get("grain", "day")
-        if by not in SUMMARY_KEYS or grain not in Rollup.Grain.values:
-            raise InvalidInput(f"by is one of {', '.join(SUMMARY_KEYS)}; grain is hour or day.", field="by")
-        rollups = Rollup.objects.filter(grain=grain)
-        if not self.user.has_role(Role.ADMIN):
-            rollups = rollups.filter(user_id=self.user.pk)
         bounds = {key: str(query[key]) for key in ("kind", "since", "until") if query.get(key)}
-        rollups = selectors.usage_filtered(rollups, bounds, time_field="bucket")
-        column = SUMMARY_KEYS[by]
-        rows = rollups.values(column).annotate(events=Sum("events"), **ledger.amount_sums())
-        names = selectors.names(column)
-        result = [
-            {
-                by: names.get(str(row[column]), str(row[column] or ""))
-                if column.endswith("_id")
-                else row[column],
-                "events": int(row["events"]),
-                "gpu_hours": gpu_hours(row["gpu_unit_ms"]),
-                "tokens_in": int(row["tokens_in"]),
-                "tokens_out": int(row["tokens_out"]),
-                "gb_hours": gb_hours(row["byte_ms"]),
-                "cost_usd": usd(row["cost"]),
-            }
-            for row in rows.order_by(column)
-        ]
-        total = sum((Decimal(row["cost_usd"]) for row in result), Decimal(0))
-        return Response({"by": by, "grain": grain, "rows": result, "total_cost_usd": str(total)})
+        summary = selectors.usage_summary(
+            user_id=None if self.user.has_role(Role.ADMIN) else self.user.pk,
+            by=query.get("by", "project"),
+            grain=query.get("grain", "day"),
+            bounds=bounds,
+        )
+        return Response(summary)
 
 
 class ImportIn(serializers.Serializer[Any]):

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 from django.db.models import QuerySet, Sum
 
 from apps.accounts.models import Project, Role, User
 from apps.core.errors import InvalidInput
-from apps.metering.ledger import amount_sums
-from apps.metering.models import Kind, LedgerEvent, Period, PriceBook, Rejection
+from apps.metering.ledger import amount_sums, gb_hours, gpu_hours, usd
+from apps.metering.models import Kind, LedgerEvent, Period, PriceBook, Rejection, Rollup
 from apps.metering.runs import segment_prefix
 
 
@@ -56,6 +57,42 @@ def usage_filtered(events: QuerySet[Any], query: dict[str, str], *, time_field: 
                 ) from None
             events = events.filter(**{f"{time_field}__{lookup}": moment})
     return events
+
+
+SUMMARY_KEYS = {"project": "project_id", "user": "user_id", "pool": "pool", "gpu_class": "gpu_class",
+                "model": "model", "kind": "kind"}  # fmt: skip
+SIX = Decimal("0.000001")
+
+
+def usage_summary(*, user_id: Any, by: str, grain: str, bounds: dict[str, str]) -> dict[str, Any]:
+    """Totals of the ledger's hourly or daily rollups grouped `by` one of SUMMARY_KEYS, for one user (or
+    everyone, with user_id None), within `bounds` (kind, since, until): events, GPU-hours, tokens in and
+    out, GB-hours and cost, with the total cost. The usage API and the MCP server both answer with it."""
+    if by not in SUMMARY_KEYS or grain not in Rollup.Grain.values:
+        raise InvalidInput(f"by is one of {', '.join(SUMMARY_KEYS)}; grain is hour or day.", field="by")
+    rollups = Rollup.objects.filter(grain=grain)
+    if user_id is not None:
+        rollups = rollups.filter(user_id=user_id)
+    rollups = usage_filtered(rollups, bounds, time_field="bucket")
+    column = SUMMARY_KEYS[by]
+    rows = rollups.values(column).annotate(events=Sum("events"), **amount_sums())
+    labels = names(column)
+    result = [
+        {
+            by: labels.get(str(row[column]), str(row[column] or ""))
+            if column.endswith("_id")
+            else row[column],
+            "events": int(row["events"]),
+            "gpu_hours": str(gpu_hours(row["gpu_unit_ms"]).quantize(SIX)),
+            "tokens_in": int(row["tokens_in"]),
+            "tokens_out": int(row["tokens_out"]),
+            "gb_hours": str(gb_hours(row["byte_ms"]).quantize(SIX)),
+            "cost_usd": str(usd(row["cost"]).quantize(SIX)),
+        }
+        for row in rows.order_by(column)
+    ]
+    total = sum((Decimal(row["cost_usd"]) for row in result), Decimal(0))
+    return {"by": by, "grain": grain, "rows": result, "total_cost_usd": str(total)}
 
 
 def price_book() -> PriceBook:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db.models import Sum
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_POST
@@ -21,10 +20,7 @@ from apps.core.errors import KliqueError
 from apps.mcp import selectors as delegations
 from apps.mcp.services import delegation_revoke
 from apps.portal.views import admin_only, signed_in
-from apps.resources.models import ResourcePolicy
 from apps.scheduling import selectors
-from apps.scheduling.engine import describe
-from apps.scheduling.models import ACTIVE_STATES, Task
 from apps.vault.selectors import secrets_visible_to
 from apps.vault.services import secret_set
 from gateway.apis import BudgetOut
@@ -37,27 +33,6 @@ def _user(request: HttpRequest) -> User:
     return user
 
 
-def _access(user: User) -> list[dict[str, Any]]:
-    """Each policy of the person's groups: reservation, limit, what is in use, what it opens to them."""
-
-    rows = []
-    for policy in ResourcePolicy.objects.filter(group__members=user).select_related("group").distinct():
-        in_use = Task.objects.filter(compute_resource__policy=policy, state__in=ACTIVE_STATES)
-        yours = in_use.filter(submitter=user)
-        rows.append(
-            {
-                "policy": policy.name,
-                "group": policy.group.name,
-                "reservation": describe(policy.reservation_units),
-                "limit": describe(policy.limit_units),
-                "in_use": describe(in_use.aggregate(units=Sum("size_units"))["units"] or 0),
-                "yours": describe(yours.aggregate(units=Sum("size_units"))["units"] or 0),
-                "resources": [resource.name for resource in policy.compute_resources.all()],
-            }
-        )
-    return rows
-
-
 def _queues(user: User) -> list[dict[str, Any]]:
     data: Any = ComputeResourceOut(
         selectors.compute_resources(), many=True, context=compute_resource_figures(user)
@@ -68,7 +43,7 @@ def _queues(user: User) -> list[dict[str, Any]]:
 @signed_in
 def queues(request: HttpRequest) -> HttpResponse:
     user = _user(request)
-    context = {"access": _access(user), "queues": _queues(user), "page": "queues"}
+    context = {"access": selectors.policies_for(user), "queues": _queues(user), "page": "queues"}
     return render(request, "portal/queues.html", context)
 
 

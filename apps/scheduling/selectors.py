@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from django.db import connection
-from django.db.models import Count, Q, QuerySet
+from django.db.models import Count, Q, QuerySet, Sum
 from django.utils import timezone
 
 from apps.accounts.models import ProjectMembership, Role, User
-from apps.resources.models import ComputeResource
+from apps.resources.models import ComputeResource, ResourcePolicy
+from apps.scheduling.engine import describe
 from apps.scheduling.models import ACTIVE_STATES, Task, TaskState
 
 
@@ -22,6 +24,29 @@ def compute_resources() -> QuerySet[ComputeResource]:
 def compute_resources_for(user: User) -> QuerySet[ComputeResource]:
     """The compute resources a user may submit to: those whose policy's group the user is in."""
     return compute_resources().filter(policy__group__members=user)
+
+
+def policies_for(user: User) -> list[dict[str, Any]]:
+    """Each policy of the person's groups: its reservation and limit, what its tasks hold now (and how
+    much of that is theirs), and the compute resources it opens to them. The portal's Queues page and
+    the MCP server's policies resource show it."""
+    rows = []
+    policies = ResourcePolicy.objects.filter(group__members=user).select_related("group").distinct()
+    for policy in policies.prefetch_related("compute_resources").order_by("name"):
+        in_use = Task.objects.filter(compute_resource__policy=policy, state__in=ACTIVE_STATES)
+        yours = in_use.filter(submitter=user)
+        rows.append(
+            {
+                "policy": policy.name,
+                "group": policy.group.name,
+                "reservation": describe(policy.reservation_units),
+                "limit": describe(policy.limit_units),
+                "in_use": describe(in_use.aggregate(units=Sum("size_units"))["units"] or 0),
+                "yours": describe(yours.aggregate(units=Sum("size_units"))["units"] or 0),
+                "resources": sorted(resource.name for resource in policy.compute_resources.all()),
+            }
+        )
+    return rows
 
 
 def tasks_visible_to(user: User) -> QuerySet[Task]:

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import httpx2
 import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
 
 from tests.e2e.conftest import ROOT, Running, clean_environment, free_port, start_up
 from tests.e2e.test_agent_crash import Demo
@@ -262,3 +264,118 @@ def test_without_a_usable_token_the_answer_is_401_naming_the_resource_metadata(
         timeout=10,
     )
     assert elsewhere.status_code == 404
+
+
+async def _read(port: int, token: str, uri: str) -> tuple[bool, Any]:
+    """(failed, the contents' text or bytes, or the error's words) of one resource read."""
+    async with mcp_client(port, token) as client:
+        try:
+            result = await client.read_resource(uri)
+        except MCPError as error:
+            return True, str(error)
+    (content,) = result.contents
+    return False, getattr(content, "text", None) or getattr(content, "blob", None)
+
+
+def read(port: int, token: str, uri: str) -> Any:
+    failed, answer = asyncio.run(_read(port, token, uri))
+    assert not failed, answer
+    return answer
+
+
+WRITES = (
+    "import json, pathlib\n"
+    "for step in range(3):\n    print(f'epoch {step}', flush=True)\n"
+    "pathlib.Path('metrics.json').write_text(json.dumps({'loss': 0.25}))\n"
+)
+
+
+def test_usage_budgets_previews_resources_and_prompts_agree_with_the_api(
+    plane: tuple[Running, int, Demo],
+) -> None:
+    running, second, demo = plane
+    port, admin = running.port, demo.token
+
+    # usage_summary: the usage API's own figures, this month.
+    since = datetime.now(UTC).date().replace(day=1).isoformat() + "T00:00:00+00:00"
+    rest = demo.call("GET", "/api/v1/usage/summary/", params={"by": "kind", "since": since})
+    everyone = tool(port, admin, "usage_summary", by="kind", everyone=True)
+    assert (everyone["rows"], everyone["total_cost_usd"]) == (rest["rows"], rest["total_cost_usd"])
+    assert any(row["kind"] == "gpu" and row["gpu_hours"] != "0.000000" for row in everyone["rows"])
+    assert tool(second, admin, "usage_summary")["who"] == "alice"
+
+    # budget_status: what the budgets API says is spent, and what is left.
+    made = demo.call(
+        "POST", "/api/v1/gateway/budgets/",
+        json={"scope": "user", "user": "alice", "unit": "tokens", "limit": "5000", "period": "month"},
+    )  # fmt: skip
+    budgets = tool(second, admin, "budget_status")["budgets"]
+    (mine,) = [row for row in budgets if row["name"] == "alice's monthly budget"]
+    assert (mine["limit"], mine["spent"], mine["held"]) == ("5000", made["spent"], "0")
+    assert int(mine["left"]) == 5000 - int(made["spent"])
+
+    # preview_batch_script: the configuration API's preview, rendered the same.
+    four = next(row for row in tool(port, admin, "list_compute_resources")["compute_resources"]
+                if row["name"] == "Research: 4 GPUs")  # fmt: skip
+    preview = tool(port, admin, "preview_batch_script", compute_resource="Research: 4 GPUs",
+                   command=["python", "train.py", "--lr", "1e-3; rm -rf /"])  # fmt: skip
+    assert preview["scheduler"] == "slurm"
+    assert "#SBATCH" in preview["script"]
+    assert "'1e-3; rm -rf /'" in preview["script"]  # an argument stays one argument
+    api_preview = demo.call(
+        "POST", f"/api/v1/compute-resources/{four['id']}/batch-preview/",
+        json={"spec": {"command": ["python", "train.py", "--lr", "1e-3; rm -rf /"]}},
+    )  # fmt: skip
+    assert (preview["script"], preview["submit"]) == (api_preview["script"], api_preview["submit"])
+
+    # Resources: a task's log, its outputs and one of them; the policies that apply.
+    task = tool(port, admin, "submit_task", compute_resource="Research: 4 GPUs",
+                command=[sys.executable, "-c", WRITES], outputs=["metrics.json"])  # fmt: skip
+    deadline = time.monotonic() + 90
+    while tool(second, admin, "task_status", task_id=task["id"])["state"] != "completed":
+        assert time.monotonic() < deadline, tool(second, admin, "task_status", task_id=task["id"])
+        time.sleep(0.5)
+    log = read(second, admin, f"klique://tasks/{task['id']}/logs")
+    assert [line for line in log.splitlines() if "epoch" in line] == [f"[stdout] epoch {n}" for n in range(3)]
+    listed = json.loads(read(port, admin, f"klique://tasks/{task['id']}/outputs"))["outputs"]
+    assert [(row["name"], row["uri"]) for row in listed] == [
+        ("metrics.json", f"klique://tasks/{task['id']}/outputs/metrics.json")
+    ]
+    assert json.loads(read(second, admin, listed[0]["uri"])) == {"loss": 0.25}
+    policies = json.loads(read(port, admin, "klique://users/me/policies"))["policies"]
+    research = next(row for row in policies if row["group"] == "research")
+    assert "Research: 4 GPUs" in research["resources"]
+    account = demo.call("POST", "/api/v1/service-accounts/", json={"name": "peeker", "role": "viewer"})
+    viewer = demo.call("POST", f"/api/v1/service-accounts/{account['id']}/tokens/", json={"name": "p"})[
+        "token"
+    ]
+    refusals = {
+        "klique://users/alice/policies": "You may read your own policies",
+        f"klique://tasks/{uuid.uuid4()}/logs": "list_tasks shows the tasks you may see",
+        f"klique://tasks/{task['id']}/logs": "Only alice and tenant admins read what this task wrote.",
+        f"klique://tasks/{task['id']}/outputs/metrics.json": "may not read the log or outputs of task",
+    }
+    for uri, words in refusals.items():  # a viewer: may read tasks, not what alice's task wrote
+        failed, said = asyncio.run(_read(port, viewer, uri))
+        assert failed, (uri, said)
+        assert words in said, (uri, said)
+    for uri, words in {
+        f"klique://tasks/{task['id']}/outputs/missing.json": "has no output 'missing.json'",
+        f"klique://tasks/{task['id']}/outputs/../../etc/passwd": "",  # the SDK's own path checks
+        f"klique://tasks/{task['id']}/outputs/%2Fetc%2Fpasswd": "",
+    }.items():
+        failed, said = asyncio.run(_read(port, admin, uri))
+        assert failed, (uri, said)
+        assert words in said, (uri, said)
+
+    # Prompts: listed, and "why is my task waiting" carries the scheduler's words.
+    async def prompts() -> tuple[set[str], str]:
+        async with mcp_client(port, admin) as client:
+            names = {prompt.name for prompt in (await client.list_prompts()).prompts}
+            got = await client.get_prompt("why_is_my_task_waiting", {"task_id": task["id"]})
+        return names, " ".join(getattr(message.content, "text", "") for message in got.messages)
+
+    names, text = asyncio.run(prompts())
+    assert names == {"submit_a_training_run", "why_is_my_task_waiting"}
+    assert '"state": "completed"' in text
+    assert "budget_status" in text

@@ -12,8 +12,9 @@ from tests.portal.conftest import PASSWORD, ROOT, Portal, sign_in
 pytestmark = pytest.mark.django_db
 
 AXE = ROOT / "frontend" / "node_modules" / "axe-core" / "axe.min.js"
-PAGES = ["/portal/", "/portal/queues/", "/portal/dashboard/", "/portal/usage/", "/portal/tokens/", "/portal/agents/",
-         "/portal/service-accounts/", "/portal/secrets/", "/portal/configuration/"]  # fmt: skip
+PAGES = ["/portal/", "/portal/queues/", "/portal/dashboard/", "/portal/usage/", "/portal/tokens/",
+         "/portal/agents/", "/portal/service-accounts/", "/portal/secrets/",
+         "/portal/configuration/"]  # fmt: skip
 
 
 def violations(page: Any) -> list[str]:
