@@ -34,10 +34,10 @@ def test_the_tail_is_the_end_of_the_whole_log(world: World, shape: str, wanted: 
         )
         number = 0
         for seq, size in enumerate(SHAPES[shape]):
-            lines = [f"line {number + index}" for index in range(size)]
+            said = [f"line {number + index}" for index in range(size)]
             number += size
             stream = "stderr" if seq % 3 == 2 else "stdout"
-            TaskReport.objects.create(task=task, seq=seq, kind="log", body={"stream": stream, "lines": lines})
+            TaskReport.objects.create(task=task, seq=seq, kind="log", body={"stream": stream, "lines": said})
         chunks = task_logs(task)
         after = chunks[skip - 1]["cursor"] if 0 < skip < len(chunks) else 0
         everything = [
