@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import signal
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, TextIO
 
 import websockets
 
@@ -28,6 +32,35 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     submit.add_argument("--name", default="")
     submit.add_argument("--project")
     submit.add_argument("--priority", type=int, default=0)
+    submit.add_argument(
+        "--output",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="keep the files matching this pattern in the task's folder as outputs (repeatable): '*.pt'",
+    )
+    submit.add_argument(
+        "--idempotency-key",
+        default="",
+        help="your own key for this submission: submitting again with it returns the same task (a CI retry)",
+    )
+    submit.add_argument(
+        "--wait",
+        action="store_true",
+        help="follow the task to its end, printing its output; the exit code is its outcome (0 completed, "
+        "its own exit code or 1 failed, 3 aborted, 124 timed out)",
+    )
+    submit.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help="with --wait: give up after this long, and cancel the task",
+    )
+    submit.add_argument(
+        "--json",
+        action="store_true",
+        help="print the task as JSON on stdout (at its end, with --wait; its output then goes to stderr)",
+    )
     submit.set_defaults(argv=[])  # the command to run follows `--` (see klique.cli.parse_args)
     tasks = connection(commands.add_parser("tasks", help="list tasks, newest first"))
     tasks.add_argument("--state")
@@ -62,18 +95,30 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     simulate.add_argument("--trace", help="replay a CSV trace: timestamp,duration,num_gpus,compute_resource")
 
 
+class Outcome(NamedTuple):
+    """What a command prints, and the exit code it ends with."""
+
+    text: str
+    code: int
+
+
 def run(args: argparse.Namespace, client: Client | None = None) -> int:
     """Run a user command; returns the exit code. `client` lets tests bring their own transport."""
     try:
         client = client or Client.from_environment(args.url, args.token)
-        print(HANDLERS[args.command](args, client))
-        return 0
+        said = HANDLERS[args.command](args, client)
+        outcome = said if isinstance(said, Outcome) else Outcome(said, 0)
+        print(outcome.text, flush=True)
+        return outcome.code
     except KliqueError as error:
-        print(f"klique {args.command}: {error.message}")
+        print(
+            f"klique {args.command}: {error.message}",
+            file=sys.stderr if getattr(args, "json", False) else sys.stdout,
+        )
         return 1
 
 
-def _submit(args: argparse.Namespace, client: Client) -> str:
+def _submit(args: argparse.Namespace, client: Client) -> str | Outcome:
     command = list(args.argv)
     task = client.submit(
         args.compute_resource,
@@ -82,8 +127,126 @@ def _submit(args: argparse.Namespace, client: Client) -> str:
         project=args.project,
         priority=args.priority,
         command=command or None,
+        outputs=args.output,
+        idempotency_key=args.idempotency_key,
     )
+    if args.wait:
+        return wait(client, task, timeout=args.timeout, as_json=args.json)
+    if args.json:
+        return json.dumps(task)
     return f"Submitted {task['id']} to {task['compute_resource']} ({task['gpus']} GPUs): {task['state']}."
+
+
+# The exit codes of `klique submit --wait`, beside the task's own exit code when it failed with one.
+EXIT_FAILED, EXIT_ABORTED, EXIT_TIMED_OUT, EXIT_INTERRUPTED = 1, 3, 124, 130
+
+
+def outcome_code(task: dict[str, Any]) -> int:
+    """The exit code that says how a task ended: 0 completed; its own exit code (1 to 255) or 1 failed; 3
+    aborted (cancelled, or lost for good)."""
+    if task["state"] == "completed":
+        return 0
+    if task["state"] == "failed":
+        code = task.get("exit_code")
+        return code if isinstance(code, int) and 0 < code < 256 else EXIT_FAILED
+    return EXIT_ABORTED
+
+
+def wait(client: Client, task: dict[str, Any], *, timeout: float | None, as_json: bool) -> Outcome:
+    """Follow `task` to its end: its output as it comes (on stdout, or stderr with --json), and what it is
+    waiting for on stderr whenever that changes (and every 30 s on a terminal); at the end, its state as
+    a line or as JSON, and its outcome as the exit code. Past `timeout`, or on Ctrl-C (a CI job being
+    cancelled), the task is cancelled, so no GPU is left working for a job that stopped waiting."""
+    out = sys.stderr if as_json else sys.stdout
+    notes = Progress(task["id"], sys.stderr)
+    notes.saw(task)
+
+    async def follow() -> None:
+        async def output() -> None:
+            async for message in client.follow_logs(task["id"]):
+                if message["type"] == "log":
+                    out.write("".join(f"{line}\n" for line in message["lines"]))
+                    out.flush()
+                elif message["type"] == "end":
+                    return
+
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(POLL_SECONDS)
+                notes.saw(await asyncio.to_thread(client.task, task["id"]))
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait_for(output(), timeout)
+        finally:
+            watcher.cancel()
+
+    previous = signal.signal(signal.SIGTERM, _interrupted)  # a CI job cancelled: stop like Ctrl-C
+    try:
+        asyncio.run(follow())
+    except TimeoutError:
+        client.cancel(task["id"])
+        ended = client.task(task["id"])
+        return _ended(
+            ended, as_json, EXIT_TIMED_OUT, f"Gave up after {duration(timeout or 0)}; cancelled it."
+        )
+    except KeyboardInterrupt:
+        client.cancel(task["id"])
+        return _ended(client.task(task["id"]), as_json, EXIT_INTERRUPTED, "Interrupted; cancelled it.")
+    except (OSError, websockets.WebSocketException) as error:
+        raise KliqueError(f"Cannot follow task {task['id']}: {error}.") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    ended = client.task(task["id"])
+    return _ended(ended, as_json, outcome_code(ended), "")
+
+
+def _cancel_quietly(client: Client, task_id: str) -> None:
+    """Cancel a task we stop waiting for; one that ended meanwhile has nothing to cancel."""
+    with contextlib.suppress(KliqueError):
+        client.cancel(task_id)
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _ended(task: dict[str, Any], as_json: bool, code: int, note: str) -> Outcome:
+    if as_json:
+        if note:
+            print(f"klique: {note}", file=sys.stderr)
+        return Outcome(json.dumps({**task, "outcome_exit_code": code}), code)
+    exit_code = "" if task.get("exit_code") is None else f", exit code {task['exit_code']}"
+    reason = f": {task['reason']}" if task.get("reason") and task["state"] != "completed" else ""
+    text = f"Task {task['id']} {task['state']}{exit_code}{reason}"
+    return Outcome(f"{note} {text}".strip() if note else text, code)
+
+
+POLL_SECONDS = 5.0
+TERMINAL_EVERY = 30.0
+
+
+class Progress:
+    """What a waiting task is doing, said on stderr when it changes, and every 30 s on a terminal."""
+
+    def __init__(self, task_id: str, stream: TextIO) -> None:
+        self.task_id, self.stream = task_id, stream
+        self.last: tuple[str, str] | None = None
+        self.said_at = 0.0
+        self.started = time.monotonic()
+
+    def saw(self, task: dict[str, Any]) -> None:
+        now = time.monotonic()
+        key = (task["state"], task.get("reason") or "")
+        interactive = self.stream.isatty() and now - self.said_at >= TERMINAL_EVERY
+        if key == self.last and not interactive:
+            return
+        self.last, self.said_at = key, now
+        where = f" on pool {task['pool']}" if task.get("pool") else ""
+        reason = f": {task['reason']}" if task.get("reason") else ""
+        waited = duration(now - self.started)
+        self.stream.write(f"[klique] task {self.task_id} {task['state']}{where} ({waited}){reason}\n")
+        self.stream.flush()
 
 
 def _tasks(args: argparse.Namespace, client: Client) -> str:
@@ -277,7 +440,7 @@ def _outputs(args: argparse.Namespace, client: Client) -> str:
     )
 
 
-HANDLERS: dict[str, Callable[[argparse.Namespace, Client], str]] = {
+HANDLERS: dict[str, Callable[[argparse.Namespace, Client], str | Outcome]] = {
     "submit": _submit,
     "tasks": _tasks,
     "cancel": _cancel,

@@ -80,14 +80,23 @@ class Client:
         project: str | None = None,
         priority: int = 0,
         command: list[str] | None = None,
+        outputs: list[str] | None = None,
+        idempotency_key: str = "",
     ) -> dict[str, Any]:
         body: dict[str, Any] = {"compute_resource": compute_resource, "name": name, "priority": priority}
+        if idempotency_key:
+            body["idempotency_key"] = idempotency_key
         if gpus is not None:
             body["gpus"] = gpus
         if project is not None:
             body["project"] = project
+        spec: dict[str, Any] = {}
         if command:
-            body["spec"] = {"command": command}
+            spec["command"] = command
+        if outputs:
+            spec["outputs"] = outputs
+        if spec:
+            body["spec"] = spec
         result: dict[str, Any] = self.request("POST", "/api/v1/tasks/", json=body)
         return result
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from django_tenants.utils import schema_context
 
 from apps.scheduling.cycle import run_cycle
 from klique.cli import parse_args
-from klique.commands import run
+from klique.commands import Progress, outcome_code, run
 from klique.sdk import Client
 from tests.django_transport import DjangoTransport
 from tests.world import World
@@ -114,3 +115,41 @@ def test_config_pull_edit_push_validate_provision(
     assert (code, "is not JSON" in out) == (1, True)
     code, out = klique(world, "bob", "config", "pull", capsys=capsys)
     assert (code, "needs the admin role" in out) == (1, True)
+
+
+def test_submit_json_with_a_key_and_outputs_for_scripts(
+    world: World, db: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ("submit", "Research: 4 GPUs", "--json", "--idempotency-key", "ci-77", "--output", "*.pt",
+            "--output", "logs/*.txt", "--", "python", "train.py")  # fmt: skip
+    code, out = klique(world, "bob", *argv, capsys=capsys)
+    assert code == 0, out
+    task = json.loads(out)  # stdout is the task, as JSON, and nothing else
+    assert task["spec"] == {"command": ["python", "train.py"], "outputs": ["*.pt", "logs/*.txt"]}
+    code, out = klique(world, "bob", *argv, capsys=capsys)
+    assert json.loads(out)["id"] == task["id"]  # a retried CI job gets the task it made
+
+
+@pytest.mark.parametrize(
+    ("state", "exit_code", "outcome"),
+    [("completed", 0, 0), ("failed", 3, 3), ("failed", None, 1), ("failed", 0, 1), ("failed", 300, 1),
+     ("failed", -9, 1), ("aborted", None, 3)],
+)  # fmt: skip
+def test_the_exit_code_of_a_wait_is_the_tasks_outcome(
+    state: str, exit_code: int | None, outcome: int
+) -> None:
+    assert outcome_code({"state": state, "exit_code": exit_code}) == outcome
+
+
+def test_a_wait_says_what_the_task_is_doing_when_it_changes() -> None:
+    said = io.StringIO()
+    progress = Progress("t1", said)
+    queued = {"state": "queued", "reason": "Waiting for 4 GPUs in pool lab.", "pool": None}
+    progress.saw(queued)
+    progress.saw(queued)  # the same again: not said again (not a terminal)
+    progress.saw({"state": "running", "reason": "", "pool": "lab"})
+    lines = said.getvalue().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("[klique] task t1 queued (")
+    assert lines[0].endswith("Waiting for 4 GPUs in pool lab.")
+    assert lines[1].startswith("[klique] task t1 running on pool lab (")
