@@ -185,3 +185,15 @@ def test_the_ci_examples_pass_for_a_task_that_succeeds_and_fail_for_one_that_fai
     assert broken.code == 3, broken.log
     assert broken.task()["state"] == "failed"
     assert not (broken.folder / "outputs").exists()  # the job stopped at the failing line
+
+    # A job that stops waiting (its timeout) cancels its task: no GPU is left busy for nobody.
+    waited = subprocess.run(
+        ["klique", "submit", "Research: 4 GPUs", "--wait", "--timeout", "4", "--json", "--",
+         "python3", "-c", "import time; print('started', flush=True); time.sleep(120)"],
+        env={"PATH": _path(), "KLIQUE_URL": values["KLIQUE_URL"], "KLIQUE_TOKEN": token},
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert waited.returncode == 124, waited.stdout + waited.stderr
+    gave_up = json.loads(waited.stdout)
+    assert gave_up["state"] == "aborted"
+    assert "Gave up after" in waited.stderr
