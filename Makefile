@@ -8,12 +8,13 @@ EXTRAS := server,embedded,agent,kubernetes,dev
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml requirements/constraints.txt frontend/package-lock.json
+$(VENV)/.installed: pyproject.toml requirements/constraints.txt frontend/package-lock.json tools/mcp-conformance/package-lock.json
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c requirements/constraints.txt -e '.[$(EXTRAS)]'
 	@command -v npm >/dev/null || { echo "npm is needed for the portal's front-end packages: install Node.js 20 (with npm)"; exit 1; }
 	cd frontend && npm ci --no-audit --no-fund --loglevel=error
+	cd tools/mcp-conformance && npm ci --no-audit --no-fund --loglevel=error  # the MCP conformance suite (on Node 22)
 	$(BIN)/python tools/kube_tools.py .tools  # the real helm and kubectl the charts are tested with
 	touch $@
 
