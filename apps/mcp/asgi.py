@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import replace
 from typing import Any
 
 from channels.db import database_sync_to_async
@@ -93,12 +92,13 @@ class McpApp:
         scheme, _, presented = _header(scope, b"authorization").partition(" ")
         token = presented.strip() if scheme.lower() == "bearer" else ""
         try:
-            identity = await database_sync_to_async(identity_for)(host=host, presented=token)
+            identity = await database_sync_to_async(identity_for)(
+                host=host, presented=token, origin=origin(scope)
+            )
         except NotServed as refused:
             await self._refuse(scope, send, refused)
             return
         await self._start()
-        identity = replace(identity, origin=origin(scope))
         await self.http({**scope, mcp_server.SCOPE_KEY: identity}, receive, send)
 
     async def _refuse(self, scope: Scope, send: Any, refused: NotServed) -> None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextvars
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import jwt
 from django.contrib import auth
 from django.db import transaction
 
@@ -169,3 +172,111 @@ def password_sign_in(request: Any, username: str, password: str) -> User:
     auth.login(request, user, backend="django.contrib.auth.backends.ModelBackend")
     record(actor=user.username, action="password.signed_in", target="session")
     return user
+
+
+# Access tokens from the tenant's identity provider, for resources such as the MCP server ---------------
+
+ACCESS_TOKEN_ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "EdDSA")
+KEYS_FOR_SECONDS = 300.0
+_keys: dict[str, tuple[float, list[dict[str, Any]]]] = {}  # jwks_uri -> (read at, keys); per process
+
+
+class AccessRefused(Exception):
+    """An identity provider's access token that Klique does not take; the message says why."""
+
+
+@dataclass(frozen=True)
+class Access:
+    user: User
+    scopes: frozenset[str]
+    subject: str
+
+
+def provider_get() -> Provider | None:
+    """The tenant's single sign-on provider, if it has one (in the current schema)."""
+    return Provider.objects.filter(pk=1).first()
+
+
+def access_token_user(*, provider: Provider, presented: str, resource: str) -> Access:
+    """The Klique user an access token from the tenant's identity provider stands for, with the scopes
+    it grants. The token must be a JWT (RFC 9068) signed by one of the provider's keys with an asymmetric
+    algorithm, issued by its issuer for exactly this `resource` (its audience, RFC 8707: a token for
+    another service is never taken here), unexpired, and name a person who has signed in to Klique
+    before. Raises AccessRefused saying what was wrong."""
+    try:
+        header = jwt.get_unverified_header(presented)
+    except jwt.InvalidTokenError:
+        raise AccessRefused("The bearer token is neither a Klique token nor a JWT access token.") from None
+    algorithm = header.get("alg")
+    if algorithm not in ACCESS_TOKEN_ALGORITHMS:
+        raise AccessRefused(f"Access tokens signed with {algorithm!r} are not taken; the provider must sign "
+                            "them with an asymmetric key (RS256, ES256, ...).")  # fmt: skip
+    key = _signing_key(provider, header)
+    try:
+        claims: dict[str, Any] = jwt.decode(
+            presented,
+            key,
+            algorithms=[algorithm],
+            audience=resource,
+            issuer=provider.issuer.rstrip("/"),
+            leeway=30,
+            options={"require": ["exp", "iss", "aud", "sub"]},
+        )
+    except jwt.InvalidAudienceError:
+        raise AccessRefused(
+            f"This access token is not for {resource}: ask the provider for one with resource={resource}."
+        ) from None
+    except jwt.InvalidIssuerError:
+        raise AccessRefused(f"This access token was not issued by {provider.issuer}.") from None
+    except jwt.ExpiredSignatureError:
+        raise AccessRefused("This access token has expired: get a new one from the provider.") from None
+    except jwt.InvalidTokenError as error:
+        raise AccessRefused(f"This access token was refused: {error}.") from None
+    username = claims.get(provider.username_claim)
+    if not isinstance(username, str) or not username:
+        raise AccessRefused(
+            f"The access token carries no {provider.username_claim!r} claim naming the person; configure the "
+            "provider to put it in access tokens."
+        )
+    user = User.objects.filter(username=username, kind=User.Kind.PERSON).first()
+    if user is None or not user.is_active:
+        raise AccessRefused(
+            f"No active person {username!r} in this tenant: sign in to the portal through single sign-on "
+            "once first, or ask a tenant admin to reactivate the account."
+        )
+    granted = claims.get("scope", "")
+    scopes = frozenset(granted.split() if isinstance(granted, str) else [])
+    return Access(user=user, scopes=scopes, subject=str(claims["sub"]))
+
+
+def _signing_key(provider: Provider, header: dict[str, Any]) -> Any:
+    """The provider's key that signed a token (its JWKS, read at most every 5 minutes per process, and
+    again at once for a key id it did not list, as after a rotation)."""
+    for fresh in (False, True):
+        for key in _provider_keys(provider.jwks_uri, fresh=fresh):
+            if key.get("kid") == header.get("kid") and key.get("alg", header.get("alg")) == header.get("alg"):
+                try:
+                    return jwt.PyJWK(key).key
+                except jwt.PyJWKError as error:
+                    raise AccessRefused(
+                        f"The provider's key {key.get('kid')!r} is not usable: {error}."
+                    ) from None
+    raise AccessRefused("None of the identity provider's keys signed this token.")
+
+
+def _provider_keys(jwks_uri: str, *, fresh: bool) -> list[dict[str, Any]]:
+    read_at, keys = _keys.get(jwks_uri, (0.0, []))
+    if not fresh and time.monotonic() - read_at < KEYS_FOR_SECONDS:
+        return keys
+    try:
+        with outbound.client(timeout=10) as http:
+            answer = http.get(jwks_uri)
+        document = answer.json() if answer.status_code == 200 else {}
+    except (httpx.HTTPError, outbound.OutboundRefused, ValueError) as error:
+        raise AccessRefused(
+            f"The identity provider's keys could not be read: {type(error).__name__}."
+        ) from None
+    found = document.get("keys") if isinstance(document, dict) else None
+    keys = [key for key in found if isinstance(key, dict)] if isinstance(found, list) else []
+    _keys[jwks_uri] = (time.monotonic(), keys)
+    return keys
