@@ -125,7 +125,7 @@ def test_tokens_for_another_resource_or_person_tampered_or_forged_are_refused(
     assert "refused" in refused(f"{head}.{swapped}.{signature}")
     forged = jwt.encode({**claims, "exp": int(time.time()) + 60}, CLIENT_SECRET, algorithm="HS256")
     assert "HS256" in refused(forged)  # a shared secret never signs for a person here
-    unsigned = jwt.encode({**claims}, None, algorithm="none")
+    unsigned = jwt.encode({**claims}, "", algorithm="none")
     assert "'none'" in refused(unsigned)
     assert "neither a Klique token nor a JWT" in refused("not-a-token-at-all")
 
