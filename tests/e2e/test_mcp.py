@@ -252,7 +252,8 @@ def test_without_a_usable_token_the_answer_is_401_naming_the_resource_metadata(
         "POST", "/api/v1/tokens/", json={"name": "soon-revoked", "agent": "bot", "scope": "read"}
     )
     assert tool(second, issued["token"], "list_tasks")["tasks"] is not None
-    demo.call("DELETE", f"/api/v1/tokens/{issued['id']}/")
+    stopped = demo.call("POST", f"/api/v1/delegations/{issued['id']}/revoke/", json={})  # the agent, stopped
+    assert stopped["active"] is False
     for web in (port, second):  # refused at once, in every process
         answer = raw(web, issued["token"], ping)
         assert answer.status_code == 401
