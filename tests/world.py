@@ -99,6 +99,9 @@ def build_world() -> World:
             users[name] = str(person.pk)
             issued = token_create(tenant=tenant_a, user=person, name="test")
             tokens[name], token_ids[name] = issued.secret, str(issued.token.pk)
+        dave = User.objects.get(username="dave")
+        helper = token_create(tenant=tenant_a, user=dave, name="helper", scope="read", agent="helper")
+        token_ids["dave_agent"] = str(helper.token.pk)  # an AI agent acting for dave
         bob = User.objects.get(username="bob")
         carol = User.objects.get(username="carol")
         project = project_save(tenant=tenant_a, name="apollo", description="Moonshot", admin=alice)

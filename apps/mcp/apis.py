@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 from django.shortcuts import get_object_or_404
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from apps.accounts.api_base import TenantAPIView
-from apps.accounts.models import ApiToken, Role
+from apps.accounts.models import ApiToken, Role, User
 from apps.mcp import selectors, services
 
 
@@ -49,19 +49,27 @@ class RevokedOut(DelegationOut):
 
 class DelegationListView(TenantAPIView):
     @extend_schema(
+        parameters=[OpenApiParameter("everyone", bool, description="every person's agents (tenant admins)")],
         responses=DelegationOut(many=True),
         summary="The AI agents acting for you: each delegated token, what it submitted, holds and spent",
     )
     def get(self, request: Request) -> Response:
-        rows = [delegation.view() for delegation in selectors.delegations_for(self.user)]
+        everyone = request.query_params.get("everyone") in ("true", "1")
+        tokens = list(selectors.delegated_tokens(self.user, everyone=everyone))
+        rows = [delegation.view() for delegation in selectors.delegations(tokens)]
         return Response({"count": len(rows), "results": rows})
 
 
+def _delegation(user: User, token_id: str) -> ApiToken:
+    """One of the user's agents; any person's for a tenant admin (as with tokens)."""
+    found: ApiToken = get_object_or_404(selectors.delegated_tokens(user, everyone=True), pk=token_id)
+    return found
+
+
 class DelegationDetailView(TenantAPIView):
-    @extend_schema(responses=DelegationOut, summary="One AI agent acting for you")
+    @extend_schema(responses=DelegationOut, summary="One AI agent acting for you (anyone's, for an admin)")
     def get(self, request: Request, token_id: str) -> Response:
-        token: ApiToken = get_object_or_404(selectors.delegated_tokens(self.user), pk=token_id)
-        return Response(selectors.delegations_for(self.user, only=token)[0].view())
+        return Response(selectors.delegations([_delegation(self.user, token_id)])[0].view())
 
 
 class DelegationRevokeView(TenantAPIView):
@@ -74,12 +82,12 @@ class DelegationRevokeView(TenantAPIView):
         "cancels the tasks it left unfinished",
     )
     def post(self, request: Request, token_id: str) -> Response:
-        token: ApiToken = get_object_or_404(selectors.delegated_tokens(self.user), pk=token_id)
+        token = _delegation(self.user, token_id)
         data = RevokeIn(data=request.data)
         data.is_valid(raise_exception=True)
         cancelled = services.delegation_revoke(
             tenant=self.tenant, user=self.user, token=token, cancel_tasks=data.validated_data["cancel_tasks"]
         )
         token.refresh_from_db()
-        view = selectors.delegations_for(self.user, only=token)[0].view()
+        view = selectors.delegations([token])[0].view()
         return Response({**view, "cancelled_tasks": cancelled})

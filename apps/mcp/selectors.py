@@ -17,7 +17,7 @@ from typing import Any
 
 from django.db.models import CharField, Count, F, Func, OuterRef, Q, QuerySet, Subquery, Sum, Value
 
-from apps.accounts.models import ApiToken, User
+from apps.accounts.models import ApiToken, Role, User
 from apps.metering.ledger import gpu_hours, usd
 from apps.metering.models import Kind, LedgerEvent
 from apps.scheduling.engine import to_gpus_text
@@ -77,16 +77,18 @@ def _iso(moment: datetime | None) -> str | None:
     return moment.isoformat() if moment is not None else None
 
 
-def delegated_tokens(user: User) -> QuerySet[ApiToken]:
-    """The delegated tokens acting for `user`, newest first, revoked ones included (their record stays)."""
-    return ApiToken.objects.select_related("user").filter(user=user).exclude(agent="").order_by("-created_at")
+def delegated_tokens(user: User, *, everyone: bool = False) -> QuerySet[ApiToken]:
+    """The delegated tokens acting for `user`, newest first, revoked ones included (their record stays);
+    with `everyone`, a tenant admin's view of every person's (so an admin can stop anyone's agent)."""
+    tokens = ApiToken.objects.select_related("user").exclude(agent="").order_by("-created_at")
+    return tokens if everyone and user.has_role(Role.ADMIN) else tokens.filter(user=user)
 
 
-def delegations_for(user: User, *, only: ApiToken | None = None) -> list[Delegation]:
-    """Every agent identity acting for `user` (or just `only`), with what it submitted, holds and spent."""
-    tokens = [only] if only is not None else list(delegated_tokens(user))
+def delegations(tokens: list[ApiToken]) -> list[Delegation]:
+    """Each of these agent identities with what it submitted, holds now and spent."""
     if not tokens:
         return []
+    users = {token.user_id for token in tokens}
     rows = {token.pk: Delegation(token) for token in tokens}
     since = min(token.created_at for token in tokens)
 
@@ -103,7 +105,7 @@ def delegations_for(user: User, *, only: ApiToken | None = None) -> list[Delegat
     made_by = {str(pk): token_pk for pk, token_pk in tasks.values_list("pk", "submitted_with")}
     if made_by:
         segments = (
-            LedgerEvent.objects.filter(kind=Kind.GPU, user_id=user.pk, started_at__gte=since)
+            LedgerEvent.objects.filter(kind=Kind.GPU, user_id__in=users, started_at__gte=since)
             .annotate(
                 task=Func(
                     F("event_id"), Value(":"), Value(2), function="split_part", output_field=CharField()
@@ -119,9 +121,9 @@ def delegations_for(user: User, *, only: ApiToken | None = None) -> list[Delegat
             delegation.gpu_cost_nano += int(segment["cost"] or 0)
 
     by_prefix = {token.prefix: rows[token.pk] for token in tokens}
-    calls = Usage.objects.filter(token_prefix__in=by_prefix, user_id=user.pk, at__gte=since)
+    calls = Usage.objects.filter(token_prefix__in=by_prefix, user_id__in=users, at__gte=since)
     metered = (
-        LedgerEvent.objects.filter(kind=Kind.TOKENS, user_id=user.pk, started_at__gte=since)
+        LedgerEvent.objects.filter(kind=Kind.TOKENS, user_id__in=users, started_at__gte=since)
         .filter(event_id__in=calls.values("request_id"))
         .annotate(
             prefix=Subquery(Usage.objects.filter(request_id=OuterRef("event_id")).values("token_prefix")[:1])

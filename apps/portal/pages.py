@@ -107,7 +107,9 @@ def token_revoke(request: HttpRequest, token_id: str) -> HttpResponse:
 
 
 def _agents(user: User) -> list[dict[str, Any]]:
-    return [delegation.view() for delegation in delegations.delegations_for(user)]
+    return [
+        delegation.view() for delegation in delegations.delegations(list(delegations.delegated_tokens(user)))
+    ]
 
 
 @signed_in

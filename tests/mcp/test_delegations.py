@@ -125,12 +125,17 @@ def test_each_agent_acting_for_a_user_shows_what_it_submitted_holds_and_spent(
     assert bob.get(f"/api/v1/delegations/{claude['id']}/").json()["gpu_hours"] == "8.000000"
 
 
-def test_a_user_sees_only_their_own_agents_and_another_tenant_sees_none(
+def test_a_person_sees_their_own_agents_an_admin_anyones_and_another_tenant_none(
     api: Callable[..., APIClient], world: World
 ) -> None:
     claude = delegate(api("bob"), "claude")
-    assert "claude" not in by_agent(api("alice"))  # alice is an admin, but these are bob's agents
-    for persona, host in (("alice", None), ("charlie", None), ("bob", "b")):
+    assert "claude" not in by_agent(api("alice"))  # alice's own agents: not bob's
+    everyone = api("alice").get("/api/v1/delegations/", {"everyone": "true"}).json()["results"]
+    assert claude["id"] in {row["id"] for row in everyone}  # an admin can find anyone's agent, to stop it
+    assert api("alice").get(f"/api/v1/delegations/{claude['id']}/").json()["user"] == "bob"
+    carol_sees = api("carol").get("/api/v1/delegations/", {"everyone": "true"}).json()["results"]
+    assert claude["id"] not in {row["id"] for row in carol_sees}  # everyone=true is an admin's only
+    for persona, host in (("carol", None), ("charlie", None), ("bob", "b")):
         client = api(persona, host=host)
         for path in (f"/api/v1/delegations/{claude['id']}/", f"/api/v1/delegations/{claude['id']}/revoke/"):
             answer = client.post(path) if path.endswith("revoke/") else client.get(path)
