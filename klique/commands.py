@@ -173,7 +173,8 @@ def wait(client: Client, task: dict[str, Any], *, timeout: float | None, as_json
         async def watch() -> None:
             while True:
                 await asyncio.sleep(POLL_SECONDS)
-                notes.saw(await asyncio.to_thread(client.task, task["id"]))
+                with contextlib.suppress(KliqueError):  # a missed look is told at the next one
+                    notes.saw(await asyncio.to_thread(client.task, task["id"]))
 
         watcher = asyncio.ensure_future(watch())
         try:
