@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from apps.accounts.models import ApiToken, Project, User
-from apps.core.errors import InvalidInput
+from apps.accounts.models import ApiToken, Project, Role, User
+from apps.core.errors import Forbidden, InvalidInput
 from apps.core.events import publish_event
 from apps.core.ids import as_uuid
 from apps.resources.models import ComputeResource, TaskSharing
@@ -50,7 +50,8 @@ class TaskRequest:
     idempotency_key: str = ""  # the same key again (by the same submitter) returns the task it made
 
 
-def _resolve_compute_resource(user: User, reference: str) -> ComputeResource:
+def compute_resource_open_to(user: User, reference: str) -> ComputeResource:
+    """A compute resource `user` may submit to, by id or name; InvalidInput naming where to look."""
     resources = compute_resources_for(user)
     identifier = as_uuid(reference)
     match = (
@@ -157,7 +158,7 @@ def _check_environment(spec: dict[str, Any]) -> None:
 
 
 def _build(tenant: Tenant, user: User, request: TaskRequest, now: datetime) -> Task:
-    resource = _resolve_compute_resource(user, request.compute_resource)
+    resource = compute_resource_open_to(user, request.compute_resource)
     if not 1 <= request.max_attempts <= 20:
         raise InvalidInput("max_attempts is between 1 and 20.", field="max_attempts")
     project = _project(user, request.project)
@@ -271,6 +272,8 @@ def _within_quota(token: ApiToken, tasks: list[Task]) -> None:
 @transaction.atomic
 def task_cancel(*, tenant: Tenant, user: User, task: Task) -> Task:
     """Abort a task that has not ended. Its submitter, and any tenant admin, may cancel it."""
+    if task.submitter_id != user.pk and not user.has_role(Role.ADMIN):
+        raise Forbidden("Only the task's submitter or a tenant admin may cancel it.")
     task = Task.objects.select_for_update().get(pk=task.pk)
     if task.state in ENDED_STATES:
         raise InvalidInput(f"Task {task.pk} already ended ({task.state}); there is nothing to cancel.")

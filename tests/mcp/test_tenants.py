@@ -54,3 +54,14 @@ def test_another_tenants_task_is_not_found_by_any_tool_or_resource(world: World)
     assert tools.run_as(alice, partial(tools.task_status, task_id=world.task_a))["id"] == world.task_a
     content = tools.run_as(alice, partial(tools.output_content, task_id=world.task_a, name="result.txt"))
     assert content == "accuracy 0.93\n"
+
+
+def test_only_its_submitter_or_an_admin_cancels_a_task_through_mcp(world: World) -> None:
+    carol = identity(world.tenant_a, "carol")  # a member, not bob
+    with pytest.raises(tools.Refused) as refused:
+        tools.run_as(carol, partial(tools.cancel_task, task_id=world.task_a))
+    assert "Only the task's submitter or a tenant admin may cancel it." in str(refused.value)
+    cancelled = tools.run_as(
+        identity(world.tenant_a, "alice"), partial(tools.cancel_task, task_id=world.task_a)
+    )
+    assert cancelled["state"] == "aborted"

@@ -83,6 +83,8 @@ ENDPOINTS = [
         "member",
         lambda w: f"/api/v1/tasks/{w.task_a}/cancel/",
         names_object=True,
+        owner="bob",  # another member sees the task but may not cancel it
+        others=403,
     ),
     Endpoint(
         "GET",
