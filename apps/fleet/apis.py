@@ -127,7 +127,7 @@ class TaskOutputDownloadView(TenantAPIView):
     @extend_schema(responses={(200, "application/octet-stream"): bytes}, summary="Download one output")
     def get(self, request: Request, task_id: str, name: str) -> FileResponse:
         task = _readable_task(self.user, task_id)
-        output = selectors.task_outputs(task).filter(name=name).order_by("-at").first()
+        output = selectors.task_output(task, name)
         if output is None:
             raise NotFound(f"Task {task.pk} has no output {name!r} in its latest run.")
         try:

@@ -85,6 +85,11 @@ def task_outputs(task: Task) -> Any:
     return task.outputs.filter(Q(lease_id=task.lease_id) | Q(lease_id__isnull=True))
 
 
+def task_output(task: Task, name: str) -> Any:
+    """One output of the task's latest run, by name (the newest, if kept twice), or None."""
+    return task_outputs(task).filter(name=name).order_by("-at").first()
+
+
 def task_metrics(task: Task, *, after: int = 0) -> list[dict[str, Any]]:
     """The metrics the task's nodes reported (the task's own values and GPU samples), in order."""
     return [

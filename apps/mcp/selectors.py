@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from decimal import Decimal
 from typing import Any
 
 from django.db.models import CharField, Count, F, Func, OuterRef, Q, QuerySet, Subquery, Sum, Value
 
 from apps.accounts.models import ApiToken, Role, User
-from apps.metering.ledger import gpu_hours, usd
 from apps.metering.models import Kind, LedgerEvent
+from apps.metering.selectors import gpu_hours_text, usd_text
 from apps.scheduling.engine import to_gpus_text
 from apps.scheduling.models import ENDED_STATES, Task
 from gateway.models import Usage
@@ -62,15 +61,12 @@ class Delegation:
             "tasks_submitted": self.submitted,
             "tasks_unfinished": self.unfinished,
             "holds_gpus": to_gpus_text(self.holding_units),
-            "gpu_hours": str(gpu_hours(self.gpu_unit_ms).quantize(SIX)),
+            "gpu_hours": gpu_hours_text(self.gpu_unit_ms),
             "gateway_calls": self.calls,
             "tokens_in": self.tokens_in,
             "tokens_out": self.tokens_out,
-            "cost_usd": str(usd(self.gpu_cost_nano + self.token_cost_nano).quantize(SIX)),
+            "cost_usd": usd_text(self.gpu_cost_nano + self.token_cost_nano),
         }
-
-
-SIX = Decimal("0.000001")
 
 
 def _iso(moment: datetime | None) -> str | None:

@@ -344,7 +344,7 @@ def output_list(caller: Caller, *, task_id: str) -> list[dict[str, Any]]:
 def output_content(caller: Caller, *, task_id: str, name: str) -> str | bytes:
     """One output of the task's latest run: text where it is UTF-8, bytes otherwise."""
     task = _readable(caller, task_id)
-    output = fleet.task_outputs(task).filter(name=name).order_by("-at").first()
+    output = fleet.task_output(task, name)
     if output is None:
         raise Refused(
             f"Task {task.pk} has no output {name!r} in its latest run; "

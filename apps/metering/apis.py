@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
@@ -15,23 +14,9 @@ from rest_framework.response import Response
 from apps.accounts.api_base import TenantAPIView
 from apps.accounts.models import Role
 from apps.core.errors import InvalidInput
-from apps.metering import exports, ledger, selectors, services
+from apps.metering import exports, selectors, services
 from apps.metering.models import LedgerEvent, Period, Rejection
 from protocol.units import UNITS_PER_GPU
-
-SIX = Decimal("0.000001")
-
-
-def usd(nano: int | Decimal) -> str:
-    return str(ledger.usd(nano).quantize(SIX))
-
-
-def gpu_hours(unit_ms: int | Decimal) -> str:
-    return str(ledger.gpu_hours(unit_ms).quantize(SIX))
-
-
-def gb_hours(byte_ms: int | Decimal) -> str:
-    return str(ledger.gb_hours(byte_ms).quantize(SIX))
 
 
 class EventOut(serializers.ModelSerializer[LedgerEvent]):
@@ -51,10 +36,10 @@ class EventOut(serializers.ModelSerializer[LedgerEvent]):
         return str(Fraction(event.gpu_units, UNITS_PER_GPU))
 
     def get_gpu_hours(self, event: LedgerEvent) -> str:
-        return gpu_hours(event.gpu_unit_ms)
+        return selectors.gpu_hours_text(event.gpu_unit_ms)
 
     def get_cost_usd(self, event: LedgerEvent) -> str:
-        return usd(event.cost_nano_usd)
+        return selectors.usd_text(event.cost_nano_usd)
 
 
 class UsageListView(TenantAPIView):

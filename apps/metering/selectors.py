@@ -64,6 +64,19 @@ SUMMARY_KEYS = {"project": "project_id", "user": "user_id", "pool": "pool", "gpu
 SIX = Decimal("0.000001")
 
 
+def usd_text(nano: int | Decimal) -> str:
+    """USD of a nano-USD figure, as the API shows amounts: to the millionth."""
+    return str(usd(nano).quantize(SIX))
+
+
+def gpu_hours_text(unit_ms: int | Decimal) -> str:
+    return str(gpu_hours(unit_ms).quantize(SIX))
+
+
+def gb_hours_text(byte_ms: int | Decimal) -> str:
+    return str(gb_hours(byte_ms).quantize(SIX))
+
+
 def usage_summary(*, user_id: Any, by: str, grain: str, bounds: dict[str, str]) -> dict[str, Any]:
     """Totals of the ledger's hourly or daily rollups grouped `by` one of SUMMARY_KEYS, for one user (or
     everyone, with user_id None), within `bounds` (kind, since, until): events, GPU-hours, tokens in and
@@ -83,11 +96,11 @@ def usage_summary(*, user_id: Any, by: str, grain: str, bounds: dict[str, str]) 
             if column.endswith("_id")
             else row[column],
             "events": int(row["events"]),
-            "gpu_hours": str(gpu_hours(row["gpu_unit_ms"]).quantize(SIX)),
+            "gpu_hours": gpu_hours_text(row["gpu_unit_ms"]),
             "tokens_in": int(row["tokens_in"]),
             "tokens_out": int(row["tokens_out"]),
-            "gb_hours": str(gb_hours(row["byte_ms"]).quantize(SIX)),
-            "cost_usd": str(usd(row["cost"]).quantize(SIX)),
+            "gb_hours": gb_hours_text(row["byte_ms"]),
+            "cost_usd": usd_text(row["cost"]),
         }
         for row in rows.order_by(column)
     ]

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from datetime import date
-from decimal import Decimal
 from typing import Any
 
 from django.db.models import Sum
 
-from apps.metering.ledger import amount_sums, gpu_hours, usd
+from apps.metering.ledger import amount_sums
+from apps.metering.selectors import gpu_hours_text, usd_text
 from tenants.models import TenantUsageDay
 
 
@@ -30,10 +30,10 @@ def usage_by_tenant(
             "kind": row["kind"],
             **({"day": row["day"].isoformat()} if by_day else {}),
             "events": int(row["events"]),
-            "gpu_hours": str(gpu_hours(row["gpu_unit_ms"]).quantize(Decimal("0.000001"))),
+            "gpu_hours": gpu_hours_text(row["gpu_unit_ms"]),
             "tokens_in": int(row["tokens_in"]),
             "tokens_out": int(row["tokens_out"]),
-            "cost_usd": str(usd(row["cost"]).quantize(Decimal("0.000001"))),
+            "cost_usd": usd_text(row["cost"]),
         }
         for row in totals.order_by(*keys)
     ]
