@@ -72,7 +72,7 @@ class BudgetOut(serializers.ModelSerializer[Budget]):
 
     def get_spent(self, budget: Budget) -> str:
         spent = wallets.ledger_spent(wallets.enforced(budget), now=datetime.now(UTC))
-        return str(spent) if budget.unit == Budget.Unit.TOKENS else str(usd(spent))
+        return wallets.amount_text(budget.unit, spent)
 
 
 class BudgetIn(serializers.Serializer[Budget]):

@@ -14,7 +14,7 @@ from django.db.models import Q, Sum
 from redis.exceptions import RedisError
 
 from apps.metering.selectors import compute_cost
-from gateway.budgets import NANO_PER_USD, Exhausted, budget_key, period_end, period_start
+from gateway.budgets import NANO_PER_USD, Exhausted, budget_key, period_end, period_start, usd
 from gateway.budgets import Budget as Enforced
 from gateway.cache import sync_redis
 from gateway.models import Budget, Usage
@@ -28,6 +28,11 @@ def budget_label(budget: Budget) -> str:
     if budget.scope == Budget.Scope.USER and budget.user is not None:
         return f"{budget.user.username}'s {period}{kind}"
     return f"the tenant's {period}{kind}"
+
+
+def amount_text(unit: str, value: int) -> str:
+    """An amount in a budget's unit as the API shows it: tokens, or USD from nano-USD."""
+    return str(value) if unit == Budget.Unit.TOKENS else str(usd(value))
 
 
 def enforced(budget: Budget) -> Enforced:

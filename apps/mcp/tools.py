@@ -23,7 +23,6 @@ from apps.core.ids import as_uuid
 from apps.fleet import selectors as fleet
 from apps.mcp.identity import Identity
 from apps.metering import selectors as usage
-from apps.metering.ledger import usd
 from apps.scheduling import selectors, services
 from apps.scheduling.engine import to_gpus_text
 from apps.scheduling.models import ENDED_STATES, Task, TaskState
@@ -256,9 +255,7 @@ def usage_summary(caller: Caller, *, by: str, everyone: bool) -> dict[str, Any]:
 
 
 def _amount(unit: str, value: int | None) -> str | None:
-    if value is None:
-        return None
-    return str(value) if unit == Budget.Unit.TOKENS else str(usd(value))
+    return None if value is None else wallets.amount_text(unit, value)
 
 
 def budget_status(caller: Caller) -> list[dict[str, Any]]:

@@ -74,12 +74,10 @@ class TenantOIDCBackend(OIDCAuthenticationBackend):
         return response
 
     def retrieve_matching_jwk(self, token: str) -> Any:
-        keys = self._call("GET", self.OIDC_OP_JWKS_ENDPOINT).json()
-        header = jwt.get_unverified_header(token)
-        for key in keys.get("keys", []) if isinstance(keys, dict) else []:
-            if key.get("kid") == header.get("kid") and key.get("alg", header.get("alg")) == header.get("alg"):
-                return jwt.PyJWK(key)
-        raise SuspiciousOperation("The identity provider's keys hold none that signed this token.")
+        try:
+            return services.signing_key(self.OIDC_OP_JWKS_ENDPOINT, jwt.get_unverified_header(token))
+        except services.AccessRefused as refused:
+            raise SuspiciousOperation(str(refused)) from None
 
     def get_token(self, payload: dict[str, Any]) -> Any:
         return self._call("POST", self.OIDC_OP_TOKEN_ENDPOINT, data=payload).json()

@@ -211,7 +211,7 @@ def access_token_user(*, provider: Provider, presented: str, resource: str) -> A
     if algorithm not in ACCESS_TOKEN_ALGORITHMS:
         raise AccessRefused(f"Access tokens signed with {algorithm!r} are not taken; the provider must sign "
                             "them with an asymmetric key (RS256, ES256, ...).")  # fmt: skip
-    key = _signing_key(provider, header)
+    key = signing_key(provider.jwks_uri, header).key
     try:
         claims: dict[str, Any] = jwt.decode(
             presented,
@@ -249,14 +249,15 @@ def access_token_user(*, provider: Provider, presented: str, resource: str) -> A
     return Access(user=user, scopes=scopes, subject=str(claims["sub"]))
 
 
-def _signing_key(provider: Provider, header: dict[str, Any]) -> Any:
-    """The provider's key that signed a token (its JWKS, read at most every 5 minutes per process, and
-    again at once for a key id it did not list, as after a rotation)."""
+def signing_key(jwks_uri: str, header: dict[str, Any]) -> jwt.PyJWK:
+    """The provider's key that signed a token, by the token's key id and algorithm: from its JWKS, read at
+    most every 5 minutes per process, and again at once for a key id it did not list (a rotation). Both
+    the sign-in's ID tokens and the access tokens taken at /mcp are checked with it."""
     for fresh in (False, True):
-        for key in _provider_keys(provider.jwks_uri, fresh=fresh):
+        for key in _provider_keys(jwks_uri, fresh=fresh):
             if key.get("kid") == header.get("kid") and key.get("alg", header.get("alg")) == header.get("alg"):
                 try:
-                    return jwt.PyJWK(key).key
+                    return jwt.PyJWK(key)
                 except jwt.PyJWKError as error:
                     raise AccessRefused(
                         f"The provider's key {key.get('kid')!r} is not usable: {error}."
