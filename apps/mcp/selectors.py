@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db.models import CharField, Count, F, Func, OuterRef, Q, QuerySet, Subquery, Sum, Value
+from django.db.models import CharField, Count, F, Func, OuterRef, QuerySet, Subquery, Sum, Value
 
 from apps.accounts.models import ApiToken, Role, User
 from apps.metering.models import Kind, LedgerEvent
@@ -88,17 +88,16 @@ def delegations(tokens: list[ApiToken]) -> list[Delegation]:
     rows = {token.pk: Delegation(token) for token in tokens}
     since = min(token.created_at for token in tokens)
 
+    made_by: dict[str, Any] = {}  # task id -> the token that submitted it
     tasks = Task.objects.filter(submitted_with__in=rows)
-    for row in tasks.values("submitted_with").annotate(
-        submitted=Count("pk"),
-        unfinished=Count("pk", filter=~Q(state__in=ENDED_STATES)),
-        holding=Sum("size_units", filter=~Q(state__in=ENDED_STATES)),
-    ):
-        delegation = rows[row["submitted_with"]]
-        delegation.submitted, delegation.unfinished = row["submitted"], row["unfinished"]
-        delegation.holding_units = int(row["holding"] or 0)
+    for pk, token_pk, state, units in tasks.values_list("pk", "submitted_with", "state", "size_units"):
+        delegation = rows[token_pk]
+        delegation.submitted += 1
+        if state not in ENDED_STATES:
+            delegation.unfinished += 1
+            delegation.holding_units += units
+        made_by[str(pk)] = token_pk
 
-    made_by = {str(pk): token_pk for pk, token_pk in tasks.values_list("pk", "submitted_with")}
     if made_by:
         segments = (
             LedgerEvent.objects.filter(kind=Kind.GPU, user_id__in=users, started_at__gte=since)
