@@ -38,6 +38,15 @@ TaskId = Annotated[
     str,
     Field(min_length=1, max_length=64, description="The task's id, as submit_task or list_tasks gave it."),
 ]
+Gpus = Annotated[
+    str | None,
+    Field(
+        max_length=20,
+        pattern=r"^[0-9]+(\.[0-9]+)?$",
+        description='GPUs for compute resources whose size comes from the task, e.g. "0.5" or "2".',
+    ),
+]
+ComputeResource = Annotated[str, Field(min_length=1, max_length=200, description="Its name or id.")]
 READ = ToolAnnotations(read_only_hint=True, open_world_hint=False)
 
 
@@ -73,16 +82,9 @@ def build() -> MCPServer:
     async def submit_task(
         ctx: Context,
         *,
-        compute_resource: Annotated[str, Field(min_length=1, max_length=200, description="Its name or id.")],
+        compute_resource: ComputeResource,
         command: Command,
-        gpus: Annotated[
-            str | None,
-            Field(
-                max_length=20,
-                pattern=r"^[0-9]+(\.[0-9]+)?$",
-                description='GPUs for compute resources whose size comes from the task, e.g. "0.5" or "2".',
-            ),
-        ] = None,
+        gpus: Gpus = None,
         name: Annotated[str, Field(max_length=200, description="A name to find the task by.")] = "",
         project: Annotated[str | None, Field(max_length=100, description="A project you belong to.")] = None,
         secrets: Annotated[
@@ -195,12 +197,9 @@ def build() -> MCPServer:
     async def preview_batch_script(
         ctx: Context,
         *,
-        compute_resource: Annotated[str, Field(min_length=1, max_length=200, description="Its name or id.")],
+        compute_resource: ComputeResource,
         command: Command,
-        gpus: Annotated[
-            str | None,
-            Field(max_length=20, pattern=r"^[0-9]+(\.[0-9]+)?$", description="As for submit_task."),
-        ] = None,
+        gpus: Gpus = None,
         name: Annotated[str, Field(max_length=200)] = "",
         scheduler: Annotated[
             Literal["slurm", "pbs", "lsf"] | None,
