@@ -33,6 +33,7 @@ import secrets
 import signal
 import socket
 import sys
+import time
 import tomllib
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -335,7 +336,7 @@ class Checked(str):
     """What --check found: the configuration is usable (the agent exits 0 after saying so)."""
 
 
-def _backend(args: argparse.Namespace) -> Backend | str:
+def _backend(args: argparse.Namespace) -> Backend | str:  # noqa: PLR0911 -- one return per backend
     """The backend the arguments ask for, or a sentence saying what is missing."""
     work_dir = args.work_dir.resolve()
     state = State(work_dir / "agent.sqlite", shared=args.shared_state)
@@ -343,6 +344,8 @@ def _backend(args: argparse.Namespace) -> Backend | str:
         return _kubernetes(args, state)
     if args.shared_state:
         return "klique-agent: --shared-state is for the Kubernetes backend with leader election only."
+    if args.backend == "cloud":
+        return _cloud(args, state)
     if args.backend in DIALECTS:
         try:
             config = tomllib.loads(args.config.read_text()) if args.config else {}
@@ -391,6 +394,48 @@ def _kubernetes(args: argparse.Namespace, state: State) -> Backend | str:
         except ValueError as error:
             return f"klique-agent: the configuration {args.config} cannot be used: {error}"
     return backend
+
+
+def _cloud(args: argparse.Namespace, state: State) -> Backend | str:
+    """The autoscaler, its settings checked and its provider asked what it can; or what is wrong."""
+    from agents.cloud.autoscaler import Autoscaler  # noqa: PLC0415 -- the cloud extra
+    from agents.cloud.ec2 import Ec2  # noqa: PLC0415
+    from agents.cloud.providers import ProviderError  # noqa: PLC0415
+    from agents.cloud.settings import CloudSettings  # noqa: PLC0415
+
+    try:
+        config = tomllib.loads(args.config.read_text()) if args.config else {}
+        settings = CloudSettings.read(config)
+    except (OSError, tomllib.TOMLDecodeError, ValueError, TypeError) as error:
+        return f"klique-agent: the configuration {args.config} cannot be used: {error}"
+    try:
+        provider = Ec2(settings.region, settings.endpoint_url)
+    except ImportError as missing:
+        return f"klique-agent: the cloud backend needs the cloud extra ({missing})."
+    refusal: ProviderError | None = None
+    gpus = settings.gpus_per_instance
+    try:
+        provider.check(settings.instance_type, settings.image, settings.subnet)
+        gpus = gpus or provider.gpus_of(settings.instance_type)
+    except ProviderError as refused:
+        if args.check or gpus is None:  # without its GPU count the pool's tasks cannot be sized
+            return f"klique-agent: {refused}"
+        refusal = refused  # the agent runs, says so as its pool's problem, and checks again
+    if not gpus:
+        return (
+            f"klique-agent: {settings.provider} does not say how many GPUs a {settings.instance_type} has; "
+            "set [agent.cloud] gpus_per_instance."
+        )
+    if args.check:
+        return Checked(
+            f"klique-agent: up to {settings.max_instances} {settings.instance_type} instances of {gpus} "
+            f"GPU(s) in {settings.region}"
+        )
+    work_dir = args.work_dir.resolve()
+    autoscaler = Autoscaler(settings, state, provider, work_dir, args.agent_id, gpus_per_instance=gpus)
+    if refusal is not None:
+        autoscaler.refused(refusal, time.time())
+    return autoscaler
 
 
 TOKEN_VARIABLE = "KLIQUE_AGENT_TOKEN"  # noqa: S105 -- the variable's name, not a token
@@ -459,9 +504,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--token", help="the agent token itself: visible to every user of this host (prefer --token-file)"
     )
-    parser.add_argument("--backend", choices=["baremetal", *DIALECTS, "kubernetes"], default="baremetal")
     parser.add_argument(
-        "--config", type=Path, help="a TOML file: [agent.slurm] (or pbs, lsf, kubernetes) settings"
+        "--backend", choices=["baremetal", *DIALECTS, "kubernetes", "cloud"], default="baremetal"
+    )
+    parser.add_argument(
+        "--config", type=Path, help="a TOML file: [agent.slurm] (or pbs, lsf, kubernetes, cloud) settings"
     )
     parser.add_argument(
         "--check", action="store_true", help="check the configuration (pod templates too) and exit"
@@ -512,6 +559,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     agent.upload_patience = args.upload_patience
     backend.upload = agent.upload
+    follow = getattr(backend, "follow", None)  # a backend with a loop of its own (the autoscaler)
+    if follow is not None:
+        from agents.cloud.plane import Plane  # noqa: PLC0415 -- only the cloud backend has one
+
+        backend.plane = Plane(args.url, token)  # type: ignore[attr-defined]
 
     async def serve() -> None:
         leadership = getattr(backend, "leadership", None)
@@ -525,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sign in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sign, lambda: asyncio.ensure_future(agent.shutdown(args.grace_seconds)))
+        if follow is not None:
+            renewing.append(asyncio.create_task(follow(agent.stopping)))
         await agent.run()
         if leadership is not None:
             await asyncio.to_thread(leadership.release)  # a standby takes over at once

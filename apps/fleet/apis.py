@@ -20,12 +20,14 @@ from rest_framework.response import Response
 from apps.accounts.api_base import TenantAPIView
 from apps.accounts.models import Role, User
 from apps.core.ids import as_uuid
-from apps.fleet import credentials, dispatch, errors, outputs, selectors
+from apps.fleet import cloud, credentials, dispatch, errors, outputs, selectors
 from apps.fleet.models import AgentToken, TaskOutput
 from apps.resources.models import Pool
 from apps.scheduling import runs
 from apps.scheduling.models import Task, TaskRun
 from apps.scheduling.selectors import may_read_output, output_readers, tasks_visible_to
+from protocol import cloud as protocol_cloud
+from protocol.messages import ProtocolError
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -253,3 +255,82 @@ def _node_report_problem(item: object) -> str | None:
     if not isinstance(seq, int) or isinstance(seq, bool) or not 0 < seq < 2**31:
         return "Each report has a positive whole sequence number, per source."
     return None
+
+
+def _autoscaler(request: HttpRequest) -> tuple[Tenant, AgentToken] | JsonResponse:
+    """The tenant and the autoscaler's token of a cloud call, or the answer that refuses it."""
+    if request.method != "POST":
+        return JsonResponse({"detail": "Use POST."}, status=405)
+    tenant, presented = getattr(request, "tenant", None), _bearer(request)
+    if tenant is None or presented is None:
+        return JsonResponse(
+            {"detail": "Send 'Authorization: Bearer <the autoscaler's agent token>'."}, status=401
+        )
+    try:
+        return tenant, cloud.autoscaler_authenticate(presented=presented)
+    except errors.AgentRejected as rejected:
+        return JsonResponse({"detail": str(rejected)}, status=403)
+
+
+def _body(request: HttpRequest) -> object:
+    try:
+        return json.loads(request.body or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+
+
+@csrf_exempt
+def agent_instance_token(request: HttpRequest, name: str) -> JsonResponse:
+    """POST /agents/v1/cloud/instances/{name}/token/ {"seconds": n}: the autoscaler mints the token of a new
+    instance's agent (protocol.cloud)."""
+    authenticated = _autoscaler(request)
+    if isinstance(authenticated, JsonResponse):
+        return authenticated
+    tenant, token = authenticated
+    body = _body(request)
+    seconds = body.get("seconds", cloud.INSTANCE_TOKEN_SECONDS) if isinstance(body, dict) else None
+    if not isinstance(seconds, int | float) or isinstance(seconds, bool):
+        return JsonResponse(
+            {"detail": 'Send {"seconds": n}: how long the token is good for a first hello.'}, status=400
+        )
+    try:
+        minted = cloud.instance_token_mint(tenant=tenant, token=token, name=name, seconds=float(seconds))
+    except errors.AgentRejected as rejected:
+        return JsonResponse({"detail": str(rejected)}, status=409)
+    answer = protocol_cloud.Minted(minted.token, minted.expires_at).as_json()
+    return JsonResponse(answer, status=201, headers={"Cache-Control": "no-store"})
+
+
+@csrf_exempt
+def agent_handoff(request: HttpRequest) -> JsonResponse:
+    """POST /agents/v1/cloud/handoff/: the autoscaler hands a run on to an instance's agent
+    (protocol.cloud)."""
+    authenticated = _autoscaler(request)
+    if isinstance(authenticated, JsonResponse):
+        return authenticated
+    tenant, token = authenticated
+    try:
+        handoff = protocol_cloud.Handoff.parse(_body(request))
+        handed = cloud.handoff(tenant=tenant, token=token, handoff=handoff)
+    except ProtocolError as error:
+        return JsonResponse({"detail": f"Malformed handoff: {error}"}, status=400)
+    except errors.StaleLease as stale:
+        return JsonResponse({"detail": str(stale), "verdict": "stale"}, status=409)
+    except errors.AgentRejected as rejected:
+        return JsonResponse({"detail": str(rejected)}, status=409)
+    return JsonResponse(handed.as_json())
+
+
+@csrf_exempt
+def agent_instances(request: HttpRequest) -> JsonResponse:
+    """POST /agents/v1/cloud/instances/: the autoscaler reports its instances and reads the plane's view of
+    their agents (protocol.cloud)."""
+    authenticated = _autoscaler(request)
+    if isinstance(authenticated, JsonResponse):
+        return authenticated
+    tenant, token = authenticated
+    try:
+        report = protocol_cloud.InstancesReport.parse(_body(request))
+    except ProtocolError as error:
+        return JsonResponse({"detail": f"Malformed instances report: {error}"}, status=400)
+    return JsonResponse(cloud.instances_report(tenant=tenant, token=token, report=report).as_json())

@@ -193,7 +193,11 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         token = self.token
         assert token is not None
         assigned = await database_sync_to_async(self._in_schema)(
-            dispatch.dispatch, pool=token.pool, schema_name=self.schema_name, agent_id=self.agent_id or ""
+            dispatch.dispatch,
+            pool=token.pool,
+            schema_name=self.schema_name,
+            agent_id=self.agent_id or "",
+            instance=token.instance_of_id is not None,
         )
         for message in assigned:
             await self.send_json(message)

@@ -9,6 +9,7 @@ import hmac
 import logging
 import secrets
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING
 
 from django.conf import settings
@@ -52,14 +53,36 @@ def agent_token_create(*, pool: Pool, name: str) -> IssuedAgentToken:
     return IssuedAgentToken(token, secret)
 
 
+def instance_token_create(*, autoscaler: AgentToken, agent_id: str, expires_at: datetime) -> IssuedAgentToken:
+    """A token for one cloud instance's agent, minted by its pool's autoscaler: bound to `agent_id` from the
+    start, and good for its first hello only until `expires_at`."""
+    prefix = secrets.token_hex(4)
+    secret = f"{AGENT_TOKEN_KIND}_{prefix}_{secrets.token_urlsafe(24)}"
+    token = AgentToken.objects.create(
+        pool_id=autoscaler.pool_id,
+        name=f"instance {agent_id}"[:100],
+        prefix=prefix,
+        secret_hash=hash_token(secret),
+        instance_of=autoscaler,
+        expires_at=expires_at,
+        bound_agent_id=agent_id,
+    )
+    return IssuedAgentToken(token, secret)
+
+
 def agent_token_revoke(*, tenant: Tenant, token: AgentToken) -> AgentToken:
-    """Revoke at once: new connections are refused, and a connected agent using it is disconnected."""
-    if token.revoked_at is None:
-        token.revoked_at = timezone.now()
-        token.save(update_fields=["revoked_at"])
-        wake.notify_pool(
-            tenant=tenant, pool_id=token.pool_id, message={"type": "revoked", "token_id": str(token.pk)}
-        )
+    """Revoke at once: new connections are refused, and a connected agent using it is disconnected. The
+    tokens an autoscaler minted for its instances go with its own."""
+    now = timezone.now()
+    for revoked in [token, *AgentToken.objects.filter(instance_of=token, revoked_at=None)]:
+        if revoked.revoked_at is None:
+            revoked.revoked_at = now
+            revoked.save(update_fields=["revoked_at"])
+            wake.notify_pool(
+                tenant=tenant,
+                pool_id=revoked.pool_id,
+                message={"type": "revoked", "token_id": str(revoked.pk)},
+            )
     return token
 
 
@@ -76,6 +99,12 @@ def agent_authenticate(*, presented: str) -> AgentToken:
         raise AgentRejected(
             f"Agent token kqa_{token.prefix} was revoked; issue a new one for pool {token.pool.name}."
         )
+    if token.bound_at is None and token.expires_at is not None and token.expires_at < timezone.now():
+        raise AgentRejected(
+            f"Agent token kqa_{token.prefix} was good for its instance's first connection until "
+            f"{token.expires_at:%Y-%m-%d %H:%M:%S} UTC; the autoscaler of pool {token.pool.name} ends the "
+            "instance and starts another."
+        )
     AgentToken.objects.filter(pk=token.pk).update(last_used_at=timezone.now())
     return token
 
@@ -89,7 +118,8 @@ def agent_bind(*, tenant: Tenant, token: AgentToken, agent_id: str, instance: st
     fingerprint = hashlib.sha256(instance.encode()).hexdigest() if instance else ""
     with transaction.atomic():
         current = AgentToken.objects.select_for_update().get(pk=token.pk)
-        if not current.bound_agent_id:
+        # Unbound, or an instance's token (named for its agent) at that agent's first hello.
+        if not current.bound_agent_id or (current.bound_at is None and current.bound_agent_id == agent_id):
             current.bound_agent_id, current.bound_instance = agent_id, fingerprint
             current.bound_at = timezone.now()
             current.save(update_fields=["bound_agent_id", "bound_instance", "bound_at"])

@@ -7,7 +7,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from datetime import timedelta
+from datetime import datetime, timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -36,27 +36,22 @@ logger = logging.getLogger(__name__)
 
 
 @transaction.atomic
-def dispatch(*, pool: Pool, schema_name: str, agent_id: str = "") -> list[dict[str, Any]]:
+def dispatch(
+    *, pool: Pool, schema_name: str, agent_id: str = "", instance: bool = False
+) -> list[dict[str, Any]]:
     """Hand the pool's placed tasks to this agent, each as a new run under its own lease; returns the
-    assign messages to send."""
+    assign messages to send. A cloud instance's agent takes no placed task: it gets the runs its pool's
+    autoscaler handed on to it, again until it accepts them (they are desired state)."""
+    if instance:
+        return _handed(pool=pool, schema_name=schema_name, agent_id=agent_id)
     now = timezone.now()
     assigned = []
     placed = Task.objects.select_for_update(skip_locked=True, of=("self",)).select_related(
         "compute_resource__profile", "submitter", "project"
     )
     for task in placed.filter(pool=pool, state=TaskState.PLACED):
-        try:
-            secrets = secret_values_for(task)  # to the agent only, in this message; read recorded
-        except (NotFound, InvalidInput) as missing:  # deleted since, or a name no task may be given
-            transition(  # it cannot run as asked: placing it again would fail again
-                task,
-                to_state=TaskState.FAILED,
-                actor="scheduler",
-                message=missing.message,
-                ended_at=now,
-                reason_code="secret_missing" if isinstance(missing, NotFound) else "secret_refused",
-                reason=f"{missing.message} Keep it again and resubmit the task.",
-            )
+        secrets = _secrets(task, now)
+        if secrets is None:
             continue
         lease = uuid.uuid4()
         run = runs.run_begin(task, lease=lease, pool=pool, agent_id=agent_id, now=now)
@@ -68,24 +63,62 @@ def dispatch(*, pool: Pool, schema_name: str, agent_id: str = "") -> list[dict[s
             lease_id=lease,
             lease_expires_at=now + timedelta(seconds=LEASE_SECONDS),
         )
-        details = {
-            "name": task.name,
-            "spec": task.spec,
-            "gpus": str(task.size_units / UNITS_PER_GPU),
-            "size_units": task.size_units,
-            "nodes": task.nodes,
-            "sharing": task.sharing,
-            "mig_profile": task.compute_resource.profile.mig_profile if task.compute_resource else "",
-            "user": task.submitter.username,
-            "project": task.project.name if task.project else "",
-            "batch": task.compute_resource.batch if task.compute_resource else {},
-            "compute_resource": task.compute_resource.name if task.compute_resource else "",
-            "tenant": schema_name,
-            "task_token": task_token(schema_name=schema_name, task=task),
-            "secrets": secrets,
-        }
-        assigned.append(messages.Assign(str(task.pk), str(lease), run.attempt, details).as_json())
+        assigned.append(_assign(task, run, schema_name, secrets))
     return assigned
+
+
+def _handed(*, pool: Pool, schema_name: str, agent_id: str) -> list[dict[str, Any]]:
+    """The runs handed on to this instance's agent that it has not accepted yet."""
+    now = timezone.now()
+    handed = Task.objects.select_for_update(skip_locked=True, of=("self",)).select_related(
+        "compute_resource__profile", "submitter", "project"
+    )
+    assigned = []
+    for task in handed.filter(pool=pool, state=TaskState.DISPATCHING, lease_expires_at__isnull=False):
+        run = runs.current_run(task)
+        if run is None or run.agent_id != agent_id or run.outcome != RunOutcome.LIVE:
+            continue
+        secrets = _secrets(task, now)
+        if secrets is not None:
+            assigned.append(_assign(task, run, schema_name, secrets))
+    return assigned
+
+
+def _secrets(task: Task, now: datetime) -> dict[str, str] | None:
+    """The task's secrets for its agent; None when it cannot run as asked (it failed, saying why)."""
+    try:
+        return secret_values_for(task)  # to the agent only, in this message; read recorded
+    except (NotFound, InvalidInput) as missing:  # deleted since, or a name no task may be given
+        transition(  # it cannot run as asked: placing it again would fail again
+            task,
+            to_state=TaskState.FAILED,
+            actor="scheduler",
+            message=missing.message,
+            ended_at=now,
+            reason_code="secret_missing" if isinstance(missing, NotFound) else "secret_refused",
+            reason=f"{missing.message} Keep it again and resubmit the task.",
+        )
+        return None
+
+
+def _assign(task: Task, run: TaskRun, schema_name: str, secrets: dict[str, str]) -> dict[str, Any]:
+    details = {
+        "name": task.name,
+        "spec": task.spec,
+        "gpus": str(task.size_units / UNITS_PER_GPU),
+        "size_units": task.size_units,
+        "nodes": task.nodes,
+        "sharing": task.sharing,
+        "mig_profile": task.compute_resource.profile.mig_profile if task.compute_resource else "",
+        "user": task.submitter.username,
+        "project": task.project.name if task.project else "",
+        "batch": task.compute_resource.batch if task.compute_resource else {},
+        "compute_resource": task.compute_resource.name if task.compute_resource else "",
+        "tenant": schema_name,
+        "task_token": task_token(schema_name=schema_name, task=task),
+        "secrets": secrets,
+    }
+    return messages.Assign(str(task.pk), str(run.pk), run.attempt, details).as_json()
 
 
 def _unnamed_run(task: Task | None, agent_id: str) -> TaskRun | None:

@@ -33,6 +33,13 @@ class AgentToken(models.Model):
     # The last hello with this token from another agent (refused), for the pool's admins to see.
     conflict_at = models.DateTimeField(null=True, blank=True)
     conflict = models.CharField(max_length=300, blank=True)
+    # A cloud instance's token, minted by its pool's autoscaler (whose token this is) for the instance's
+    # agent alone (bound_agent_id is its name from the start). It must say hello before expires_at; it is
+    # revoked when the instance ends, or with the autoscaler's own token.
+    instance_of = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.CASCADE, related_name="instance_tokens"
+    )
+    expires_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]
@@ -72,6 +79,34 @@ class Agent(models.Model):
 
     def __str__(self) -> str:
         return self.id
+
+
+class CloudInstance(models.Model):
+    """An instance a cloud pool's autoscaler started, as it last reported it (protocol.cloud)."""
+
+    name = models.CharField(max_length=63, primary_key=True)  # its agent's id
+    pool = models.ForeignKey(Pool, on_delete=models.CASCADE, related_name="instances")
+    autoscaler = models.CharField(max_length=100)  # the autoscaler agent's id
+    token = models.ForeignKey(AgentToken, null=True, on_delete=models.SET_NULL, related_name="+")
+    provider_id = models.CharField(max_length=100, blank=True)
+    instance_type = models.CharField(max_length=100, blank=True)
+    gpus = models.PositiveSmallIntegerField(default=0)
+    spot = models.BooleanField(default=False)
+    region = models.CharField(max_length=100, blank=True)
+    state = models.CharField(max_length=12, default="launching")
+    reason = models.CharField(max_length=500, blank=True)
+    launched_at = models.DateTimeField(default=timezone.now)
+    state_since = models.DateTimeField(default=timezone.now)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    # Its lifetime is metered up to here (instance-hours, busy and idle, into the ledger).
+    metered_until = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["pool__name", "launched_at"]
+        indexes = [models.Index(fields=["pool", "ended_at"], name="instances_by_pool")]
+
+    def __str__(self) -> str:
+        return self.name
 
 
 class TaskOutput(models.Model):

@@ -155,11 +155,20 @@ class _Agents:
             F("pool__heartbeat_timeout_seconds") * timedelta(seconds=1), DurationField()
         )
         return (
-            Agent.objects.exclude(pool__environment__in=SCALES_FROM_ZERO)  # as their pool: never silent
-            .alias(deadline=now - timeout)
+            Agent.objects.alias(deadline=now - timeout)
             .filter(last_heartbeat_at__lt=F("deadline"))
             .values("pk")
         )
+
+    def refusing(self) -> dict[str, str]:
+        rows = (
+            Agent.objects.filter(
+                connected=True, pool__environment__in=SCALES_FROM_ZERO, token__instance_of__isnull=True
+            )
+            .exclude(problem="")
+            .values_list("pool_id", "problem")
+        )
+        return {str(pool): problem for pool, problem in rows}
 
 
 AGENTS = _Agents()

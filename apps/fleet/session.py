@@ -41,7 +41,7 @@ from apps.fleet.models import Agent, AgentToken
 from apps.fleet.selectors import pool_task
 from apps.resources.models import Pool
 from apps.scheduling import lifecycle, runs, wake
-from apps.scheduling.models import RunOutcome, Task, TaskRun
+from apps.scheduling.models import RunOutcome, Task, TaskRun, TaskState
 from protocol import messages
 
 if TYPE_CHECKING:
@@ -101,7 +101,9 @@ def agent_hello(*, tenant: Tenant, token: AgentToken, hello: messages.Hello) -> 
             **_capacity(hello.capacity),
         },
     )
-    pool_heartbeat(tenant=tenant, pool=pool)
+    instance = token.instance_of_id is not None
+    if not instance:  # a cloud pool is online through its autoscaler, with or without instances
+        pool_heartbeat(tenant=tenant, pool=pool)
     held = {(run.task_id, run.lease_id): run for run in hello.held}
     keep: list[messages.Held] = []
     for task in Task.objects.select_for_update(of=("self",)).filter(pool=pool, state__in=runs.LIVE_STATES):
@@ -115,6 +117,8 @@ def agent_hello(*, tenant: Tenant, token: AgentToken, hello: messages.Hello) -> 
             keep.append(messages.Held(kept.task_id, str(task.lease_id), kept.ended))
             if run is not None and run.agent_id != agent_id:
                 TaskRun.objects.filter(pk=run.pk).update(agent_id=agent_id)
+        elif instance and task.state == TaskState.DISPATCHING and task.lease_expires_at is not None:
+            continue  # handed on to this instance and not yet accepted: dispatch sends it (again)
         else:
             lifecycle.run_lost(tenant, task, f"agent {agent_id} came back without it")
     stop = []
@@ -129,7 +133,8 @@ def agent_hello(*, tenant: Tenant, token: AgentToken, hello: messages.Hello) -> 
 
 def agent_alive(tenant: Tenant, pool: Pool, agent_id: str) -> None:
     Agent.objects.filter(pk=agent_id).update(last_heartbeat_at=timezone.now(), connected=True)
-    pool_heartbeat(tenant=tenant, pool=Pool.objects.get(pk=pool.pk))
+    if not Agent.objects.filter(pk=agent_id, token__instance_of__isnull=False).exists():
+        pool_heartbeat(tenant=tenant, pool=Pool.objects.get(pk=pool.pk))
 
 
 def heartbeat_seconds(pool: Pool) -> float:
@@ -203,7 +208,8 @@ def agent_heartbeat(
     if heartbeat.problem is not None:
         fields["problem"] = heartbeat.problem
     Agent.objects.filter(pk=agent_id).update(**fields)
-    pool_heartbeat(tenant=tenant, pool=Pool.objects.get(pk=token.pool_id))
+    if token.instance_of_id is None:  # a cloud instance's agent does not make its pool online
+        pool_heartbeat(tenant=tenant, pool=Pool.objects.get(pk=token.pool_id))
     held = {(run.task_id, run.lease_id): run for run in heartbeat.held}
     let_go = [
         run.pk

@@ -25,4 +25,11 @@ agent_urlpatterns = [
         name="agent-output-upload",
     ),
     path("agents/v1/tasks/<uuid:task_id>/reports/", apis.agent_reports_post, name="agent-reports"),
+    path("agents/v1/cloud/instances/", apis.agent_instances, name="agent-cloud-instances"),
+    path(
+        "agents/v1/cloud/instances/<str:name>/token/",
+        apis.agent_instance_token,
+        name="agent-cloud-instance-token",
+    ),
+    path("agents/v1/cloud/handoff/", apis.agent_handoff, name="agent-cloud-handoff"),
 ]

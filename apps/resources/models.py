@@ -27,7 +27,7 @@ class Environment(models.TextChoices):
     NEOCLOUD = "neocloud"
 
 
-# Autoscaled capacity counts as online with zero instances: it scales from zero.
+# Autoscaled capacity: online with zero instances while its autoscaler heartbeats (it scales from zero).
 SCALES_FROM_ZERO = frozenset({Environment.CLOUD, Environment.NEOCLOUD})
 
 
@@ -69,8 +69,8 @@ class Pool(models.Model):
         return self.name
 
     def is_online(self, now: datetime) -> bool:
-        if self.environment in SCALES_FROM_ZERO:
-            return True
+        """An agent of the pool heartbeats within its timeout; for a cloud pool, its autoscaler, which makes
+        the pool online with no instance at all."""
         if self.last_heartbeat_at is None:
             return False
         return now - self.last_heartbeat_at <= timedelta(seconds=self.heartbeat_timeout_seconds)

@@ -14,8 +14,11 @@ class Agents(Protocol):
 
     def silent(self, now: datetime) -> Any:
         """The ids (a queryset of `pk` values) of the agents whose last heartbeat is older than their
-        pool's timeout (their pool may be online still, through another agent); never those of a pool
-        that scales from zero."""
+        pool's timeout (their pool may be online still, through another agent)."""
+
+    def refusing(self) -> dict[str, str]:
+        """Pools (by id) whose autoscaler cannot start instances now, with its words why: no new work is
+        placed there meanwhile."""
 
 
 _agents: Agents | None = None

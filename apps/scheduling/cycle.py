@@ -65,7 +65,7 @@ def _stopping_units() -> dict[str, int]:
     return {str(row["pool_id"]): row["units"] for row in rows if row["pool_id"] is not None}
 
 
-def _engine_pool(pool: Pool, now: datetime, stopping: int = 0) -> engine.Pool:
+def _engine_pool(pool: Pool, now: datetime, stopping: int = 0, refusing: bool = False) -> engine.Pool:
     sharing = {engine.Sharing.WHOLE}
     if SharingMethod.FRACTION in pool.sharing:
         sharing.add(engine.Sharing.FRACTION)
@@ -74,7 +74,7 @@ def _engine_pool(pool: Pool, now: datetime, stopping: int = 0) -> engine.Pool:
     return engine.Pool(
         str(pool.pk),
         max(0, pool.capacity_gpus * engine.UNITS_PER_GPU - stopping),
-        pool.is_online(now),
+        pool.is_online(now) and not refusing,
         frozenset(sharing),
         pool.name,
     )
@@ -109,9 +109,13 @@ def snapshot(tenant: Tenant, now: datetime, *, held: frozenset[str] = frozenset(
         ).values_list("pk", "compute_resource_id", "pool_id", "size_units", "started_at", "placed_at")
     )
     stopping = _stopping_units()
+    refusing = agents().refusing()  # an autoscaler that cannot start instances: its pool takes no work
     return engine.Snapshot(
         now=now.timestamp(),
-        pools=tuple(_engine_pool(pool, now, stopping.get(str(pool.pk), 0)) for pool in Pool.objects.all()),
+        pools=tuple(
+            _engine_pool(pool, now, stopping.get(str(pool.pk), 0), str(pool.pk) in refusing)
+            for pool in Pool.objects.all()
+        ),
         profiles=tuple(profiles),
         policies=tuple(
             engine.Policy(str(pk), reservation, limit, name)

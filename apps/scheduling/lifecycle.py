@@ -7,6 +7,7 @@ cycle and metering call down into it; it calls only models, the run records (run
     queued -> placed -> dispatching -> running -> completed | failed | aborted
     placed, dispatching, running -> preempted -> queued (at the front of its queue)
     placed, dispatching -> queued (its lease expired, its agent refused it or went silent)
+    dispatching -> dispatching (a cloud pool's autoscaler handed it on to an instance: a new run and lease)
     a failed attempt with attempts left -> queued (a retry: a new run of the same task)
 
 A run that ends is metered in the transaction that ends it (`transition`, `tasks_preempt`): its GPU time
@@ -16,8 +17,9 @@ reaches the ledger once, whoever ends it.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
@@ -45,6 +47,7 @@ from apps.scheduling.runs import (
     LOST_REASON,
     PREEMPT_GRACE_SECONDS,
     current_run,
+    run_begin,
     run_request_stop,
 )
 
@@ -185,6 +188,82 @@ def leases_expire() -> int:
         )
         count += 1
     return count
+
+
+def run_hand_on(
+    task: Task, run: TaskRun, *, agent_id: str, patience_seconds: float, actor: str, reason: str
+) -> TaskRun:
+    """The task's current run, held by its cloud pool's autoscaler, ends handed on; the task goes on in a new
+    run under a new lease on `agent_id` (an instance's agent), which must accept it within the patience or
+    the task is queued again (leases_expire). Call with the task locked. Returns the new run."""
+    now = timezone.now()
+    run.outcome, run.ended_at, run.released_at = RunOutcome.HANDED, now, now
+    run.note = f"handed on to {agent_id} at {now:%H:%M:%S} UTC"
+    run.save(update_fields=["outcome", "ended_at", "released_at", "note"])
+    lease = uuid.uuid4()
+    pool = run.pool or task.pool
+    assert pool is not None, "a run handed on is in its pool"
+    following = run_begin(task, lease=lease, pool=pool, agent_id=agent_id, now=now)
+    TaskEvent.objects.create(
+        task=task, at=now, actor=actor[:200], from_state=task.state, to_state=task.state,
+        message=f"attempt {run.attempt} handed on to {agent_id}: attempt {following.attempt}, lease {lease}",
+    )  # fmt: skip
+    task.lease_id, task.lease_expires_at = lease, now + timedelta(seconds=patience_seconds)
+    task.reason_code, task.reason = "starting_instance", reason[:1000]
+    task.save(update_fields=["lease_id", "lease_expires_at", "reason_code", "reason"])
+    return following
+
+
+@transaction.atomic
+def runs_interrupted(tenant: Tenant, *, agent_id: str, why: str) -> list[TaskRun]:
+    """The cloud took back, or is about to take back, the instance `agent_id` runs on (a spot interruption,
+    an instance that vanished): every task starting or running there goes back to the front of its queue as
+    preempted, its run asked to stop with the grace period to checkpoint (moot where the instance is gone)
+    and its GPU time so far metered. Returns the runs to stop."""
+    now = timezone.now()
+    message = f"Preempted: {why}; back at the front of its queue."
+    live = TaskRun.objects.filter(agent_id=agent_id, outcome=RunOutcome.LIVE).values("task_id")
+    events: list[TaskEvent] = []
+    ran: list[Task] = []
+    stopped: list[TaskRun] = []
+    for task in Task.objects.select_for_update(of=("self",)).filter(pk__in=live, state__in=LIVE_STATES):
+        run = current_run(task)
+        if run is None or run.agent_id != agent_id:
+            continue
+        events += [
+            _record(task, to_state=TaskState.PREEMPTED, actor=SCHEDULER, message=message, at=now),
+            TaskEvent(
+                task=task, at=now, actor=SCHEDULER, from_state=TaskState.PREEMPTED, to_state=TaskState.QUEUED,
+                message="requeued at its original submit time",
+            ),
+        ]  # fmt: skip
+        if task.state == TaskState.RUNNING and task.started_at is not None:
+            ran.append(task)
+        stopping = run_request_stop(task, kind="preempt", grace_seconds=PREEMPT_GRACE_SECONDS)
+        if stopping is not None:
+            stopped.append(stopping)
+        Task.objects.filter(pk=task.pk).update(
+            state=TaskState.QUEUED, pool=None, queued_at=now, placed_at=None, started_at=None,
+            lease_expires_at=None, reason_code="preempted", reason=message[:1000],
+        )  # fmt: skip
+    TaskEvent.objects.bulk_create(events)
+    for task in ran:  # metered once every row is locked, as in tasks_preempt
+        meter_run(task, ended_at=now)
+    for run in stopped:
+        wake.notify_pool(
+            tenant=tenant, pool_id=run.pool_id,
+            message={"type": "preempt", "task_id": str(run.task_id), "lease_id": str(run.pk),
+                     "grace_seconds": run.stop_grace_seconds},
+        )  # fmt: skip
+    if stopped:
+        logger.warning("agent %s: %d runs preempted: %s", agent_id, len(stopped), why)
+        publish_event(
+            tenant=tenant,
+            kind="tasks.interrupted",
+            data={"agent": agent_id, "runs": len(stopped), "why": why},
+        )
+        wake.request_cycle(tenant)
+    return stopped
 
 
 def run_lost(tenant: Tenant, task: Task, why: str) -> None:

@@ -116,6 +116,7 @@ class RunOutcome(models.TextChoices):
     LOST = "lost"  # its agent went silent, or no longer had it; kept if the agent comes back with it
     STOPPED = "stopped"  # aborted or preempted
     DUPLICATE = "duplicate"  # it ran although the task had started another run meanwhile
+    HANDED = "handed"  # a cloud pool's autoscaler handed it on to an instance's agent, as the next run
 
 
 class TaskRun(models.Model):
