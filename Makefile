@@ -2,7 +2,7 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
-EXTRAS := server,embedded,agent,kubernetes,dev
+EXTRAS := server,embedded,agent,kubernetes,cloud,dev
 
 .PHONY: demo test lint bench install lock clean
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -33,8 +34,17 @@ class ProcessSet:
     def __init__(self) -> None:
         self.children: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, name: str, argv: Sequence[str]) -> None:
-        self.children[name] = subprocess.Popen(list(argv), start_new_session=True)
+    def start(
+        self, name: str, argv: Sequence[str], env: dict[str, str] | None = None, log: Path | None = None
+    ) -> None:
+        """Start a child; its output goes to this process's, or to `log` (a stand-in's chatter)."""
+        if log is None:
+            self.children[name] = subprocess.Popen(list(argv), start_new_session=True, env=env)
+            return
+        with open(log, "ab") as output:
+            self.children[name] = subprocess.Popen(
+                list(argv), start_new_session=True, env=env, stdout=output, stderr=subprocess.STDOUT
+            )
 
     def first_exited(self) -> str | None:
         return next((name for name, child in self.children.items() if child.poll() is not None), None)
@@ -110,11 +120,7 @@ def _beat_argv(data_dir: Path) -> list[str]:
 def _agent_argv(demo: dict[str, Any], port: int, data_dir: Path) -> list[str]:
     """The demo's bare-metal agent for lab-h100, with a configured inventory (no GPU needed); its token in
     a file only this account reads, never on the command line."""
-    token_file = data_dir / "agent.token"
-    token_file.unlink(missing_ok=True)
-    descriptor = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "w") as handle:
-        handle.write(demo["agent_token"])
+    token_file = _secret_file(data_dir / "agent.token", demo["agent_token"])
     return [
         sys.executable,
         "-m",
@@ -132,6 +138,99 @@ def _agent_argv(demo: dict[str, Any], port: int, data_dir: Path) -> list[str]:
         "--grace-seconds",
         "5",
     ]
+
+
+DEMO_CLOUD_REGION = "eu-west-1"
+DEMO_AUTOSCALER = "demo-cloud-a100"
+
+
+def _secret_file(path: Path, secret: str) -> Path:
+    """A file only this account reads, holding `secret`."""
+    path.unlink(missing_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(secret)
+    return path
+
+
+def _start_demo_cloud(demo: dict[str, Any], port: int, data_dir: Path, children: ProcessSet) -> bool:
+    """The demo's cloud pool, cloud-a100: moto's EC2 as the cloud (no cloud is reachable from a laptop's
+    demo), the pool's real autoscaler, and this host as its instances' machines (agents.cloud.local runs
+    each instance's user data). Left out, with a note, where moto is not installed."""
+    import importlib.util
+
+    moto_server = Path(sys.executable).parent / "moto_server"
+    if importlib.util.find_spec("boto3") is None or not moto_server.exists():
+        print(
+            "The demo's cloud pool stays offline: install moto[server] and boto3 to autoscale it.", flush=True
+        )
+        return False
+    import boto3
+
+    endpoint_port = _free_port()
+    keys = {
+        "AWS_ACCESS_KEY_ID": "demo",
+        "AWS_SECRET_ACCESS_KEY": "demo",
+        "AWS_DEFAULT_REGION": DEMO_CLOUD_REGION,
+    }
+    environment = {**os.environ, **keys}
+    children.start(
+        "cloud",
+        [str(moto_server), "-H", "127.0.0.1", "-p", str(endpoint_port)],
+        env=environment,
+        log=data_dir / "cloud-endpoint.log",
+    )
+    endpoint = f"http://127.0.0.1:{endpoint_port}"
+    client = boto3.client(
+        "ec2", region_name=DEMO_CLOUD_REGION, endpoint_url=endpoint,
+        aws_access_key_id=keys["AWS_ACCESS_KEY_ID"], aws_secret_access_key=keys["AWS_SECRET_ACCESS_KEY"],
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            image = client.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise PreflightError("The demo's EC2 stand-in (moto) did not start within 30 s.") from None
+            time.sleep(0.3)
+    agent = f"{shlex.quote(sys.executable)} -m agents.main"
+    config = data_dir / "cloud-a100.toml"
+    config.write_text(
+        "[agent.cloud]\n"
+        f'region = "{DEMO_CLOUD_REGION}"\nendpoint_url = "{endpoint}"\nimage = "{image}"\n'
+        'instance_type = "p4d.24xlarge"\nmax_instances = 2\nidle_timeout_seconds = 60\n'
+        "boot_timeout_seconds = 120\ntick_seconds = 2\n"
+        "[agent.cloud.bootstrap]\n"
+        f'install = ""\nagent_command = {json.dumps(agent)}\n'
+        f"work_dir = {json.dumps(str(data_dir / 'cloud' / '{name}'))}\n"
+        'agent_args = ["--gpus", "8", "--grace-seconds", "5"]\n'
+    )
+    token_file = _secret_file(data_dir / "cloud-a100.token", demo["cloud_token"])
+    children.start(
+        "cloud-machines",
+        [sys.executable, "-m", "agents.cloud.local", "--endpoint", endpoint, "--region", DEMO_CLOUD_REGION,
+         "--tag", f"klique:autoscaler={DEMO_AUTOSCALER}", "--root", str(data_dir / "cloud")],
+        env=environment,
+    )  # fmt: skip
+    children.start(
+        "autoscaler",
+        [sys.executable, "-m", "agents.main", "--url", f"http://{demo['tenant_address']}:{port}",
+         "--token-file", str(token_file), "--backend", "cloud", "--config", str(config),
+         "--agent-id", DEMO_AUTOSCALER, "--work-dir", str(data_dir / "autoscaler")],
+        env=environment,
+    )  # fmt: skip
+    return True
+
+
+def _start_demo_agents(
+    demo: dict[str, Any], port: int, data_dir: Path, children: ProcessSet
+) -> frozenset[str]:
+    """The demo's agents; the pools they bring online."""
+    children.start("agent", _agent_argv(demo, port, data_dir))
+    if _start_demo_cloud(demo, port, data_dir, children):
+        return frozenset({"lab-h100", "cloud-a100"})
+    return frozenset({"lab-h100"})
 
 
 def _preflight() -> None:
@@ -160,21 +259,27 @@ def _wait_until_ready(url: str, children: ProcessSet, timeout: float = 90) -> No
     raise PreflightError(f"The web process did not become ready at {url} within {timeout:.0f} s.")
 
 
-def _wait_for_demo_agent(demo: dict[str, Any], port: int, children: ProcessSet, timeout: float = 60) -> None:
-    """The sample tasks go in once the demo's agent has brought lab-h100 online, so they run there."""
+def _wait_for_demo_agent(
+    demo: dict[str, Any], port: int, children: ProcessSet, pools: frozenset[str], timeout: float = 60
+) -> None:
+    """The sample tasks go in once the demo's agents have brought its pools online, so they run there."""
     headers = {"Host": f"{demo['tenant_address']}:{port}", "Authorization": f"Bearer {demo['admin_token']}"}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if (exited := children.first_exited()) is not None:
             raise PreflightError(f"The {exited} process exited while starting; its output above says why.")
         try:
-            pools = httpx.get(f"http://127.0.0.1:{port}/api/v1/pools/", headers=headers, timeout=5).json()
-            if any(pool["name"] == "lab-h100" and pool["online"] for pool in pools.get("results", [])):
+            listed = httpx.get(f"http://127.0.0.1:{port}/api/v1/pools/", headers=headers, timeout=5).json()
+            online = {pool["name"] for pool in listed.get("results", []) if pool["online"]}
+            if pools <= online:
                 return
         except (httpx.HTTPError, ValueError):
             pass
         time.sleep(0.3)
-    raise PreflightError("The demo agent did not bring pool lab-h100 online within a minute; see its output.")
+    raise PreflightError(
+        f"The demo's agents did not bring pools {', '.join(sorted(pools))} online within a minute; see their "
+        "output."
+    )
 
 
 def _free_port() -> int:
@@ -248,11 +353,10 @@ def command_up(args: argparse.Namespace) -> int:
         children.start("web", _web_argv(args.host, args.port))
         children.start("worker", _worker_argv(args.concurrency))
         children.start("beat", _beat_argv(data_dir))
-        if demo:
-            children.start("agent", _agent_argv(demo, args.port, data_dir))
+        pools = _start_demo_agents(demo, args.port, data_dir, children) if demo else frozenset()
         _wait_until_ready(f"http://127.0.0.1:{args.port}/readyz", children)
         if demo:
-            _wait_for_demo_agent(demo, args.port, children)
+            _wait_for_demo_agent(demo, args.port, children, pools)
             subprocess.run(_manage_argv("demo_setup", "--tasks"), check=True, capture_output=True, text=True)
         print(_banner(demo, args.port), flush=True)
         while not stopping:

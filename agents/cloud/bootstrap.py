@@ -19,7 +19,7 @@ _TOKEN = re.compile(r"^kqa_[A-Za-z0-9_-]{1,200}$")
 def user_data(*, bootstrap: Bootstrap, url: str, token: str, name: str) -> str:
     if not _TOKEN.match(token):
         raise ValueError("an instance token is kqa_ and letters, digits, _ and -")
-    folder = bootstrap.work_dir.rstrip("/") or "/"
+    folder = bootstrap.work_dir.replace("{name}", name).rstrip("/") or "/"
     token_file = f"{folder}/agent.token"
     command = [
         *shlex.split(bootstrap.agent_command),

@@ -17,7 +17,7 @@
     [agent.cloud.bootstrap]
     install = "pip install 'klique[agent]'"   # shell run first on a new instance: installs klique-agent
     agent_command = "klique-agent"
-    work_dir = "/var/lib/klique-agent"
+    work_dir = "/var/lib/klique-agent"   # {name} stands for the instance's name
     agent_args = []                  # e.g. ["--gpus", "8"] where the image has no NVIDIA library
 
 Every value is checked when the agent starts (and by `klique-agent --check`), each problem named.
@@ -165,8 +165,10 @@ def _bootstrap(section: object, problems: list[str]) -> Bootstrap:
             problems.append(f"[agent.cloud.bootstrap] {key} must be a string")
             value = getattr(default, key)
         values[key] = value
-    if not values["work_dir"].startswith("/"):
-        problems.append("[agent.cloud.bootstrap] work_dir must be an absolute path")
+    if not values["work_dir"].startswith("/") or "{" in values["work_dir"].replace("{name}", ""):
+        problems.append(
+            "[agent.cloud.bootstrap] work_dir must be an absolute path ({name} is the instance's name)"
+        )
     arguments = section.get("agent_args", [])
     if not isinstance(arguments, list) or not all(
         isinstance(word, str) and "\x00" not in word for word in arguments

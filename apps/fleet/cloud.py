@@ -167,8 +167,6 @@ def _update(instance: CloudInstance, reported: cloud.Instance, now: datetime) ->
 
 def _ended(tenant: Tenant, instance: CloudInstance, reported: cloud.Instance, now: datetime) -> None:
     instance.ended_at = now
-    if instance.token_id is not None:
-        credentials.agent_token_revoke(tenant=tenant, token=AgentToken.objects.get(pk=instance.token_id))
     why = {
         cloud.INTERRUPTED: f"the cloud took back instance {instance.name}",
         cloud.STOPPED: f"instance {instance.name} was ended",
@@ -176,7 +174,10 @@ def _ended(tenant: Tenant, instance: CloudInstance, reported: cloud.Instance, no
     }[reported.state]
     if reported.reason:
         why = f"{why} ({reported.reason[:300]})"
+    # Its work first (a preempt reaches an agent still there, to checkpoint), then its token: it is closed.
     lifecycle.runs_interrupted(tenant, agent_id=instance.name, why=why)
+    if instance.token_id is not None:
+        credentials.agent_token_revoke(tenant=tenant, token=AgentToken.objects.get(pk=instance.token_id))
     publish_event(
         tenant=tenant,
         kind=f"instance.{reported.state}",

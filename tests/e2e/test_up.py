@@ -156,7 +156,8 @@ def test_up_with_configured_services(fresh_database: str, redis_url: str, tmp_pa
         assert (event["kind"], event["data"]["name"]) == ("project.saved", "e2e-project")
 
         # The demo's tasks were submitted; the worker's event-driven cycle placed them, the demo's agent ran
-        # the two that fit its pool, and the third waits in the cloud pool, which has no agent.
+        # the two that fit its pool, and the third overflowed to the cloud pool: its autoscaler started an
+        # instance (on moto's EC2, run on this host), whose own agent ran it.
         cli_env = {
             **environment,
             "KLIQUE_URL": f"http://demo.localhost:{running.port}",
@@ -164,12 +165,12 @@ def test_up_with_configured_services(fresh_database: str, redis_url: str, tmp_pa
         }
         for _ in range(120):
             listing = klique_cli(cli_env, "tasks")
-            if listing.count(" completed ") == 2:
+            if listing.count(" completed ") == 3:
                 break
             asyncio.run(asyncio.sleep(0.5))
-        assert listing.count(" completed ") == 2, listing
-        assert listing.count(" placed ") == 1, listing
-        finished = [line.split()[0] for line in listing.splitlines() if " completed " in line]
+        assert listing.count(" completed ") == 3, listing
+        assert listing.count(" cloud-a100 ") == 1, listing
+        finished = [line.split()[0] for line in listing.splitlines() if " lab-h100 " in line]
         task_id = call(running, "GET", f"/api/v1/tasks/?id_prefix={finished[0]}", token).json()["results"][0][
             "id"
         ]
@@ -190,6 +191,16 @@ def test_up_with_configured_services(fresh_database: str, redis_url: str, tmp_pa
             for event in call(running, "GET", f"/api/v1/tasks/{task_id}/history/", token).json()
         ]
         assert history == ["queued", "placed", "dispatching", "running", "completed"]
+        in_cloud = next(line.split()[0] for line in listing.splitlines() if " cloud-a100 " in line)
+        cloud_id = call(running, "GET", f"/api/v1/tasks/?id_prefix={in_cloud}", token).json()["results"][0][
+            "id"
+        ]
+        cloud_history = call(running, "GET", f"/api/v1/tasks/{cloud_id}/history/", token).json()
+        # Taken by the autoscaler, handed on to the instance's agent under a new lease, run there.
+        assert [event["to_state"] for event in cloud_history] == [
+            "queued", "placed", "dispatching", "dispatching", "running", "completed",
+        ]  # fmt: skip
+        assert "handed on to demo-cloud-a100-" in cloud_history[3]["message"]
         queues = klique_cli(cli_env, "queues")
         assert "Research: 4 GPUs" in queues
 

@@ -30,8 +30,8 @@ from tenants import selectors
 DEMO_SLUG = "demo"
 
 # `klique up --demo` runs a bare-metal agent for lab-h100 with a configured inventory of 8 GPUs, so the
-# demo's tasks run there. Cloud capacity counts as online without an agent (it scales from zero): work
-# that overflows to it is placed, and waits there for an agent.
+# demo's tasks run there. Cloud capacity is online while its autoscaler (`klique-agent --backend cloud`)
+# is connected, with or without instances; without one, work that overflows waits in the queue.
 DEMO_TASK = (
     "import os, time\n"
     "print('GPUs:', os.environ.get('CUDA_VISIBLE_DEVICES'))\n"
@@ -49,7 +49,7 @@ DEMO_CONFIGURATION = {
             "capacity_gpus": 16,
             "gpu_class": "A100",
             "sharing": ["whole", "fraction"],
-            "region": "eu-west",
+            "region": "eu-west-1",
         },
         {
             "name": "lab-h100",
@@ -159,10 +159,14 @@ class Command(BaseCommand):
                 self.gateway(alice, model_url)
         with schema_context(tenant.schema_name):
             agent_token = agent_token_create(pool=Pool.objects.get(name="lab-h100"), name="demo agent").secret
+            cloud_token = agent_token_create(
+                pool=Pool.objects.get(name="cloud-a100"), name="demo autoscaler"
+            ).secret
         self.stdout.write(
             json.dumps(
                 {
                     "agent_token": agent_token,
+                    "cloud_token": cloud_token,
                     "tenant": tenant.slug,
                     "tenant_address": selectors.tenant_address(tenant),
                     "admin": "alice",
