@@ -15,6 +15,7 @@ class Totals(models.Model):
     tokens_in = models.DecimalField(max_digits=38, decimal_places=0, default=0)
     tokens_out = models.DecimalField(max_digits=38, decimal_places=0, default=0)
     byte_ms = models.DecimalField(max_digits=38, decimal_places=0, default=0)
+    instance_ms = models.DecimalField(max_digits=38, decimal_places=0, default=0)
     cost_nano_usd = models.DecimalField(max_digits=38, decimal_places=0, default=0)
 
     class Meta:

@@ -10,6 +10,7 @@ from django.core.files.storage import default_storage
 from django.db import transaction
 from django.http import FileResponse, HttpRequest, JsonResponse
 from django.shortcuts import get_object_or_404
+from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
@@ -21,7 +22,8 @@ from apps.accounts.api_base import TenantAPIView
 from apps.accounts.models import Role, User
 from apps.core.ids import as_uuid
 from apps.fleet import cloud, credentials, dispatch, errors, outputs, selectors
-from apps.fleet.models import AgentToken, TaskOutput
+from apps.fleet.models import AgentToken, CloudInstance, TaskOutput
+from apps.metering.selectors import instance_hours_text, instance_time, usd_text
 from apps.resources.models import Pool
 from apps.scheduling import runs
 from apps.scheduling.models import Task, TaskRun
@@ -334,3 +336,40 @@ def agent_instances(request: HttpRequest) -> JsonResponse:
     except ProtocolError as error:
         return JsonResponse({"detail": f"Malformed instances report: {error}"}, status=400)
     return JsonResponse(cloud.instances_report(tenant=tenant, token=token, report=report).as_json())
+
+
+class CloudInstanceOut(serializers.ModelSerializer[CloudInstance]):
+    pool = serializers.CharField(source="pool.name")
+    month = serializers.SerializerMethodField(help_text="its hours and cost this month, busy and idle")
+
+    class Meta:
+        model = CloudInstance
+        fields = [
+            "name", "pool", "instance_type", "gpus", "spot", "region", "state", "reason", "provider_id",
+            "launched_at", "state_since", "ended_at", "month",
+        ]  # fmt: skip
+
+    def get_month(self, instance: CloudInstance) -> dict[str, str]:
+        figures = self.context["time"].get(instance.name, {})
+        return {
+            "busy_hours": instance_hours_text(figures.get("busy_ms", 0)),
+            "idle_hours": instance_hours_text(figures.get("idle_ms", 0)),
+            "busy_cost_usd": usd_text(figures.get("busy_nano_usd", 0)),
+            "idle_cost_usd": usd_text(figures.get("idle_nano_usd", 0)),
+        }
+
+
+class CloudInstancesView(TenantAPIView):
+    read_role = Role.ADMIN
+
+    @extend_schema(
+        responses=CloudInstanceOut(many=True),
+        summary="The cloud pools' instances (?pool=NAME; ?all=true: ended ones too) and this month's hours",
+    )
+    def get(self, request: Request) -> Response:
+        pool = None
+        if name := request.query_params.get("pool"):
+            pool = get_object_or_404(Pool, name=name)
+        instances = selectors.cloud_instances(live=request.query_params.get("all") != "true", pool=pool)
+        month = timezone.now().replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+        return self.page(instances, CloudInstanceOut, context={"time": instance_time(since=month)})

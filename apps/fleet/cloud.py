@@ -26,6 +26,7 @@ from apps.fleet import credentials
 from apps.fleet.errors import AgentRejected, StaleLease
 from apps.fleet.models import Agent, AgentToken, CloudInstance
 from apps.fleet.selectors import pool_task, run_of
+from apps.metering.services import instance_segment
 from apps.resources.models import SCALES_FROM_ZERO
 from apps.scheduling import lifecycle, runs, wake
 from apps.scheduling.models import RunOutcome, TaskRun
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+METER_EVERY = timedelta(minutes=15)  # how often a long stretch in one state reaches the ledger
 INSTANCE_TOKEN_SECONDS = 900.0  # an instance's agent must say hello within this, unless asked otherwise
 MAX_INSTANCE_TOKEN_SECONDS = cloud.MAX_PATIENCE_SECONDS
 
@@ -159,10 +161,29 @@ def instances_report(*, tenant: Tenant, token: AgentToken, report: cloud.Instanc
 
 
 def _update(instance: CloudInstance, reported: cloud.Instance, now: datetime) -> None:
+    """The instance as reported; its time metered up to now when its state changes (as the state it was
+    in), and every METER_EVERY while it stays in a billed one."""
     for name in ("provider_id", "instance_type", "gpus", "spot", "region", "reason"):
         setattr(instance, name, getattr(reported, name) or getattr(instance, name))
     if reported.state != instance.state:
+        _meter(instance, now)
         instance.state, instance.state_since = reported.state, now
+        if reported.state in cloud.BILLED and instance.metered_until is None:
+            instance.metered_until = now
+    elif instance.metered_until is not None and now - instance.metered_until >= METER_EVERY:
+        _meter(instance, now)
+
+
+def _meter(instance: CloudInstance, until: datetime) -> None:
+    """The instance's time since it was last metered, into the ledger as its state's kind (busy or idle)."""
+    since = instance.metered_until
+    if instance.state not in cloud.BILLED or since is None or until <= since:
+        return
+    instance_segment(
+        name=instance.name, instance_type=instance.instance_type, pool_id=str(instance.pool_id),
+        busy=instance.state == cloud.BUSY, started_at=since, ended_at=until,
+    )  # fmt: skip
+    instance.metered_until = until
 
 
 def _ended(tenant: Tenant, instance: CloudInstance, reported: cloud.Instance, now: datetime) -> None:

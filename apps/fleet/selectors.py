@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
 
 from apps.core.ids import as_uuid
-from apps.fleet.models import Agent, TaskReport
+from apps.fleet.models import Agent, CloudInstance, TaskReport
 from apps.resources.models import SCALES_FROM_ZERO, Pool
 from apps.scheduling.models import Task, TaskRun
 
@@ -172,3 +172,13 @@ class _Agents:
 
 
 AGENTS = _Agents()
+
+
+def cloud_instances(*, live: bool = True, pool: Any = None) -> Any:
+    """The cloud pools' instances, newest first: those not ended (live), or all."""
+    instances = CloudInstance.objects.select_related("pool").order_by("-launched_at")
+    if live:
+        instances = instances.filter(ended_at=None)
+    if pool is not None:
+        instances = instances.filter(pool=pool)
+    return instances

@@ -16,6 +16,7 @@ urlpatterns = [
     ),
     path("pools/<uuid:pool_id>/agent-tokens/", apis.PoolAgentTokensView.as_view(), name="pool-agent-tokens"),
     path("agent-tokens/<uuid:token_id>/", apis.AgentTokenDetailView.as_view(), name="agent-token-detail"),
+    path("instances/", apis.CloudInstancesView.as_view(), name="cloud-instances"),
 ]
 
 agent_urlpatterns = [

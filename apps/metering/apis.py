@@ -113,24 +113,32 @@ class PriceBookIO(serializers.Serializer[Any]):
         help_text='{"<model>": {"in": USD, "out": USD}} per million tokens'
     )
     gb_month = serializers.DecimalField(max_digits=12, decimal_places=6, help_text="USD per GB kept 30 days")
+    instance_hour = serializers.DictField(
+        required=False, default=dict, help_text='USD per hour of a cloud instance by type; "*" for any other'
+    )
+
+
+def _prices(book: Any) -> dict[str, Any]:
+    return {
+        "gpu_hour": book.gpu_hour,
+        "tokens_million": book.tokens_million,
+        "gb_month": str(book.gb_month),
+        "instance_hour": book.instance_hour,
+    }
 
 
 class PriceBookView(TenantAPIView):
     @extend_schema(responses=PriceBookIO, summary="The tenant's prices")
     def get(self, request: Request) -> Response:
         book = selectors.price_book()
-        return Response(
-            {"gpu_hour": book.gpu_hour, "tokens_million": book.tokens_million, "gb_month": str(book.gb_month)}
-        )
+        return Response(_prices(book))
 
     @extend_schema(request=PriceBookIO, responses=PriceBookIO, summary="Set the tenant's prices (admin)")
     def put(self, request: Request) -> Response:
         data = PriceBookIO(data=request.data)
         data.is_valid(raise_exception=True)
         book = services.price_book_save(**data.validated_data)
-        return Response(
-            {"gpu_hour": book.gpu_hour, "tokens_million": book.tokens_million, "gb_month": str(book.gb_month)}
-        )
+        return Response(_prices(book))
 
 
 class PeriodOut(serializers.ModelSerializer[Period]):

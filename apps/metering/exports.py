@@ -1,5 +1,7 @@
-"""Chargeback files: a period's ledger summed per cost center, project, kind, GPU class and model, as CSV
-(for spreadsheets) or Parquet (for data warehouses, with exact decimal types)."""
+"""Chargeback files: a period's ledger summed per cost center, project, kind, pool, GPU class, model and
+instance type, as CSV (for spreadsheets) or Parquet (for data warehouses, with exact decimal types). A
+cloud pool's instance time is its own row (kind instance, or idle for the time its instances ran no
+work), with no cost center or project: the pool's cost beside the GPU-hours charged to projects."""
 
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ from typing import Any
 from django.db.models import Count
 
 from apps.core.spreadsheet import csv_bytes
-from apps.metering.ledger import amount_sums, gb_hours, gpu_hours, usd
+from apps.metering.ledger import amount_sums, gb_hours, gpu_hours, instance_hours, usd
 from apps.metering.models import LedgerEvent
 
 COLUMNS = (
-    "period", "cost_center", "project", "kind", "gpu_class", "model", "events",
-    "gpu_hours", "tokens_in", "tokens_out", "gb_hours", "cost_usd",
+    "period", "cost_center", "project", "kind", "pool", "gpu_class", "model", "instance_type", "events",
+    "gpu_hours", "tokens_in", "tokens_out", "gb_hours", "instance_hours", "cost_usd",
 )  # fmt: skip
 SIX = Decimal("0.000001")
 
@@ -26,9 +28,9 @@ def chargeback(period: date) -> list[dict[str, Any]]:
     """The period's usage and cost per cost center and project (events that landed late in it included)."""
     rows: Iterable[Any] = (  # rows of .values(), with the sums annotated
         LedgerEvent.objects.filter(period=period)
-        .values("cost_center", "project_name", "kind", "gpu_class", "model")
+        .values("cost_center", "project_name", "kind", "pool", "gpu_class", "model", "instance_type")
         .annotate(events=Count("event_id"), **amount_sums())
-        .order_by("cost_center", "project_name", "kind", "gpu_class", "model")
+        .order_by("cost_center", "project_name", "kind", "pool", "gpu_class", "model", "instance_type")
     )
     return [
         {
@@ -36,13 +38,16 @@ def chargeback(period: date) -> list[dict[str, Any]]:
             "cost_center": row["cost_center"],
             "project": row["project_name"],
             "kind": row["kind"],
+            "pool": row["pool"],
             "gpu_class": row["gpu_class"],
             "model": row["model"],
+            "instance_type": row["instance_type"],
             "events": row["events"],
             "gpu_hours": gpu_hours(row["gpu_unit_ms"]).quantize(SIX),
             "tokens_in": int(row["tokens_in"]),
             "tokens_out": int(row["tokens_out"]),
             "gb_hours": gb_hours(row["byte_ms"]).quantize(SIX),
+            "instance_hours": instance_hours(row["instance_ms"]).quantize(SIX),
             "cost_usd": usd(row["cost"]).quantize(Decimal("0.000000001")),
         }
         for row in rows
@@ -64,13 +69,16 @@ def to_parquet(rows: list[dict[str, Any]]) -> bytes:
             ("cost_center", pa.string()),
             ("project", pa.string()),
             ("kind", pa.string()),
+            ("pool", pa.string()),
             ("gpu_class", pa.string()),
             ("model", pa.string()),
+            ("instance_type", pa.string()),
             ("events", pa.int64()),
             ("gpu_hours", pa.decimal128(24, 6)),
             ("tokens_in", pa.int64()),
             ("tokens_out", pa.int64()),
             ("gb_hours", pa.decimal128(24, 6)),
+            ("instance_hours", pa.decimal128(24, 6)),
             ("cost_usd", pa.decimal128(24, 9)),
         ]
     )

@@ -31,7 +31,7 @@ from django.utils import timezone
 
 from apps.accounts.models import Project, User
 from apps.core.ids import as_uuid
-from apps.metering.models import Kind, Period, PriceBook, Rejection
+from apps.metering.models import INSTANCE_KINDS, Kind, Period, PriceBook, Rejection
 from apps.resources.models import Pool
 from protocol.units import UNITS_PER_GPU
 
@@ -40,6 +40,7 @@ MS_PER_MONTH = 30 * 24 * MS_PER_HOUR  # a GB-month is 30 days
 NANO = 10**9
 FUTURE_SLACK = timedelta(minutes=5)
 KINDS = frozenset(Kind.values)
+POOLED_KINDS = frozenset({Kind.GPU, *INSTANCE_KINDS})  # events that name a pool of the tenant
 ONE_MS = timedelta(milliseconds=1)
 ONE_US = timedelta(microseconds=1)
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)  # clocks differ a little; events further ahead are refused
@@ -69,6 +70,8 @@ COLUMNS = (
     "cost_nano_usd",
     "source",
     "recorded_at",
+    "instance_type",
+    "instance_ms",
 )
 
 
@@ -92,6 +95,7 @@ class Event:
     bytes: int = 0
     cost_nano_usd: int | None = None  # the source's own cost, where the price book has no price
     source: str = "import"
+    instance_type: str = ""  # a cloud instance's type, for instance and idle events (they name no user)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Event:
@@ -129,7 +133,8 @@ class Event:
                 "tokens_out": self.tokens_out,
                 "bytes": self.bytes,
                 "cost_nano_usd": self.cost_nano_usd,
-            },
+            }
+            | ({"instance_type": self.instance_type} if self.kind in INSTANCE_KINDS else {}),
             sort_keys=True,
         )
 
@@ -157,7 +162,7 @@ class Report:
         return [
             Cost(str(row[_USER_ID]), row[_PROJECT_ID], row[_COST], row[_ENDED_AT])
             for row in self.appended
-            if row[_COST] > 0
+            if row[_COST] > 0 and row[_USER_ID] is not None  # a cloud instance's time is no one's spend
         ]
 
 
@@ -204,7 +209,7 @@ class Directory:
         for pk, name, center in Project.objects.filter(named).values_list("pk", "name", "cost_center"):
             self.projects[name] = self.projects[str(pk)] = (str(pk), name, center)
         self.pools: dict[str, tuple[str, str]] = {}  # name or id -> (name, GPU class)
-        named = _named({event.pool for event in events if event.kind == Kind.GPU}, "name")
+        named = _named({event.pool for event in events if event.kind in POOLED_KINDS}, "name")
         for pk, name, gpu_class in Pool.objects.filter(named).values_list("pk", "name", "gpu_class"):
             self.pools[name] = self.pools[str(pk)] = (name, gpu_class)
         self.closed = set(Period.objects.filter(closed_at__isnull=False).values_list("start", flat=True))
@@ -220,6 +225,7 @@ class Directory:
             if isinstance(price, dict)
         }
         self.gb_month = _decimal(prices.gb_month)
+        self.instance_hour = {name: _decimal(price) for name, price in (prices.instance_hour or {}).items()}
         self.current = now.date().replace(day=1)
         self.latest = now + FUTURE_SLACK
 
@@ -248,6 +254,14 @@ class Directory:
             raise Invalid(f"no project {reference!r} in this tenant")
         return found
 
+    def _instance_cost(self, event: Event) -> int:
+        """An instance's time at its type's hourly price (or "*"'s); the source's own cost where neither."""
+        hourly = self.instance_hour.get(event.instance_type, self.instance_hour.get("*"))
+        if hourly is None:
+            return event.cost_nano_usd or 0
+        milliseconds = ((event.ended_at or event.started_at) - event.started_at) // ONE_MS
+        return _rounded(hourly * NANO * milliseconds / MS_PER_HOUR)
+
     def cost(self, event: Event, gpu_class: str, unit_ms: int, byte_ms: int) -> int:
         if event.kind == Kind.GPU:
             price = self.gpu_price.get(gpu_class) or self.gpu_price.get("*")
@@ -260,6 +274,8 @@ class Directory:
                 price_in, price_out = self.tokens[event.model]
                 return _rounded((event.tokens_in * price_in + event.tokens_out * price_out) * 1000)
             return event.cost_nano_usd or 0
+        if event.kind in INSTANCE_KINDS:
+            return self._instance_cost(event)
         return _rounded(Fraction(byte_ms) * self.gb_month * NANO / (NANO * MS_PER_MONTH))
 
 
@@ -278,7 +294,10 @@ def _named(references: set[str], name_field: str) -> Q:
 
 def _check_sizes(event: Event) -> None:
     """Text and amounts within what a ledger row holds, or Invalid naming the field."""
-    texts = (("model", 100), ("group", 100), ("pool", 100), ("compute_resource", 200), ("source", 20))
+    texts = (
+        ("model", 100), ("group", 100), ("pool", 100), ("compute_resource", 200), ("source", 20),
+        ("instance_type", 100),
+    )  # fmt: skip
     for name, longest in texts:
         text = getattr(event, name)
         if not isinstance(text, str) or len(text) > longest:
@@ -291,12 +310,8 @@ def _check_sizes(event: Event) -> None:
             raise Invalid(f"{name} is from 0 to {MAX_AMOUNT:,} (tokens, bytes and costs cannot be negative)")
 
 
-def _row(event: Event, directory: Directory) -> tuple[Any, ...]:
-    """The ledger row of an event, or Invalid saying what is wrong with it."""
-    if not event.event_id or len(event.event_id) > 128:
-        raise Invalid("an event id is 1 to 128 characters")
-    if event.kind not in KINDS:
-        raise Invalid(f"kind {event.kind!r} is not one of {', '.join(sorted(KINDS))}")
+def _checked_times(event: Event, directory: Directory) -> datetime:
+    """When the event ended (its start, for an instant), or Invalid saying what is wrong with its times."""
     if event.started_at.tzinfo is None:
         raise Invalid("started_at has no time zone")
     ended = event.ended_at or event.started_at
@@ -308,16 +323,32 @@ def _row(event: Event, directory: Directory) -> tuple[Any, ...]:
         raise Invalid(f"it ends ({ended.isoformat()}) before it starts ({event.started_at.isoformat()})")
     if ended > directory.latest:
         raise Invalid(f"it ends in the future ({ended.isoformat()})")
+    return ended
+
+
+def _row(event: Event, directory: Directory) -> tuple[Any, ...]:
+    """The ledger row of an event, or Invalid saying what is wrong with it."""
+    if not event.event_id or len(event.event_id) > 128:
+        raise Invalid("an event id is 1 to 128 characters")
+    if event.kind not in KINDS:
+        raise Invalid(f"kind {event.kind!r} is not one of {', '.join(sorted(KINDS))}")
+    ended = _checked_times(event, directory)
     _check_sizes(event)
-    user_id, username = directory.user(event.user)
+    instance = event.kind in INSTANCE_KINDS
+    if instance and not event.instance_type:
+        raise Invalid(f"a {event.kind} event names its instance_type")
+    user_id: str | None
+    user_id, username = (None, "") if instance and not event.user else directory.user(event.user)
     project_id, project_name, cost_center = directory.project(event.project)
     milliseconds = (ended - event.started_at) // ONE_MS
     units = gpu_class = None
     pool = event.pool
-    if event.kind == Kind.GPU:
+    if event.kind in POOLED_KINDS:
         if event.pool not in directory.pools:
             raise Invalid(f"no pool {event.pool!r} in this tenant")
-        units, (pool, gpu_class) = units_of(event.gpus), directory.pools[event.pool]
+        pool, gpu_class = directory.pools[event.pool]
+    if event.kind == Kind.GPU:
+        units = units_of(event.gpus)
     unit_ms = (units or 0) * milliseconds
     byte_ms = event.bytes * milliseconds if event.kind == Kind.STORAGE else 0
     cost = directory.cost(event, gpu_class or "", unit_ms, byte_ms)
@@ -326,11 +357,13 @@ def _row(event: Event, directory: Directory) -> tuple[Any, ...]:
     period, late = directory.period(ended)
     # What the event says, not what the ledger made of it (its period, lateness and price): a replay must
     # say the same. Instants as microseconds since 1970 UTC, so one instant in two time zones is the same.
-    said = (
+    said: tuple[Any, ...] = (
         event.kind, (event.started_at - EPOCH) // ONE_US, (ended - EPOCH) // ONE_US, user_id, project_id,
         event.group, pool, event.compute_resource, units, event.model, event.tokens_in,
         event.tokens_out, byte_ms,
     )  # fmt: skip
+    if instance:  # (other kinds' digests stay what they were when recorded)
+        said += (event.instance_type,)
     return (
         event.event_id,
         event.kind,
@@ -357,10 +390,12 @@ def _row(event: Event, directory: Directory) -> tuple[Any, ...]:
         cost,
         event.source,
         directory.now,
+        event.instance_type if instance else "",
+        milliseconds if instance else 0,
     )
 
 
-_MEASURES = ("events", "gpu_unit_ms", "tokens_in", "tokens_out", "byte_ms", "cost_nano_usd")
+_MEASURES = ("events", "gpu_unit_ms", "tokens_in", "tokens_out", "byte_ms", "instance_ms", "cost_nano_usd")
 _KEY = "kind, project_id, user_id, pool, gpu_class, model"
 _ROLLUP = f"INSERT INTO metering_rollup (grain, bucket, {_KEY}, {', '.join(_MEASURES)})"
 _TOTALS = ", ".join(f"sum({measure})" for measure in _MEASURES)
@@ -513,12 +548,13 @@ def _payload(event: Event | None) -> dict[str, Any]:
 
 def amount_sums() -> dict[str, Sum]:
     """Sum() of each metered amount, for .annotate() on the ledger, its rollups or the provider's daily
-    totals: gpu_unit_ms, tokens_in, tokens_out, byte_ms, and cost (nano-USD)."""
+    totals: gpu_unit_ms, tokens_in, tokens_out, byte_ms, instance_ms, and cost (nano-USD)."""
     return {
         "gpu_unit_ms": Sum("gpu_unit_ms"),
         "tokens_in": Sum("tokens_in"),
         "tokens_out": Sum("tokens_out"),
         "byte_ms": Sum("byte_ms"),
+        "instance_ms": Sum("instance_ms"),
         "cost": Sum("cost_nano_usd"),
     }
 
@@ -531,6 +567,11 @@ def gpu_hours(unit_ms: int | Decimal) -> Decimal:
 def gb_hours(byte_ms: int | Decimal) -> Decimal:
     """GB-hours of a bytes x milliseconds figure, exact to 12 decimal places."""
     return (Decimal(byte_ms) / (NANO * MS_PER_HOUR)).quantize(Decimal("1e-12"))
+
+
+def instance_hours(milliseconds: int | Decimal) -> Decimal:
+    """Instance-hours of a milliseconds figure, exact to 12 decimal places."""
+    return (Decimal(milliseconds) / MS_PER_HOUR).quantize(Decimal("1e-12"))
 
 
 def usd(nano: int | Decimal) -> Decimal:

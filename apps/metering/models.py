@@ -17,6 +17,11 @@ class Kind(models.TextChoices):
     GPU = "gpu"  # a run segment: a task's GPUs from when it started running to when it stopped
     TOKENS = "tokens"  # one gateway call
     STORAGE = "storage"  # bytes kept over a span of time (task outputs)
+    INSTANCE = "instance"  # a cloud instance's time while it ran work (its provider bills it)
+    IDLE = "idle"  # a cloud instance's time without work: booting, idle, being ended (billed all the same)
+
+
+INSTANCE_KINDS = frozenset({Kind.INSTANCE, Kind.IDLE})
 
 
 class Period(models.Model):
@@ -58,6 +63,8 @@ class LedgerEvent(models.Model):
     tokens_in = models.BigIntegerField(default=0)
     tokens_out = models.BigIntegerField(default=0)
     byte_ms = models.BigIntegerField(default=0)  # bytes x milliseconds, for storage
+    instance_type = models.CharField(max_length=100, blank=True)  # a cloud instance's, for instance and idle
+    instance_ms = models.BigIntegerField(default=0)  # a cloud instance's milliseconds, for instance and idle
     cost_nano_usd = models.BigIntegerField(default=0)
     source = models.CharField(max_length=20)  # scheduler, gateway, storage, import
     recorded_at = models.DateTimeField(auto_now_add=True)
@@ -122,12 +129,13 @@ class Rollup(Totals):
 
 class PriceBook(models.Model):
     """The tenant's prices (one row, pk 1): GPU classes per GPU-hour, models per million tokens (in and
-    out), storage per GB-month (30 days), all in USD."""
+    out), storage per GB-month (30 days), cloud instance types per instance-hour, all in USD."""
 
     id = models.PositiveSmallIntegerField(primary_key=True, default=1, editable=False)
     gpu_hour = models.JSONField(default=dict)  # {"H100": "2.50", "*": "1.00"}
     tokens_million = models.JSONField(default=dict)  # {"chat": {"in": "0.15", "out": "0.60"}}
     gb_month = models.DecimalField(max_digits=12, decimal_places=6, default=0)
+    instance_hour = models.JSONField(default=dict)  # cloud instance types: {"g5.xlarge": "1.006", "*": "2"}
     updated_at = models.DateTimeField(auto_now=True)
 
     def __str__(self) -> str:

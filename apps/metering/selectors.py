@@ -10,7 +10,7 @@ from django.db.models import QuerySet, Sum
 
 from apps.accounts.models import Project, Role, User
 from apps.core.errors import InvalidInput
-from apps.metering.ledger import amount_sums, gb_hours, gpu_hours, usd
+from apps.metering.ledger import amount_sums, gb_hours, gpu_hours, instance_hours, usd
 from apps.metering.models import Kind, LedgerEvent, Period, PriceBook, Rejection, Rollup
 from apps.metering.runs import segment_prefix
 
@@ -73,6 +73,10 @@ def gpu_hours_text(unit_ms: int | Decimal) -> str:
     return str(gpu_hours(unit_ms).quantize(SIX))
 
 
+def instance_hours_text(milliseconds: int | Decimal) -> str:
+    return str(instance_hours(milliseconds).quantize(SIX))
+
+
 def gb_hours_text(byte_ms: int | Decimal) -> str:
     return str(gb_hours(byte_ms).quantize(SIX))
 
@@ -127,3 +131,18 @@ def names(column: str) -> dict[str, str]:
 
 def periods() -> QuerySet[Period]:
     return Period.objects.all()
+
+
+def instance_time(*, since: datetime) -> dict[str, dict[str, int]]:
+    """Cloud instances' time in the ledger that ended since `since`, per instance name: milliseconds and
+    nano-USD while they ran work (busy) and while they did not (idle)."""
+    events = LedgerEvent.objects.filter(kind__in=(Kind.INSTANCE, Kind.IDLE), ended_at__gte=since)
+    found: dict[str, dict[str, int]] = {}
+    rows = events.values_list("event_id", "kind", "instance_ms", "cost_nano_usd")
+    for event_id, kind, milliseconds, cost in rows:
+        name = event_id.split(":", 2)[1]
+        figures = found.setdefault(name, {"busy_ms": 0, "idle_ms": 0, "busy_nano_usd": 0, "idle_nano_usd": 0})
+        side = "busy" if kind == Kind.INSTANCE else "idle"
+        figures[f"{side}_ms"] += milliseconds
+        figures[f"{side}_nano_usd"] += cost
+    return found

@@ -1,9 +1,10 @@
-"""The ledger's writers for administrators: imports, the price book and closing a period. The apps whose
-usage it is write their own events (the gateway its calls, fleet its outputs, scheduling its runs through
-runs.py); what is read is in selectors.py."""
+"""The ledger's writers for administrators: imports, the price book and closing a period; and the cloud
+instances' time, which fleet reports. The apps whose usage it is write their own events (the gateway its
+calls, fleet its outputs, scheduling its runs through runs.py); what is read is in selectors.py."""
 
 from __future__ import annotations
 
+import logging
 from datetime import date, datetime
 from decimal import Decimal
 from typing import Any
@@ -13,7 +14,9 @@ from django.utils import timezone
 
 from apps.core.errors import InvalidInput
 from apps.metering.ledger import Event, Report, ingest
-from apps.metering.models import Period, PriceBook, Rejection
+from apps.metering.models import Kind, Period, PriceBook, Rejection
+
+logger = logging.getLogger(__name__)
 
 MAX_PRICE = Decimal(1_000_000)  # USD per unit: more is a typo, and would overflow what it prices
 
@@ -53,15 +56,25 @@ def checked_prices(
 
 
 @transaction.atomic
-def price_book_save(*, gpu_hour: dict[str, Any], tokens_million: dict[str, Any], gb_month: Any) -> PriceBook:
+def price_book_save(
+    *, gpu_hour: dict[str, Any], tokens_million: dict[str, Any], gb_month: Any,
+    instance_hour: dict[str, Any] | None = None,
+) -> PriceBook:  # fmt: skip
     """Set the tenant's prices. They price events as they are recorded; what is recorded keeps its price."""
     checked_gpu, checked_tokens = checked_prices(gpu_hour, tokens_million)
+    instance_hour = instance_hour or {}
+    if len(instance_hour) > 500:
+        raise InvalidInput("A price book holds at most 500 instance types.")
+    checked_instances = {
+        str(name)[:100]: check_price(price, f"instance_hour.{name}") for name, price in instance_hour.items()
+    }
     book, _ = PriceBook.objects.update_or_create(
         pk=1,
         defaults={
             "gpu_hour": checked_gpu,
             "tokens_million": checked_tokens,
             "gb_month": Decimal(check_price(gb_month, "gb_month")),
+            "instance_hour": checked_instances,
         },
     )
     return book
@@ -107,3 +120,24 @@ def period_close(*, start: date) -> Period:
     period.closed_at = timezone.now()
     period.save(update_fields=["closed_at"])
     return period
+
+
+def instance_segment(
+    *, name: str, instance_type: str, pool_id: str, busy: bool, started_at: datetime, ended_at: datetime
+) -> Report:
+    """Meter one stretch of a cloud instance's life in its pool at its type's price: as `instance` while it
+    ran work, as `idle` otherwise (booting, idle, being ended). Named by the instance and the stretch's
+    start, so writing it twice counts once. No one's wallet pays it: it is the pool's cost, in chargeback."""
+    event = Event(
+        event_id=f"instance:{name}:{started_at.isoformat()}",
+        kind=Kind.INSTANCE if busy else Kind.IDLE,
+        started_at=started_at,
+        ended_at=max(ended_at, started_at),
+        pool=pool_id,
+        instance_type=instance_type or "unknown",
+        source="autoscaler",
+    )
+    report = ingest([event], now=max(ended_at, timezone.now()))
+    if report.rejected:
+        logger.warning("instance %s: its time was not metered: %s", name, report.rejected)
+    return report

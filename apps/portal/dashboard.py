@@ -10,9 +10,10 @@ from typing import Any
 from django.db import connection
 from django.db.models import Sum
 
-from apps.fleet.selectors import NONE_REPORTED, agents_by_pool
+from apps.fleet.selectors import NONE_REPORTED, agents_by_pool, cloud_instances
 from apps.metering.ledger import gpu_hours
 from apps.metering.models import Rollup
+from apps.metering.selectors import instance_hours_text, instance_time, usd_text
 from apps.resources.models import Pool
 from apps.scheduling.engine import UNITS_PER_GPU
 from apps.scheduling.models import ACTIVE_STATES, Task
@@ -134,7 +135,32 @@ def dashboard_figures(now: Any, span: str = "24h") -> dict[str, Any]:
         "idle": idle_tasks(now),
         "idle_below": IDLE_BELOW,
         "groups": sorted((group, round(units / UNITS_PER_GPU, 3)) for group, units in by_group.items()),
+        "instances": cloud_instance_rows(now),
     }
+
+
+def cloud_instance_rows(now: Any) -> list[dict[str, Any]]:
+    """The cloud pools' live instances: their state, since when, and this month's busy and idle hours and
+    cost (what an instance costs while it runs no work is the idle cost to cut)."""
+    month = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    time = instance_time(since=month)
+    rows = []
+    for instance in cloud_instances(live=True):
+        figures = time.get(instance.name, {})
+        rows.append(
+            {
+                "name": instance.name,
+                "pool": instance.pool.name,
+                "instance_type": instance.instance_type or "-",
+                "spot": instance.spot,
+                "state": instance.state,
+                "since": instance.state_since,
+                "idle_hours": instance_hours_text(figures.get("idle_ms", 0)),
+                "idle_cost": usd_text(figures.get("idle_nano_usd", 0)),
+                "busy_cost": usd_text(figures.get("busy_nano_usd", 0)),
+            }
+        )
+    return rows
 
 
 def _known_sum(values: Any) -> int | None:

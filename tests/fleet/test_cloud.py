@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from datetime import timedelta
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -351,4 +352,86 @@ def test_an_instance_the_cloud_takes_back_puts_its_work_back_at_the_front_as_pre
         assert instance.state == cloud.INTERRUPTED
         assert instance.ended_at is not None
         assert AgentToken.objects.filter(bound_agent_id="spot-0001").get().revoked_at is not None
+    connections.close_all()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_instances_life_is_metered_busy_and_idle_at_its_types_price_into_chargeback(
+    clouded: dict[str, Any],
+) -> None:
+    """Booting 30 minutes, running work an hour, idle 15 minutes, then ended: its time reaches the ledger as
+    its kinds (idle and instance) at the price book's hourly price, once, and the chargeback file shows it
+    beside the GPU-hours."""
+    from apps.metering.exports import chargeback
+    from apps.metering.models import LedgerEvent
+    from apps.metering.services import price_book_save
+
+    with schema_context("fleet"):
+        price_book_save(
+            gpu_hour={}, tokens_million={}, gb_month="0", instance_hour={"g5.xlarge": "1.2", "*": "9"}
+        )
+    connections.close_all()
+
+    def back(minutes: int) -> None:
+        """As if the instance's last metering were `minutes` ago."""
+        with schema_context("fleet"):
+            instance = CloudInstance.objects.get(pk="life-0001")
+            CloudInstance.objects.filter(pk="life-0001").update(
+                metered_until=instance.metered_until - timedelta(minutes=minutes)
+            )
+        connections.close_all()
+
+    def state(name: str) -> dict[str, Any]:
+        return {
+            "name": "life-0001",
+            "state": name,
+            "instance_type": "g5.xlarge",
+            "gpus": 1,
+            "region": "us-east-1",
+        }
+
+    async def scenario() -> None:
+        scaler = agent(clouded["scaler"])
+        await scaler_takes(scaler, 0)
+        await asyncio.to_thread(mint, clouded["scaler"], "life-0001")
+        await scaler.disconnect()
+
+    asyncio.run(scenario())
+    assert report(clouded["scaler"], state("launching"))[0] == 200
+    assert report(clouded["scaler"], state("booting"))[0] == 200
+    back(30)
+    report(clouded["scaler"], state("busy"))
+    back(60)
+    report(clouded["scaler"], state("idle"))
+    back(15)
+    report(clouded["scaler"], state("stopped"))
+    report(clouded["scaler"], state("stopped"))  # a repeated report after the end meters nothing more
+    with schema_context("fleet"):
+        events = list(LedgerEvent.objects.filter(kind__in=("instance", "idle")).order_by("ended_at"))
+        assert [(event.kind, event.instance_ms // 60_000) for event in events] == [
+            ("idle", 30), ("instance", 60), ("idle", 15),
+        ]  # fmt: skip
+        # 1.2 USD an hour, to the nano-USD, of the time each stretch lasted (30, 60 and 15 minutes)
+        assert [event.cost_nano_usd for event in events] == [
+            (event.instance_ms * 12 * 10**8 + 1_800_000) // 3_600_000 for event in events
+        ]
+        assert [round(event.cost_nano_usd / 10**7) for event in events] == [60, 120, 30]  # cents
+        assert {(event.pool, event.gpu_class, event.instance_type, event.user_id) for event in events} == {
+            ("spot-a10", "A10G", "g5.xlarge", None)
+        }
+        rows = {row["kind"]: row for row in chargeback(events[0].period)}
+        assert rows["idle"]["instance_hours"].quantize(Decimal("0.01")) == Decimal("0.75")
+        assert rows["idle"]["cost_usd"].quantize(Decimal("0.01")) == Decimal("0.90")
+        assert rows["instance"]["instance_hours"].quantize(Decimal("0.01")) == Decimal("1.00")
+        assert (rows["instance"]["pool"], rows["instance"]["instance_type"]) == ("spot-a10", "g5.xlarge")
+        assert rows["instance"]["cost_center"] == rows["instance"]["project"] == ""
+    connections.close_all()
+    # Administrators see each instance, its state and this month's busy and idle time and cost.
+    admin = {"HTTP_HOST": HOST, "HTTP_AUTHORIZATION": f"Bearer {clouded['admin_token']}"}
+    assert Client().get("/api/v1/instances/", **admin).json()["results"] == []  # ended: not live
+    (listed,) = Client().get("/api/v1/instances/?all=true&pool=spot-a10", **admin).json()["results"]
+    assert (listed["name"], listed["state"], listed["instance_type"]) == ("life-0001", "stopped", "g5.xlarge")
+    assert Decimal(listed["month"]["idle_cost_usd"]).quantize(Decimal("0.01")) == Decimal("0.90")
+    assert Decimal(listed["month"]["busy_hours"]).quantize(Decimal("0.01")) == Decimal("1.00")
+    assert Client().get("/api/v1/instances/?pool=nowhere", **admin).status_code == 404
     connections.close_all()

@@ -163,6 +163,7 @@ ENDPOINTS += [
         expect=204,
         names_object=True,
     ),
+    Endpoint("GET", "api/v1/instances/", "admin", lambda w: "/api/v1/instances/"),
 ]
 
 ENDPOINTS += [
