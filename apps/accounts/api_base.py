@@ -66,7 +66,9 @@ class TenantAPIView(Audited, APIView):
     def page(self, queryset: Any, serializer_class: Any, context: dict[str, Any] | None = None) -> Response:
         paginator = LimitOffsetPagination()
         rows: list[Any] | None = paginator.paginate_queryset(queryset, self.request, view=self)
-        return paginator.get_paginated_response(serializer_class(rows, many=True, context=context or {}).data)
+        if context is None:
+            return paginator.get_paginated_response(serializer_class(rows, many=True).data)
+        return paginator.get_paginated_response(serializer_class(rows, many=True, context=context).data)
 
 
 class ProviderView(Audited, APIView):
