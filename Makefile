@@ -41,6 +41,7 @@ bench: install
 	$(BIN)/python bench/idle_gpus.py
 	$(BIN)/python bench/kubernetes_dispatch.py
 	$(BIN)/python bench/mcp_calls.py
+	$(BIN)/python bench/autoscale.py
 	$(BIN)/python bench/drain.py --tasks 300  # 2,000 (its default) takes the local Slurm most of an hour
 
 lock:

@@ -81,8 +81,8 @@ def instance_token_mint(*, tenant: Tenant, token: AgentToken, name: str, seconds
         raise AgentRejected(f"Instance name {name} belongs to another pool or autoscaler; choose another.")
     if instance is not None and instance.ended_at is not None:
         raise AgentRejected(f"Instance {name} has ended; a new instance needs a new name.")
-    if Agent.objects.filter(pk=name).exclude(pool_id=token.pool_id).exists():
-        raise AgentRejected(f"An agent of another pool is called {name}; choose another name.")
+    if _taken(token, name):
+        raise AgentRejected(f"Another agent is called {name}; choose another name.")
     now = timezone.now()
     if instance is not None and instance.token_id is not None:  # minted again: the first one dies
         AgentToken.objects.filter(pk=instance.token_id, revoked_at=None).update(revoked_at=now)
@@ -100,6 +100,12 @@ def instance_token_mint(*, tenant: Tenant, token: AgentToken, name: str, seconds
         expires_at=(now + timedelta(seconds=seconds)).isoformat(),
     )
     return Minted(issued.secret, (now + timedelta(seconds=seconds)).timestamp())
+
+
+def _taken(token: AgentToken, name: str) -> bool:
+    """Whether `name` is the id of an agent that is not one of this autoscaler's instances (an agent of
+    another pool, the autoscaler itself, another kind of agent of this pool)."""
+    return Agent.objects.filter(pk=name).exclude(token__instance_of=token).exists()
 
 
 @transaction.atomic
@@ -144,6 +150,9 @@ def instances_report(*, tenant: Tenant, token: AgentToken, report: cloud.Instanc
     autoscaler = token.bound_agent_id
     for reported in report.instances:
         instance = CloudInstance.objects.select_for_update().filter(pk=reported.name).first()
+        if instance is None and _taken(token, reported.name):
+            logger.warning("autoscaler %s reported %s, an agent not its instance", autoscaler, reported.name)
+            continue
         if instance is None:  # adopted by the autoscaler, unknown here (its note was lost): recorded
             instance = CloudInstance(name=reported.name, pool_id=token.pool_id, autoscaler=autoscaler)
         elif instance.pool_id != token.pool_id or instance.autoscaler != autoscaler:
@@ -196,7 +205,7 @@ def _ended(tenant: Tenant, instance: CloudInstance, reported: cloud.Instance, no
     if reported.reason:
         why = f"{why} ({reported.reason[:300]})"
     # Its work first (a preempt reaches an agent still there, to checkpoint), then its token: it is closed.
-    lifecycle.runs_interrupted(tenant, agent_id=instance.name, why=why)
+    lifecycle.runs_interrupted(tenant, pool=instance.pool, agent_id=instance.name, why=why)
     if instance.token_id is not None:
         credentials.agent_token_revoke(tenant=tenant, token=AgentToken.objects.get(pk=instance.token_id))
     publish_event(

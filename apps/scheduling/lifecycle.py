@@ -215,20 +215,20 @@ def run_hand_on(
 
 
 @transaction.atomic
-def runs_interrupted(tenant: Tenant, *, agent_id: str, why: str) -> list[TaskRun]:
-    """The cloud took back, or is about to take back, the instance `agent_id` runs on (a spot interruption,
-    an instance that vanished): every task starting or running there goes back to the front of its queue as
-    preempted, its run asked to stop with the grace period to checkpoint (moot where the instance is gone)
-    and its GPU time so far metered. Returns the runs to stop."""
+def runs_interrupted(tenant: Tenant, *, pool: Pool, agent_id: str, why: str) -> list[TaskRun]:
+    """The cloud took back, or is about to take back, the instance `agent_id` of `pool` runs on (a spot
+    interruption, an instance that vanished): every task starting or running there goes back to the front
+    of its queue as preempted, its run asked to stop with the grace period to checkpoint (moot where the
+    instance is gone) and its GPU time so far metered. Returns the runs to stop."""
     now = timezone.now()
     message = f"Preempted: {why}; back at the front of its queue."
-    live = TaskRun.objects.filter(agent_id=agent_id, outcome=RunOutcome.LIVE).values("task_id")
+    live = TaskRun.objects.filter(agent_id=agent_id, pool=pool, outcome=RunOutcome.LIVE).values("task_id")
     events: list[TaskEvent] = []
     ran: list[Task] = []
     stopped: list[TaskRun] = []
     for task in Task.objects.select_for_update(of=("self",)).filter(pk__in=live, state__in=LIVE_STATES):
         run = current_run(task)
-        if run is None or run.agent_id != agent_id:
+        if run is None or run.agent_id != agent_id or run.pool_id != pool.pk:
             continue
         events += [
             _record(task, to_state=TaskState.PREEMPTED, actor=SCHEDULER, message=message, at=now),

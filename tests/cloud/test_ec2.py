@@ -3,6 +3,9 @@ listings by tag, ends; and each kind of refusal in words an administrator can ac
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -125,3 +128,29 @@ def test_refusals_moto_cannot_make_are_read_the_same_way(code: str, kind: str, s
     assert refused.value.kind == kind
     assert said in str(refused.value)
     assert code in str(refused.value)
+
+
+def _check(aws: str, tmp_path: Any, **cloud: Any) -> subprocess.CompletedProcess[str]:
+    section = {"region": REGION, "endpoint_url": aws, "image": an_image(aws), "instance_type": "g5.12xlarge",
+               "max_instances": 2, **cloud}  # fmt: skip
+    lines = ["[agent.cloud]"] + [f"{key} = {json.dumps(value)}" for key, value in section.items()]
+    config = tmp_path / "cloud.toml"
+    config.write_text("\n".join(lines) + "\n")
+    return subprocess.run(
+        [sys.executable, "-m", "agents.main", "--url", "http://x.localhost", "--backend", "cloud",
+         "--config", str(config), "--check", "--work-dir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+def test_the_agents_check_asks_the_provider_and_names_what_is_wrong(aws: str, tmp_path: Any) -> None:
+    done = _check(aws, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "up to 2 g5.12xlarge instances of 4 GPU(s) in us-east-1" in done.stdout
+    refused = _check(aws, tmp_path, image="ami-0000dead")
+    assert refused.returncode == 2
+    assert "InvalidAMIID.NotFound" in refused.stdout
+    invalid = _check(aws, tmp_path, max_instances=0, idle_timeout_seconds=30)
+    assert invalid.returncode == 2
+    assert "max_instances must be a whole number from 1" in invalid.stdout
+    assert "idle_timeout_seconds must be from 60 seconds" in invalid.stdout

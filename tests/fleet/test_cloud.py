@@ -435,3 +435,67 @@ def test_an_instances_life_is_metered_busy_and_idle_at_its_types_price_into_char
     assert Decimal(listed["month"]["busy_hours"]).quantize(Decimal("0.01")) == Decimal("1.00")
     assert Client().get("/api/v1/instances/?pool=nowhere", **admin).status_code == 404
     connections.close_all()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_autoscaler_cannot_end_or_impersonate_agents_that_are_not_its_instances(
+    clouded: dict[str, Any],
+) -> None:
+    """Names of other agents (of another pool, or the autoscaler's own) are refused for instances, and a
+    report that one of them was interrupted touches none of its work."""
+    from tests.fleet.test_fencing import start
+
+    async def scenario() -> None:
+        rack = agent(clouded["token"].secret)
+        await start(rack, "rack-1")  # the h100 pool's agent runs the fleet's task
+        scaler = agent(clouded["scaler"])
+        await scaler_takes(scaler, 0)
+        for name in ("rack-1", "scaler"):
+            status, said = await asyncio.to_thread(mint, clouded["scaler"], name)
+            assert status == 409, said
+            assert "Another agent is called" in said["detail"]
+        forged = {"name": "rack-1", "state": "interrupted", "reason": "forged"}
+        assert (await asyncio.to_thread(report, clouded["scaler"], forged))[0] == 200
+        await scaler.disconnect()
+        await rack.disconnect()
+
+    asyncio.run(scenario())
+    with schema_context("fleet"):
+        assert Task.objects.get(pk=clouded["task"]).state == TaskState.RUNNING
+        assert not CloudInstance.objects.filter(pk="rack-1").exists()
+    connections.close_all()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_autoscaler_that_cannot_start_instances_takes_its_pool_out_of_placement_and_says_why(
+    clouded: dict[str, Any],
+) -> None:
+    problem = (
+        "EC2 refused to start a g5.xlarge instance: AuthFailure: AWS was not able to validate the credentials"
+    )
+
+    async def connect() -> Any:
+        client = agent(clouded["scaler"])
+        assert (await client.connect())[0]
+        await client.send_json_to({**hello("scaler"), "problem": problem})
+        await receive(client, "welcome")
+        return client
+
+    async def scenario() -> None:
+        client = await connect()
+        await asyncio.to_thread(schedule, clouded)
+        with_problem = await in_fleet(lambda: list(Task.objects.filter(pk__in=clouded["tasks"])))
+        assert {task.state for task in with_problem} == {TaskState.QUEUED}  # not placed where nothing starts
+        admin = {"HTTP_HOST": HOST, "HTTP_AUTHORIZATION": f"Bearer {clouded['admin_token']}"}
+        pools = await asyncio.to_thread(lambda: Client().get("/api/v1/pools/", **admin).json()["results"])
+        (cloud_pool,) = [pool for pool in pools if pool["name"] == "spot-a10"]
+        assert cloud_pool["problems"] == [f"scaler: {problem}"]  # the pool's status says which, and why
+        # Fixed: its next heartbeat says no problem, and the pool takes work again.
+        await client.send_json_to({"type": "heartbeat", "held": [], "problem": ""})
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(schedule, clouded)
+        fixed = await in_fleet(lambda: list(Task.objects.filter(pk__in=clouded["tasks"])))
+        assert {task.state for task in fixed} <= {TaskState.PLACED, TaskState.DISPATCHING}
+        await client.disconnect()
+
+    asyncio.run(scenario())

@@ -111,7 +111,7 @@ def test_spill_over_returns_to_owned_capacity_as_soon_as_it_frees() -> None:
     cluster.submit("train", "late0", "late1", "late2")
     placed = cluster.cycle()
     assert placed == {"late0": "owned", "late1": "owned", "late2": "cloud"}
-    cluster.finish(*[name for name in cluster.where()["cloud"]])  # the cloud's work ends
+    cluster.finish(*cluster.where()["cloud"])  # the cloud's work ends
     cluster.finish("burst2")
     cluster.submit("train", "next")
     assert cluster.cycle() == {"next": "owned"}
