@@ -86,6 +86,14 @@ def post(token: str, path: str, body: object) -> tuple[int, dict[str, Any]]:
         connections.close_all()
 
 
+def as_admin(token: str, path: str) -> Any:
+    """A GET of the tenant's API as its admin (from a worker thread: its connection is closed after)."""
+    try:
+        return Client().get(path, HTTP_HOST=HOST, HTTP_AUTHORIZATION=f"Bearer {token}")
+    finally:
+        connections.close_all()
+
+
 def mint(token: str, name: str, seconds: float = 600) -> tuple[int, dict[str, Any]]:
     return post(token, f"/agents/v1/cloud/instances/{name}/token/", {"seconds": seconds})
 
@@ -376,6 +384,7 @@ def test_an_instances_life_is_metered_busy_and_idle_at_its_types_price_into_char
         """As if the instance's last metering were `minutes` ago."""
         with schema_context("fleet"):
             instance = CloudInstance.objects.get(pk="life-0001")
+            assert instance.metered_until is not None
             CloudInstance.objects.filter(pk="life-0001").update(
                 metered_until=instance.metered_until - timedelta(minutes=minutes)
             )
@@ -427,13 +436,13 @@ def test_an_instances_life_is_metered_busy_and_idle_at_its_types_price_into_char
         assert rows["instance"]["cost_center"] == rows["instance"]["project"] == ""
     connections.close_all()
     # Administrators see each instance, its state and this month's busy and idle time and cost.
-    admin = {"HTTP_HOST": HOST, "HTTP_AUTHORIZATION": f"Bearer {clouded['admin_token']}"}
-    assert Client().get("/api/v1/instances/", **admin).json()["results"] == []  # ended: not live
-    (listed,) = Client().get("/api/v1/instances/?all=true&pool=spot-a10", **admin).json()["results"]
+    admin = clouded["admin_token"]
+    assert as_admin(admin, "/api/v1/instances/").json()["results"] == []  # ended: not live
+    (listed,) = as_admin(admin, "/api/v1/instances/?all=true&pool=spot-a10").json()["results"]
     assert (listed["name"], listed["state"], listed["instance_type"]) == ("life-0001", "stopped", "g5.xlarge")
     assert Decimal(listed["month"]["idle_cost_usd"]).quantize(Decimal("0.01")) == Decimal("0.90")
     assert Decimal(listed["month"]["busy_hours"]).quantize(Decimal("0.01")) == Decimal("1.00")
-    assert Client().get("/api/v1/instances/?pool=nowhere", **admin).status_code == 404
+    assert as_admin(admin, "/api/v1/instances/?pool=nowhere").status_code == 404
     connections.close_all()
 
 
@@ -486,8 +495,8 @@ def test_an_autoscaler_that_cannot_start_instances_takes_its_pool_out_of_placeme
         await asyncio.to_thread(schedule, clouded)
         with_problem = await in_fleet(lambda: list(Task.objects.filter(pk__in=clouded["tasks"])))
         assert {task.state for task in with_problem} == {TaskState.QUEUED}  # not placed where nothing starts
-        admin = {"HTTP_HOST": HOST, "HTTP_AUTHORIZATION": f"Bearer {clouded['admin_token']}"}
-        pools = await asyncio.to_thread(lambda: Client().get("/api/v1/pools/", **admin).json()["results"])
+        listing = await asyncio.to_thread(as_admin, clouded["admin_token"], "/api/v1/pools/")
+        pools = listing.json()["results"]
         (cloud_pool,) = [pool for pool in pools if pool["name"] == "spot-a10"]
         assert cloud_pool["problems"] == [f"scaler: {problem}"]  # the pool's status says which, and why
         # Fixed: its next heartbeat says no problem, and the pool takes work again.
