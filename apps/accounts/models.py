@@ -65,6 +65,9 @@ class Project(models.Model):
     name = models.CharField(max_length=100, unique=True)
     description = models.CharField(max_length=500, blank=True)
     cost_center = models.CharField(max_length=100, blank=True)  # chargeback exports group by it
+    # Data residency: the regions its work must run in (every pool of a compute resource it uses is in one
+    # of them); empty: anywhere.
+    regions = models.JSONField(default=list, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     members = models.ManyToManyField(User, through="ProjectMembership", related_name="projects")
 

@@ -79,13 +79,19 @@ class GroupIn(serializers.Serializer[Group]):
 class ProjectOut(serializers.ModelSerializer[Project]):
     class Meta:
         model = Project
-        fields = ["id", "name", "description", "cost_center", "created_at"]
+        fields = ["id", "name", "description", "cost_center", "regions", "created_at"]
 
 
 class ProjectIn(serializers.Serializer[Project]):
     name = serializers.CharField(max_length=100)
     description = serializers.CharField(required=False, max_length=500, allow_blank=True)
     cost_center = serializers.CharField(required=False, max_length=100, allow_blank=True)
+    regions = serializers.ListField(
+        child=serializers.CharField(max_length=60),
+        required=False,
+        max_length=20,
+        help_text="data residency: the regions its work must run in (pools' regions); empty for anywhere",
+    )
 
 
 class MembershipOut(serializers.ModelSerializer[ProjectMembership]):

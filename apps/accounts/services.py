@@ -6,6 +6,7 @@ Every function runs in the schema of the tenant it is given; callers pass the te
 from __future__ import annotations
 
 import hmac
+import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -277,10 +278,14 @@ def project_save(
     description: str | None = None,
     cost_center: str | None = None,
     admin: User | None = None,
+    regions: list[str] | None = None,
 ) -> Project:
-    """Create a project (project=None, with its first admin) or change one."""
+    """Create a project (project=None, with its first admin) or change one. `regions` limits where its
+    work runs (data residency): each a region name as pools carry them; [] for anywhere."""
     creating = project is None
     project = project or Project()
+    if regions is not None:
+        project.regions = _checked_regions(regions)
     if name is not None:
         project.name = name
     if description is not None:
@@ -292,6 +297,22 @@ def project_save(
         ProjectMembership.objects.create(project=project, user=admin, role=Role.ADMIN)
     publish_event(tenant=tenant, kind="project.saved", data={"id": str(project.pk), "name": project.name})
     return project
+
+
+REGION = re.compile(r"^[a-z0-9][a-z0-9-]{0,49}$")
+
+
+def _checked_regions(regions: list[str]) -> list[str]:
+    if len(regions) > 20:
+        raise InvalidInput("A project is limited to at most 20 regions.", field="regions")
+    for region in regions:
+        if not isinstance(region, str) or not REGION.match(region):
+            raise InvalidInput(
+                f"Region {str(region)[:60]!r} is not a region name: lowercase letters, digits and dashes, as "
+                "pools name theirs (eu-west-1).",
+                field="regions",
+            )
+    return sorted(set(regions))
 
 
 @transaction.atomic

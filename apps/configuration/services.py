@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import transaction
 from django.utils import timezone
 
-from apps.accounts.models import Group, User
+from apps.accounts.models import Group, Project, User
 from apps.configuration.simulation import Comparison, compare, jobs_from_csv, jobs_from_history
 from apps.core.errors import InvalidInput, error_lines
 from apps.core.events import publish_event
@@ -102,6 +102,11 @@ def export_active() -> dict[str, Any]:
                     "name": resource.name,
                     "queuing_priority": resource.queuing_priority,
                     **({"batch": resource.batch} if resource.batch else {}),
+                    **(
+                        {"projects": sorted(project.name for project in resource.projects.all())}
+                        if resource.projects.exists()
+                        else {}
+                    ),
                 }
                 for resource in policy.compute_resources.select_related("profile")
             ],
@@ -156,6 +161,7 @@ def _report(document: dict[str, Any]) -> Report:
         groups=set(Group.objects.values_list("name", flat=True)),
         online=online,
         busy_pools=active_tasks_per_pool(),
+        projects=dict(Project.objects.values_list("name", "regions")),
     )
 
 
@@ -263,6 +269,7 @@ def draft_provision(*, tenant: Tenant, user: User) -> Provisioned:
                     "batch": resource.get("batch") or {},
                 },
             )
+            compute_resource.projects.set(Project.objects.filter(name__in=resource.get("projects", [])))
             keep_resources.add(str(compute_resource.pk))
             created["compute_resources"] += made
 

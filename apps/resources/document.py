@@ -9,7 +9,11 @@ A document has three lists, each item named by a slug:
               gpus ("8", "0.25"); nodes and gpus_per_node; min_gpus and max_gpus (read from the task);
               mig_profile ("1g.10gb")
     policies: name, group, reservation_gpus, limit_gpus, compute_resources (profile, name,
-              queuing_priority, batch)
+              queuing_priority, batch, projects)
+
+A compute resource's `projects` gives it to those projects' work alone (none: anyone's). A project limited
+to regions (data residency, set on the project) may be given a compute resource only if every pool of its
+profile is in one of those regions: the report refuses it otherwise, naming the pool and its region.
 
 A compute resource's `batch` holds its batch templates for HPC pools, by scheduler (slurm, pbs, lsf):
 template (sandboxed Jinja2, protocol.batch), allowed_directives (options tasks may add, e.g. "--qos") and
@@ -27,6 +31,7 @@ from typing import Any
 from rest_framework import serializers
 
 from apps.resources.models import MIG_METHODS, Environment, SharingMethod, TaskSharing
+from apps.resources.selectors import residency_problem
 from apps.scheduling.engine import UNITS_PER_GPU, SizeError, describe, mig_fraction, units
 from protocol.batch import (
     SCHEDULERS,
@@ -155,6 +160,9 @@ class ComputeResourceDoc(serializers.Serializer[dict[str, Any]]):
     name = serializers.CharField(max_length=200, required=False, default="")
     queuing_priority = serializers.IntegerField(required=False, default=0)
     batch = serializers.DictField(child=BatchDoc(), required=False, default=dict)
+    projects = serializers.ListField(
+        child=serializers.CharField(max_length=100), required=False, default=list, max_length=100
+    )  # the projects whose work it is for; none: anyone's
 
     def validate_batch(self, batch: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         for scheduler, settings in batch.items():
@@ -232,10 +240,12 @@ def check(
     groups: set[str],
     online: dict[str, bool],
     busy_pools: dict[str, int],
+    projects: dict[str, list[str]] | None = None,
 ) -> Report:
     """The validation report of a structurally valid document (DocumentSerializer's validated_data).
 
-    `online` says which existing pools are online now; `busy_pools` counts active tasks per existing pool.
+    `online` says which existing pools are online now; `busy_pools` counts active tasks per existing pool;
+    `projects` gives each project's regions (data residency; [] for anywhere).
     """
     report = Report()
     pools = {pool["name"]: pool for pool in document["pools"]}
@@ -258,6 +268,7 @@ def check(
     for profile in document["profiles"]:
         _check_profile(report, profile, pools, online=online, connected=profile["name"] in used_profiles)
     _check_policies(report, document, groups)
+    _check_residency(report, document, projects or {})
     in_a_profile = {entry["pool"] for profile in document["profiles"] for entry in profile["pools"]}
     for pool in document["pools"]:
         if pool["name"] not in in_a_profile:
@@ -307,6 +318,27 @@ def _check_profile(
         report.warn(where, f"Every pool of profile {name} is offline now; its tasks will wait.")
     if not connected:
         report.warn(where, f"Profile {name} is connected to no policy, so nobody can use it.")
+
+
+def _check_residency(report: Report, document: dict[str, Any], projects: dict[str, list[str]]) -> None:
+    """A compute resource given to a project limited to regions lists only pools in those regions."""
+    pools = {pool["name"]: pool for pool in document["pools"]}
+    profiles = {profile["name"]: profile for profile in document["profiles"]}
+    for policy in document["policies"]:
+        for resource in policy["compute_resources"]:
+            profile = profiles.get(resource["profile"])
+            if profile is None:
+                continue
+            label = resource["name"] or f"{policy['name']}: {profile['display_name'] or profile['name']}"
+            where = f"policies.{policy['name']}.compute_resources.{label}.projects"
+            its_pools = [pools[entry["pool"]] for entry in profile["pools"] if entry["pool"] in pools]
+            for project in resource.get("projects", []):
+                if project not in projects:
+                    report.error(
+                        where, f"Compute resource {label} names project {project}, which does not exist."
+                    )
+                elif problem := residency_problem(project, projects[project], label, its_pools):
+                    report.error(where, problem)
 
 
 def _check_policies(report: Report, document: dict[str, Any], groups: set[str]) -> None:

@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 
 from django.db import models
 
-from apps.accounts.models import Group, User
+from apps.accounts.models import Group, Project, User
 from apps.scheduling.engine import to_gpus_text
 
 
@@ -154,6 +154,9 @@ class ComputeResource(models.Model):
     # Batch templates per scheduler for HPC pools: {"slurm": {"template", "allowed_directives",
     # "defaults"}, "pbs": ..., "lsf": ...}; a scheduler left out uses protocol.batch's default.
     batch = models.JSONField(default=dict, blank=True)
+    # The projects whose work it is for; none: anyone's. A project limited to regions (data residency) may
+    # be given a compute resource only if every pool of its profile is in one of those regions.
+    projects = models.ManyToManyField(Project, blank=True, related_name="+")
 
     class Meta:
         ordering = ["name"]

@@ -20,6 +20,7 @@ from apps.core.errors import Forbidden, InvalidInput
 from apps.core.events import publish_event
 from apps.core.ids import as_uuid
 from apps.resources.models import ComputeResource, TaskSharing
+from apps.resources.selectors import residency_problem
 from apps.scheduling import wake
 from apps.scheduling.engine import UNITS_PER_GPU, SizeError, describe, units
 from apps.scheduling.lifecycle import transition
@@ -144,6 +145,23 @@ def _project(user: User, reference: str | None) -> Project | None:
     return project
 
 
+def _check_residency(resource: ComputeResource, project: Project | None) -> None:
+    """A compute resource given to projects takes their work only; a project limited to regions submits
+    only to compute resources whose pools are all in them (never lands outside)."""
+    given = [project.name for project in resource.projects.all()]
+    if given and (project is None or project.name not in given):
+        raise InvalidInput(
+            f"Compute resource {resource.name} is for the work of project {', '.join(sorted(given))}; name "
+            "one of them as the task's project, or use another compute resource.",
+            field="project",
+        )
+    if project is None or not project.regions:
+        return
+    pools = [{"name": pool.name, "region": pool.region} for pool in resource.profile.pools.all()]
+    if problem := residency_problem(project.name, project.regions, resource.name, pools):
+        raise InvalidInput(problem, field="compute_resource")
+
+
 def _check_environment(spec: dict[str, Any]) -> None:
     """The task's environment follows the rule every agent checks again (protocol.environment); its
     declared volumes are names (protocol.volumes)."""
@@ -162,6 +180,7 @@ def _build(tenant: Tenant, user: User, request: TaskRequest, now: datetime) -> T
     if not 1 <= request.max_attempts <= 20:
         raise InvalidInput("max_attempts is between 1 and 20.", field="max_attempts")
     project = _project(user, request.project)
+    _check_residency(resource, project)
     _check_environment(request.spec or {})
     secrets_check(user=user, project=project, spec=request.spec or {})
     return Task(
