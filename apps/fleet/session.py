@@ -39,7 +39,7 @@ from apps.core.events import publish_event
 from apps.core.ids import as_uuid
 from apps.fleet.models import Agent, AgentToken
 from apps.fleet.selectors import pool_task
-from apps.resources.models import Pool
+from apps.resources.models import SCALES_FROM_ZERO, Pool
 from apps.scheduling import lifecycle, runs, wake
 from apps.scheduling.models import RunOutcome, Task, TaskRun, TaskState
 from protocol import messages
@@ -97,7 +97,7 @@ def agent_hello(*, tenant: Tenant, token: AgentToken, hello: messages.Hello) -> 
             "connected": True,
             "connected_at": now,
             "last_heartbeat_at": now,
-            "problem": hello.problem,
+            "problem": _with_region(token, hello.inventory, hello.problem),
             **_capacity(hello.capacity),
         },
     )
@@ -129,6 +129,22 @@ def agent_hello(*, tenant: Tenant, token: AgentToken, hello: messages.Hello) -> 
         elif isinstance(verdict, messages.Stop):
             stop.append(verdict)
     return messages.Welcome(heartbeat_seconds(pool), LEASE_SECONDS, tuple(keep), tuple(stop))
+
+
+def _with_region(token: AgentToken, inventory: object, problem: str) -> str:
+    """An autoscaler that starts instances in another region than its pool's says so as its problem (its
+    pool then takes no work: a project limited to the pool's region must not land elsewhere)."""
+    pool = token.pool
+    region = inventory.get("region") if isinstance(inventory, dict) else None
+    if token.instance_of_id is not None or pool.environment not in SCALES_FROM_ZERO or not pool.region:
+        return problem
+    if not isinstance(region, str) or region == pool.region:
+        return problem
+    mismatch = (
+        f"it starts instances in region {region[:50]}, but pool {pool.name} is in {pool.region}: set "
+        "[agent.cloud] region or the pool's region so that they agree"
+    )
+    return f"{mismatch}; {problem}"[:500] if problem else mismatch
 
 
 def agent_alive(tenant: Tenant, pool: Pool, agent_id: str) -> None:
@@ -206,7 +222,8 @@ def agent_heartbeat(
     if heartbeat.capacity is not None:
         fields.update(_capacity(heartbeat.capacity))
     if heartbeat.problem is not None:
-        fields["problem"] = heartbeat.problem
+        inventory = Agent.objects.filter(pk=agent_id).values_list("inventory", flat=True).first() or {}
+        fields["problem"] = _with_region(token, inventory, heartbeat.problem)
     Agent.objects.filter(pk=agent_id).update(**fields)
     if token.instance_of_id is None:  # a cloud instance's agent does not make its pool online
         pool_heartbeat(tenant=tenant, pool=Pool.objects.get(pk=token.pool_id))

@@ -508,3 +508,24 @@ def test_an_autoscaler_that_cannot_start_instances_takes_its_pool_out_of_placeme
         await client.disconnect()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_autoscaler_in_another_region_than_its_pool_takes_no_work(clouded: dict[str, Any]) -> None:
+    async def scenario() -> None:
+        client = agent(clouded["scaler"])
+        assert (await client.connect())[0]
+        await client.send_json_to({**hello("scaler"), "inventory": {"region": "eu-west-1"}})
+        await receive(client, "welcome")
+        await client.send_json_to({"type": "heartbeat", "held": [], "problem": ""})  # it sees no problem
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(schedule, clouded)
+        tasks = await in_fleet(lambda: list(Task.objects.filter(pk__in=clouded["tasks"])))
+        assert {task.state for task in tasks} == {TaskState.QUEUED}
+        listing = await asyncio.to_thread(as_admin, clouded["admin_token"], "/api/v1/pools/")
+        (cloud_pool,) = [pool for pool in listing.json()["results"] if pool["name"] == "spot-a10"]
+        (problem,) = cloud_pool["problems"]
+        assert "starts instances in region eu-west-1, but pool spot-a10 is in us-east-1" in problem
+        await client.disconnect()
+
+    asyncio.run(scenario())
