@@ -3,8 +3,10 @@ project's members and tenant admins: apps.scheduling.selectors.may_read_output).
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from django.core.files.storage import default_storage
 from django.db import transaction
@@ -259,6 +261,9 @@ def _node_report_problem(item: object) -> str | None:
     return None
 
 
+AutoscalerCall = Callable[..., JsonResponse]
+
+
 def _autoscaler(request: HttpRequest) -> tuple[Tenant, AgentToken] | JsonResponse:
     """The tenant and the autoscaler's token of a cloud call, or the answer that refuses it."""
     if request.method != "POST":
@@ -281,60 +286,55 @@ def _body(request: HttpRequest) -> object:
         return None
 
 
-@csrf_exempt
-def agent_instance_token(request: HttpRequest, name: str) -> JsonResponse:
+def autoscaler_call(view: AutoscalerCall) -> Callable[..., JsonResponse]:
+    """A cloud call of protocol.cloud: POST, from a cloud pool's autoscaler (its agent token), CSRF-exempt
+    (no cookie opens it). The view gets the tenant and the token; what the protocol refuses is a 400, a
+    lease that is not the caller's a 409 saying stale, any other refusal a 409 with why."""
+
+    @csrf_exempt
+    @functools.wraps(view)
+    def call(request: HttpRequest, **kwargs: Any) -> JsonResponse:
+        authenticated = _autoscaler(request)
+        if isinstance(authenticated, JsonResponse):
+            return authenticated
+        tenant, token = authenticated
+        try:
+            return view(tenant, token, _body(request), **kwargs)
+        except ProtocolError as error:
+            what = view.__name__.removeprefix("agent_").replace("_", " ")
+            return JsonResponse({"detail": f"Malformed {what}: {error}"}, status=400)
+        except errors.StaleLease as stale:
+            return JsonResponse({"detail": str(stale), "verdict": "stale"}, status=409)
+        except errors.AgentRejected as rejected:
+            return JsonResponse({"detail": str(rejected)}, status=409)
+
+    return call
+
+
+@autoscaler_call
+def agent_instance_token(tenant: Tenant, token: AgentToken, body: object, name: str) -> JsonResponse:
     """POST /agents/v1/cloud/instances/{name}/token/ {"seconds": n}: the autoscaler mints the token of a new
-    instance's agent (protocol.cloud)."""
-    authenticated = _autoscaler(request)
-    if isinstance(authenticated, JsonResponse):
-        return authenticated
-    tenant, token = authenticated
-    body = _body(request)
+    instance's agent."""
     seconds = body.get("seconds", cloud.INSTANCE_TOKEN_SECONDS) if isinstance(body, dict) else None
     if not isinstance(seconds, int | float) or isinstance(seconds, bool):
-        return JsonResponse(
-            {"detail": 'Send {"seconds": n}: how long the token is good for a first hello.'}, status=400
-        )
-    try:
-        minted = cloud.instance_token_mint(tenant=tenant, token=token, name=name, seconds=float(seconds))
-    except errors.AgentRejected as rejected:
-        return JsonResponse({"detail": str(rejected)}, status=409)
+        raise ProtocolError('send {"seconds": n}: how long the token is good for a first hello.')
+    minted = cloud.instance_token_mint(tenant=tenant, token=token, name=name, seconds=float(seconds))
     answer = protocol_cloud.Minted(minted.token, minted.expires_at).as_json()
     return JsonResponse(answer, status=201, headers={"Cache-Control": "no-store"})
 
 
-@csrf_exempt
-def agent_handoff(request: HttpRequest) -> JsonResponse:
-    """POST /agents/v1/cloud/handoff/: the autoscaler hands a run on to an instance's agent
-    (protocol.cloud)."""
-    authenticated = _autoscaler(request)
-    if isinstance(authenticated, JsonResponse):
-        return authenticated
-    tenant, token = authenticated
-    try:
-        handoff = protocol_cloud.Handoff.parse(_body(request))
-        handed = cloud.handoff(tenant=tenant, token=token, handoff=handoff)
-    except ProtocolError as error:
-        return JsonResponse({"detail": f"Malformed handoff: {error}"}, status=400)
-    except errors.StaleLease as stale:
-        return JsonResponse({"detail": str(stale), "verdict": "stale"}, status=409)
-    except errors.AgentRejected as rejected:
-        return JsonResponse({"detail": str(rejected)}, status=409)
-    return JsonResponse(handed.as_json())
+@autoscaler_call
+def agent_handoff(tenant: Tenant, token: AgentToken, body: object) -> JsonResponse:
+    """POST /agents/v1/cloud/handoff/: the autoscaler hands a run on to an instance's agent."""
+    handoff = protocol_cloud.Handoff.parse(body)
+    return JsonResponse(cloud.handoff(tenant=tenant, token=token, handoff=handoff).as_json())
 
 
-@csrf_exempt
-def agent_instances(request: HttpRequest) -> JsonResponse:
+@autoscaler_call
+def agent_instances(tenant: Tenant, token: AgentToken, body: object) -> JsonResponse:
     """POST /agents/v1/cloud/instances/: the autoscaler reports its instances and reads the plane's view of
-    their agents (protocol.cloud)."""
-    authenticated = _autoscaler(request)
-    if isinstance(authenticated, JsonResponse):
-        return authenticated
-    tenant, token = authenticated
-    try:
-        report = protocol_cloud.InstancesReport.parse(_body(request))
-    except ProtocolError as error:
-        return JsonResponse({"detail": f"Malformed instances report: {error}"}, status=400)
+    their agents."""
+    report = protocol_cloud.InstancesReport.parse(body)
     return JsonResponse(cloud.instances_report(tenant=tenant, token=token, report=report).as_json())
 
 

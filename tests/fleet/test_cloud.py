@@ -122,6 +122,22 @@ async def scaler_takes(client: Any, count: int) -> list[dict[str, Any]]:
     return assigns
 
 
+async def scaler_with_both(clouded: dict[str, Any]) -> tuple[Any, list[dict[str, Any]]]:
+    """The autoscaler connected (so its pool is online), the pool scheduled, both tasks assigned to it and
+    accepted: the autoscaler's client and the two assignments."""
+    scaler = agent(clouded["scaler"])
+    assert (await scaler.connect())[0]
+    await scaler.send_json_to(hello("scaler"))
+    await receive(scaler, "welcome")
+    await asyncio.to_thread(schedule, clouded)
+    await scaler.send_json_to({"type": "heartbeat", "held": []})
+    assigns = [await receive(scaler, "assign") for _ in range(2)]
+    for assign in assigns:
+        await scaler.send_json_to({"type": "accepted", **run_of(assign)})
+    await asyncio.sleep(0.3)
+    return scaler, assigns
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_cloud_pool_is_online_through_its_autoscaler_with_no_instance(clouded: dict[str, Any]) -> None:
     schedule(clouded)
@@ -212,17 +228,7 @@ def test_a_handoff_is_fenced_by_its_lease_and_the_instance_agent_gets_exactly_it
     clouded: dict[str, Any],
 ) -> None:
     async def scenario() -> None:
-        scaler = agent(clouded["scaler"])
-        assert (await scaler.connect())[0]
-        await scaler.send_json_to(hello("scaler"))
-        await receive(scaler, "welcome")
-        await asyncio.to_thread(schedule, clouded)
-        await scaler.send_json_to({"type": "heartbeat", "held": []})
-        assigns = [await receive(scaler, "assign") for _ in range(2)]
-        for assign in assigns:
-            await scaler.send_json_to({"type": "accepted", **run_of(assign)})
-        await asyncio.sleep(0.3)
-        first, second = assigns
+        scaler, (first, second) = await scaler_with_both(clouded)
         token = cloud.Minted.parse((await asyncio.to_thread(mint, clouded["scaler"], "scaler-0001"))[1]).token
         await asyncio.to_thread(mint, clouded["scaler"], "scaler-0002")
 
@@ -308,15 +314,7 @@ def test_an_instance_the_cloud_takes_back_puts_its_work_back_at_the_front_as_pre
     clouded: dict[str, Any],
 ) -> None:
     async def scenario() -> None:
-        scaler = agent(clouded["scaler"])
-        assert (await scaler.connect())[0]
-        await scaler.send_json_to(hello("scaler"))
-        await receive(scaler, "welcome")
-        await asyncio.to_thread(schedule, clouded)
-        await scaler.send_json_to({"type": "heartbeat", "held": []})
-        first = await receive(scaler, "assign")
-        await receive(scaler, "assign")
-        await scaler.send_json_to({"type": "accepted", **run_of(first)})
+        scaler, (first, _) = await scaler_with_both(clouded)
         token = cloud.Minted.parse((await asyncio.to_thread(mint, clouded["scaler"], "spot-0001"))[1]).token
         body = {**run_of(first), "agent_id": "spot-0001", "patience_seconds": 300}
         await asyncio.to_thread(post, clouded["scaler"], "/agents/v1/cloud/handoff/", body)
