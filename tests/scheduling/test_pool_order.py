@@ -6,9 +6,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from django.utils import timezone
+from django_tenants.utils import schema_context
+
+from apps.accounts.models import User
+from apps.configuration.services import draft_provision, draft_save
+from apps.resources.models import Pool as PoolRow
+from apps.scheduling.cycle import run_cycle
 from apps.scheduling.engine import Allocation, schedule
 from apps.scheduling.engine.model import Pool
+from apps.scheduling.models import Task, TaskState
+from apps.scheduling.services import TaskRequest, tasks_submit
 from tests.scheduling.builders import policy, pool, profile, queue, snapshot, task
+from tests.scheduling.config import acme_document
+from tests.world import World
 
 
 @dataclass
@@ -116,3 +127,31 @@ def test_spill_over_returns_to_owned_capacity_as_soon_as_it_frees() -> None:
     cluster.submit("train", "next")
     assert cluster.cycle() == {"next": "owned"}
     assert "cloud" not in cluster.where()  # nothing left there: its instances end once idle
+
+
+def test_spill_over_returns_to_owned_capacity_through_the_plane(world: World, db: None) -> None:
+    """The same through the database and the cycle: a cloud pool online through its autoscaler (its
+    heartbeat) takes the overflow; once an owned GPU frees, the next task goes there."""
+    with schema_context("acme"):
+        Task.objects.all().delete()
+        alice, bob = User.objects.get(username="alice"), User.objects.get(username="bob")
+        document = acme_document()
+        document["pools"].append({"name": "burst", "environment": "cloud", "capacity_gpus": 16,
+                                  "heartbeat_timeout_seconds": 90})  # fmt: skip
+        document["profiles"][0]["pools"] = [{"pool": "baremetal"}, {"pool": "burst"}]
+        draft_save(tenant=world.tenant_a, user=alice, document=document)
+        draft_provision(tenant=world.tenant_a, user=alice)
+        PoolRow.objects.filter(name="burst").update(
+            last_heartbeat_at=timezone.now()
+        )  # its autoscaler is there
+        request = TaskRequest(compute_resource="Research: 4 GPUs", spec={"command": ["true"]})
+        first = tasks_submit(tenant=world.tenant_a, user=bob, requests=[request] * 4)
+        run_cycle(world.tenant_a)
+        placed = Task.objects.filter(pk__in=[t.pk for t in first])
+        where = dict(placed.values_list("pk", "pool__name"))
+        assert sorted(where.values()) == ["baremetal", "baremetal", "burst", "burst"]
+        owned = next(pk for pk, pool in where.items() if pool == "baremetal")
+        Task.objects.filter(pk=owned).update(state=TaskState.COMPLETED, ended_at=timezone.now())
+        (late,) = tasks_submit(tenant=world.tenant_a, user=bob, requests=[request])
+        run_cycle(world.tenant_a)
+        assert Task.objects.filter(pk=late.pk).values_list("pool__name", flat=True).get() == "baremetal"
