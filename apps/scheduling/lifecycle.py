@@ -29,7 +29,7 @@ from django.utils import timezone
 from apps.accounts.models import User
 from apps.core.errors import InvalidInput
 from apps.core.events import publish_event, publish_here
-from apps.resources.models import ComputeResource, Pool
+from apps.resources.models import SCALES_FROM_ZERO, ComputeResource, Pool
 from apps.scheduling import engine, wake
 from apps.scheduling.agents import agents
 from apps.scheduling.meter import meter_run
@@ -333,11 +333,17 @@ def run_adopt(tenant: Tenant, task: Task, run: TaskRun, *, agent_id: str, ended:
 @transaction.atomic
 def tasks_of_silent_pools(*, tenant: Tenant) -> int:
     """Runs dispatched to or running in a pool whose agents all stopped heartbeating beyond the pool's
-    timeout, or on an agent that did, are lost: a dispatch goes back to the queue, a run counts as a
-    failed attempt. Each is kept, to be adopted if its agent comes back with it before the task runs
-    again. Returns how many."""
+    timeout (in a cloud pool each agent is judged alone), or on an agent that did, are lost: a dispatch
+    goes back to the queue, a run counts as a failed attempt. Each is kept, to be adopted if its agent
+    comes back with it before the task runs again. Returns how many."""
     now = timezone.now()
-    silent_pools = {pool.pk: pool.name for pool in Pool.objects.all() if not pool.is_online(now)}
+    # A cloud pool's silence is its autoscaler's: its instances' agents run on, each judged by its own
+    # heartbeats (an autoscaler away must not make the work running on live instances look lost).
+    silent_pools = {
+        pool.pk: pool.name
+        for pool in Pool.objects.exclude(environment__in=SCALES_FROM_ZERO)
+        if not pool.is_online(now)
+    }
     silent_agents = agents().silent(now)
     leases = TaskRun.objects.filter(agent_id__in=silent_agents, outcome=RunOutcome.LIVE).values("pk")
     lost: dict[str, int] = {}

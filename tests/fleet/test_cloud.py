@@ -527,3 +527,43 @@ def test_an_autoscaler_in_another_region_than_its_pool_takes_no_work(clouded: di
         await client.disconnect()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_autoscaler_away_loses_only_what_it_held_not_the_work_on_live_instances(
+    clouded: dict[str, Any],
+) -> None:
+    """The autoscaler is killed and stays away past the pool's timeout: the task waiting in it is given up
+    (queued again), while the task running on an instance whose agent still heartbeats runs on, not run
+    twice."""
+    from apps.fleet.models import Agent
+
+    async def scenario() -> None:
+        scaler, (first, second) = await scaler_with_both(clouded)
+        token = cloud.Minted.parse((await asyncio.to_thread(mint, clouded["scaler"], "live-0001"))[1]).token
+        body = {**run_of(first), "agent_id": "live-0001", "patience_seconds": 300}
+        await asyncio.to_thread(post, clouded["scaler"], "/agents/v1/cloud/handoff/", body)
+        instance = agent(token)
+        assert (await instance.connect())[0]
+        await instance.send_json_to(hello("live-0001", backend="baremetal"))
+        await receive(instance, "welcome")
+        assign = await receive(instance, "assign")
+        await instance.send_json_to({"type": "accepted", **run_of(assign)})
+        await instance.send_json_to({"type": "status", **run_of(assign), "seq": 1, "state": "running"})
+        await receive(instance, "ack")
+        await scaler.disconnect()  # killed: it says nothing more
+        long_ago = timezone.now() - timedelta(minutes=10)
+        await in_fleet(lambda: Pool.objects.filter(name="spot-a10").update(last_heartbeat_at=long_ago))
+        await in_fleet(lambda: Agent.objects.filter(pk="scaler").update(last_heartbeat_at=long_ago))
+        await instance.send_json_to({"type": "heartbeat", "held": [run_of(assign)]})
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(schedule, clouded)
+        running = await in_fleet(lambda: Task.objects.get(pk=first["task_id"]))
+        waiting = await in_fleet(lambda: Task.objects.get(pk=second["task_id"]))
+        assert running.state == TaskState.RUNNING  # on the live instance, untouched
+        assert waiting.state == TaskState.QUEUED  # the autoscaler's own run was lost with it
+        lost = await in_fleet(lambda: TaskEvent.objects.filter(task_id=second["task_id"]).last())
+        assert "its agent went silent" in lost.message
+        await instance.disconnect()
+
+    asyncio.run(scenario())
