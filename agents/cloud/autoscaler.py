@@ -50,6 +50,9 @@ BOOT_MARGIN_SECONDS = 60.0  # added to what is left of the boot timeout for a bo
 RETRY_SECONDS = {providers.QUOTA: 300.0, providers.CAPACITY: 60.0, providers.UNAVAILABLE: 30.0}
 LASTING_RETRY_SECONDS = 60.0  # how often a lasting refusal (credentials, image) is checked again
 WAITING_JOB = "cloud:waiting"  # the jobs-table entry that keeps a waiting task's lease
+# A provider's listing may not show an instance yet for a while after its launch (EC2's is eventually
+# consistent): one not listed this soon is not taken for gone.
+LISTING_GRACE_SECONDS = 180.0
 
 
 @dataclass
@@ -271,12 +274,8 @@ class Autoscaler:
                 continue
             instance = listed.get(machine.name)
             if instance is None:
-                if machine.state == cloud.LAUNCHING:  # asked, and the provider never made it
-                    self._end(machine, cloud.FAILED, "the provider never started it")
-                elif machine.state == cloud.STOPPING:
-                    self._end(machine, cloud.STOPPED, machine.reason)
-                else:
-                    self._end(machine, cloud.INTERRUPTED, "the provider no longer lists it")
+                if now - machine.launched_at >= LISTING_GRACE_SECONDS:  # (sooner, it may not show yet)
+                    self._missing(machine)
                 continue
             machine.provider_id = instance.provider_id or machine.provider_id
             if instance.state in (providers.ENDING, providers.GONE) or instance.interruption:
@@ -288,6 +287,15 @@ class Autoscaler:
                 self._end(machine, cloud.INTERRUPTED, why)
             elif machine.state == cloud.LAUNCHING:
                 machine.state = cloud.BOOTING
+
+    def _missing(self, machine: Machine) -> None:
+        """An instance the provider no longer lists: never started, ended as asked, or gone by itself."""
+        if machine.state == cloud.LAUNCHING:  # asked, and the provider never made it
+            self._end(machine, cloud.FAILED, "the provider never started it")
+        elif machine.state == cloud.STOPPING:
+            self._end(machine, cloud.STOPPED, machine.reason)
+        else:
+            self._end(machine, cloud.INTERRUPTED, "the provider no longer lists it")
 
     def _end(self, machine: Machine, state: str, reason: str) -> None:
         if machine.state not in (cloud.STOPPING, cloud.LAUNCHING) or state != cloud.STOPPED:

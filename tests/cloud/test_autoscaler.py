@@ -270,6 +270,24 @@ def test_a_restarted_autoscaler_adopts_its_instances_and_starts_none_twice(scali
     assert sorted(len(machine.slots) for machine in scaling.scaler.machines.values()) == [1, 1, 1]
 
 
+def test_an_instance_the_listing_does_not_show_yet_is_not_taken_for_gone(scaling: Scaling) -> None:
+    """EC2's listing is eventually consistent: right after a launch it may not show the instance. Only
+    an instance missing past the grace period is taken for gone (and reported interrupted)."""
+    asyncio.run(scaling.assign("t"))
+    asyncio.run(scaling.scaler.tick())
+    (name,) = scaling.plane.on
+    real_instances = scaling.scaler.provider.instances
+    scaling.scaler.provider.instances = lambda tags: []  # type: ignore[method-assign]
+    scaling.clock.now += 60
+    asyncio.run(scaling.scaler.tick())
+    assert scaling.plane.reported[name].state == cloud.BOOTING
+    scaling.clock.now += 200
+    asyncio.run(scaling.scaler.tick())
+    assert scaling.plane.reported[name].state == cloud.INTERRUPTED
+    assert "no longer lists it" in scaling.plane.reported[name].reason
+    scaling.scaler.provider.instances = real_instances  # type: ignore[method-assign]
+
+
 def test_a_launch_the_autoscaler_died_in_is_adopted_not_repeated(scaling: Scaling) -> None:
     """Noted, then launched, then the process dies before noting the provider's id: the restart finds the
     instance by its name tag."""
