@@ -159,6 +159,9 @@ def _start_demo_cloud(demo: dict[str, Any], port: int, data_dir: Path, children:
     each instance's user data). Left out, with a note, where moto is not installed."""
     import importlib.util
 
+    if os.environ.get("KLIQUE_DEMO_CLOUD", "1") == "0":
+        print("The demo's cloud pool stays offline (KLIQUE_DEMO_CLOUD=0).", flush=True)
+        return False
     moto_server = Path(sys.executable).parent / "moto_server"
     if importlib.util.find_spec("boto3") is None or not moto_server.exists():
         print(

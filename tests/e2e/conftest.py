@@ -31,11 +31,15 @@ def free_port() -> int:
 
 
 def clean_environment(**overrides: str) -> dict[str, str]:
+    """The environment of a `klique up` under test. The demo's cloud pool (moto, its autoscaler, its local
+    instances) runs only where a test asks for it (KLIQUE_DEMO_CLOUD="1": the demo's own tests): the others
+    test their own faults, on a machine not busy with the demo's cloud."""
     environment = {
         key: value
         for key, value in os.environ.items()
         if key not in {"DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE", "KLIQUE_DATA_DIR"}
     }
+    environment["KLIQUE_DEMO_CLOUD"] = "0"
     environment.update(overrides)
     environment["PYTHONUNBUFFERED"] = "1"
     return environment

@@ -121,7 +121,7 @@ async def first_event(port: int, token: str, create_project: Any) -> tuple[dict[
 
 
 def test_up_with_configured_services(fresh_database: str, redis_url: str, tmp_path: Path) -> None:
-    environment = clean_environment(DATABASE_URL=fresh_database, REDIS_URL=redis_url)
+    environment = clean_environment(DATABASE_URL=fresh_database, REDIS_URL=redis_url, KLIQUE_DEMO_CLOUD="1")
     running = start_up(environment, tmp_path / "data")
     second_web = None
     try:
@@ -285,7 +285,7 @@ def test_up_with_configured_services(fresh_database: str, redis_url: str, tmp_pa
 def test_up_on_embedded_postgres_and_redis(tmp_path: Path) -> None:
     """No DATABASE_URL, no REDIS_URL: both come from Python packages into the data folder."""
     data_dir = tmp_path / "data"
-    running = start_up(clean_environment(), data_dir)
+    running = start_up(clean_environment(KLIQUE_DEMO_CLOUD="1"), data_dir)
     try:
         running.wait_for(r"Started embedded PostgreSQL and Redis")
         _, _, tenant = demo_curl(running)
@@ -297,7 +297,7 @@ def test_up_on_embedded_postgres_and_redis(tmp_path: Path) -> None:
     assert exit_code == 0, "".join(running.lines[-30:])
     assert (data_dir / "postgres" / "PG_VERSION").exists()
 
-    again = start_up(clean_environment(), data_dir)
+    again = start_up(clean_environment(KLIQUE_DEMO_CLOUD="1"), data_dir)
     try:
         _, _, tenant_again = demo_curl(again)
         assert tenant_again["created_at"] == tenant["created_at"]
