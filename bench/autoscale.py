@@ -19,8 +19,6 @@ import argparse
 import asyncio
 import math
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,17 +36,11 @@ from agents.cloud.settings import CloudSettings
 from agents.state import State
 from protocol import cloud
 from protocol.units import UNITS_PER_GPU
+from tests.cloud.conftest import start_moto  # moto's server, as the tests start it
+from tests.cloud.test_autoscaler import Clock  # a clock the simulation moves
 
 REGION = "us-east-1"
 STEP = 10.0  # virtual seconds between the simulation's looks (the autoscaler's tick)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_800_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass
@@ -109,33 +101,6 @@ class Plane:
                     self.placed -= 1
                     finished.append(task_id)
         return finished
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def start_moto() -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    binary = Path(sys.executable).parent / "moto_server"
-    process = subprocess.Popen(
-        [str(binary), "-H", "127.0.0.1", "-p", str(port)],
-        env={**os.environ, "MOTO_EC2_ENABLE_INSTANCE_TYPE_VALIDATION": "true"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    import httpx
-
-    for _ in range(300):
-        try:
-            httpx.get(f"{endpoint}/moto-api/", timeout=1)
-            return process, endpoint
-        except httpx.TransportError:
-            time.sleep(0.1)
-    raise SystemExit("moto_server did not start")
 
 
 async def klique(args: argparse.Namespace, endpoint: str, work: Path) -> dict[str, float]:
@@ -226,7 +191,7 @@ def main() -> None:
     os.environ.update(
         {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": REGION}
     )
-    moto, endpoint = start_moto()
+    moto, endpoint = start_moto(MOTO_EC2_ENABLE_INSTANCE_TYPE_VALIDATION="true")
     started = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="klique-autoscale-") as work:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+REPORTED = ("provider_id", "instance_type", "gpus", "spot", "region", "reason")  # as the autoscaler says
 METER_EVERY = timedelta(minutes=15)  # how often a long stretch in one state reaches the ledger
 INSTANCE_TOKEN_SECONDS = 900.0  # an instance's agent must say hello within this, unless asked otherwise
 MAX_INSTANCE_TOKEN_SECONDS = cloud.MAX_PATIENCE_SECONDS
@@ -148,8 +149,11 @@ def instances_report(*, tenant: Tenant, token: AgentToken, report: cloud.Instanc
     autoscaler's live instances' agents."""
     now = timezone.now()
     autoscaler = token.bound_agent_id
+    known = CloudInstance.objects.select_for_update().in_bulk(
+        [reported.name for reported in report.instances]
+    )
     for reported in report.instances:
-        instance = CloudInstance.objects.select_for_update().filter(pk=reported.name).first()
+        instance = known.get(reported.name)
         if instance is None and _taken(token, reported.name):
             logger.warning("autoscaler %s reported %s, an agent not its instance", autoscaler, reported.name)
             continue
@@ -162,25 +166,31 @@ def instances_report(*, tenant: Tenant, token: AgentToken, report: cloud.Instanc
             continue
         if instance.ended_at is not None:
             continue  # a report repeated after the end: nothing more to do
-        _update(instance, reported, now)
+        if not _update(instance, reported, now) and instance.pk in known:
+            continue  # as it was: nothing to write
         if reported.state in cloud.ENDED:
             _ended(tenant, instance, reported, now)
         instance.save()
     return fleet_view(token=token, now=now)
 
 
-def _update(instance: CloudInstance, reported: cloud.Instance, now: datetime) -> None:
+def _update(instance: CloudInstance, reported: cloud.Instance, now: datetime) -> bool:
     """The instance as reported; its time metered up to now when its state changes (as the state it was
-    in), and every METER_EVERY while it stays in a billed one."""
-    for name in ("provider_id", "instance_type", "gpus", "spot", "region", "reason"):
+    in), and every METER_EVERY while it stays in a billed one. Whether anything of it changed."""
+    before = [getattr(instance, name) for name in REPORTED]
+    for name in REPORTED:
         setattr(instance, name, getattr(reported, name) or getattr(instance, name))
+    changed = before != [getattr(instance, name) for name in REPORTED]
     if reported.state != instance.state:
         _meter(instance, now)
         instance.state, instance.state_since = reported.state, now
         if reported.state in cloud.BILLED and instance.metered_until is None:
             instance.metered_until = now
-    elif instance.metered_until is not None and now - instance.metered_until >= METER_EVERY:
+        return True
+    if instance.metered_until is not None and now - instance.metered_until >= METER_EVERY:
         _meter(instance, now)
+        return True
+    return changed
 
 
 def _meter(instance: CloudInstance, until: datetime) -> None:

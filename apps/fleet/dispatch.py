@@ -74,7 +74,11 @@ def _handed(*, pool: Pool, schema_name: str, agent_id: str) -> list[dict[str, An
         "compute_resource__profile", "submitter", "project"
     )
     assigned = []
-    for task in handed.filter(pool=pool, state=TaskState.DISPATCHING, lease_expires_at__isnull=False):
+    mine = TaskRun.objects.filter(agent_id=agent_id, outcome=RunOutcome.LIVE).values("pk")
+    waiting = handed.filter(
+        pool=pool, state=TaskState.DISPATCHING, lease_expires_at__isnull=False, lease_id__in=mine
+    )
+    for task in waiting:
         run = runs.current_run(task)
         if run is None or run.agent_id != agent_id or run.outcome != RunOutcome.LIVE:
             continue

@@ -131,14 +131,18 @@ def agent_hello(*, tenant: Tenant, token: AgentToken, hello: messages.Hello) -> 
     return messages.Welcome(heartbeat_seconds(pool), LEASE_SECONDS, tuple(keep), tuple(stop))
 
 
+def _region_bound(token: AgentToken) -> bool:
+    """Whether the token is a cloud pool's autoscaler's, and its pool names a region it must start in."""
+    pool = token.pool
+    return token.instance_of_id is None and pool.environment in SCALES_FROM_ZERO and bool(pool.region)
+
+
 def _with_region(token: AgentToken, inventory: object, problem: str) -> str:
     """An autoscaler that starts instances in another region than its pool's says so as its problem (its
     pool then takes no work: a project limited to the pool's region must not land elsewhere)."""
     pool = token.pool
     region = inventory.get("region") if isinstance(inventory, dict) else None
-    if token.instance_of_id is not None or pool.environment not in SCALES_FROM_ZERO or not pool.region:
-        return problem
-    if not isinstance(region, str) or region == pool.region:
+    if not _region_bound(token) or not isinstance(region, str) or region == pool.region:
         return problem
     mismatch = (
         f"it starts instances in region {region[:50]}, but pool {pool.name} is in {pool.region}: set "
@@ -222,7 +226,11 @@ def agent_heartbeat(
     if heartbeat.capacity is not None:
         fields.update(_capacity(heartbeat.capacity))
     if heartbeat.problem is not None:
-        inventory = Agent.objects.filter(pk=agent_id).values_list("inventory", flat=True).first() or {}
+        inventory = (  # what its region is checked against: an autoscaler's only
+            Agent.objects.filter(pk=agent_id).values_list("inventory", flat=True).first()
+            if _region_bound(token)
+            else None
+        )
         fields["problem"] = _with_region(token, inventory, heartbeat.problem)
     Agent.objects.filter(pk=agent_id).update(**fields)
     if token.instance_of_id is None:  # a cloud instance's agent does not make its pool online

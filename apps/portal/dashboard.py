@@ -142,10 +142,12 @@ def dashboard_figures(now: Any, span: str = "24h") -> dict[str, Any]:
 def cloud_instance_rows(now: Any) -> list[dict[str, Any]]:
     """The cloud pools' live instances: their state, since when, and this month's busy and idle hours and
     cost (what an instance costs while it runs no work is the idle cost to cut)."""
-    month = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-    time = instance_time(since=month)
+    instances = list(cloud_instances(live=True))
+    if not instances:
+        return []
+    time = instance_time(since=now.replace(day=1, hour=0, minute=0, second=0, microsecond=0))
     rows = []
-    for instance in cloud_instances(live=True):
+    for instance in instances:
         figures = time.get(instance.name, {})
         rows.append(
             {

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -220,35 +221,15 @@ def runs_interrupted(tenant: Tenant, *, pool: Pool, agent_id: str, why: str) -> 
     interruption, an instance that vanished): every task starting or running there goes back to the front
     of its queue as preempted, its run asked to stop with the grace period to checkpoint (moot where the
     instance is gone) and its GPU time so far metered. Returns the runs to stop."""
-    now = timezone.now()
     message = f"Preempted: {why}; back at the front of its queue."
     live = TaskRun.objects.filter(agent_id=agent_id, pool=pool, outcome=RunOutcome.LIVE).values("task_id")
-    events: list[TaskEvent] = []
-    ran: list[Task] = []
-    stopped: list[TaskRun] = []
+    preempting = _Preempting(timezone.now())
     for task in Task.objects.select_for_update(of=("self",)).filter(pk__in=live, state__in=LIVE_STATES):
         run = current_run(task)
-        if run is None or run.agent_id != agent_id or run.pool_id != pool.pk:
-            continue
-        events += [
-            _record(task, to_state=TaskState.PREEMPTED, actor=SCHEDULER, message=message, at=now),
-            TaskEvent(
-                task=task, at=now, actor=SCHEDULER, from_state=TaskState.PREEMPTED, to_state=TaskState.QUEUED,
-                message="requeued at its original submit time",
-            ),
-        ]  # fmt: skip
-        if task.state == TaskState.RUNNING and task.started_at is not None:
-            ran.append(task)
-        stopping = run_request_stop(task, kind="preempt", grace_seconds=PREEMPT_GRACE_SECONDS)
-        if stopping is not None:
-            stopped.append(stopping)
-        Task.objects.filter(pk=task.pk).update(
-            state=TaskState.QUEUED, pool=None, queued_at=now, placed_at=None, started_at=None,
-            lease_expires_at=None, reason_code="preempted", reason=message[:1000],
-        )  # fmt: skip
-    TaskEvent.objects.bulk_create(events)
-    for task in ran:  # metered once every row is locked, as in tasks_preempt
-        meter_run(task, ended_at=now)
+        if run is not None and run.agent_id == agent_id and run.pool_id == pool.pk:
+            preempting.preempt(task, message)
+    preempting.finish()
+    stopped = preempting.stopped
     for run in stopped:
         wake.notify_pool(
             tenant=tenant, pool_id=run.pool_id,
@@ -394,55 +375,59 @@ def tasks_place(placements: Iterable[engine.Placement], now: datetime) -> int:
     return len(events)
 
 
+@dataclass
+class _Preempting:
+    """What preempting locked tasks gathers: their events, the runs to meter once every row is locked (a
+    run's end elsewhere locks its row, then the ledger's rollups; taking the rollups before the last row
+    could deadlock with it), and the runs to stop."""
+
+    now: datetime
+    events: list[TaskEvent] = field(default_factory=list)
+    ran: list[Task] = field(default_factory=list)
+    stopped: list[TaskRun] = field(default_factory=list)
+    count: int = 0
+
+    def preempt(self, victim: Task, message: str) -> None:
+        """The locked task back at the front of its queue (it keeps its submit time), its live run asked
+        to stop with the grace period to checkpoint."""
+        self.events += [
+            _record(victim, to_state=TaskState.PREEMPTED, actor=SCHEDULER, message=message, at=self.now),
+            TaskEvent(
+                task=victim, at=self.now, actor=SCHEDULER, from_state=TaskState.PREEMPTED,
+                to_state=TaskState.QUEUED, message="requeued at its original submit time",
+            ),
+        ]  # fmt: skip
+        if victim.state == TaskState.RUNNING and victim.started_at is not None:
+            self.ran.append(victim)
+        if victim.state in LIVE_STATES:
+            stopping = run_request_stop(victim, kind="preempt", grace_seconds=PREEMPT_GRACE_SECONDS)
+            if stopping is not None:
+                self.stopped.append(stopping)
+        self.count += Task.objects.filter(pk=victim.pk).update(
+            state=TaskState.QUEUED, pool=None, queued_at=self.now, placed_at=None, started_at=None,
+            lease_expires_at=None, reason_code="preempted", reason=message[:1000],
+        )  # fmt: skip
+
+    def finish(self) -> None:
+        TaskEvent.objects.bulk_create(self.events)
+        for task in self.ran:  # each preempted run is a segment of its own
+            meter_run(task, ended_at=self.now)
+
+
 def tasks_preempt(preemptions: Iterable[engine.Preemption], now: datetime) -> tuple[int, list[TaskRun]]:
     """A cycle's preemptions: each victim back at the front of its queue, its run asked to stop (with a
     grace period to checkpoint) and metered. Returns how many were preempted and the runs to stop."""
-    events: list[TaskEvent] = []
-    preempted = 0
-    runs_ended: list[Task] = []
-    stopped: list[TaskRun] = []
+    preempting = _Preempting(now)
     for preemption in preemptions:
         # Locked, so that its state is the one it leaves: a run that ended meanwhile is left alone.
         victim = (
             Task.objects.select_for_update().filter(pk=preemption.victim, state__in=ACTIVE_STATES).first()
         )
-        if victim is None:
-            continue
-        message = (
-            f"Preempted to return borrowed capacity to guaranteed task {preemption.for_task}; "
-            "back at the front of its queue."
-        )
-        events += [
-            _record(victim, to_state=TaskState.PREEMPTED, actor=SCHEDULER, message=message, at=now),
-            TaskEvent(
-                task=victim,
-                at=now,
-                actor=SCHEDULER,
-                from_state=TaskState.PREEMPTED,
-                to_state=TaskState.QUEUED,
-                message="requeued at its original submit time",
-            ),
-        ]
-        if victim.state == TaskState.RUNNING and victim.started_at is not None:
-            runs_ended.append(victim)
-        if victim.state in LIVE_STATES:
-            stopping = run_request_stop(victim, kind="preempt", grace_seconds=PREEMPT_GRACE_SECONDS)
-            if stopping is not None:
-                stopped.append(stopping)
-        # Keeps submitted_at, so it returns to the front of its queue.
-        preempted += Task.objects.filter(pk=victim.pk).update(
-            state=TaskState.QUEUED,
-            pool=None,
-            queued_at=now,
-            placed_at=None,
-            started_at=None,
-            reason_code="preempted",
-            reason=message,
-        )
-    TaskEvent.objects.bulk_create(events)
-    # Each preempted run is a segment of its own. They are metered once every victim's row is locked:
-    # a run's end elsewhere (an agent's report) locks its row, then the ledger's rollups; taking the
-    # rollups before the last row could deadlock with it.
-    for run in runs_ended:
-        meter_run(run, ended_at=now)
-    return preempted, stopped
+        if victim is not None:
+            preempting.preempt(
+                victim,
+                f"Preempted to return borrowed capacity to guaranteed task {preemption.for_task}; "
+                "back at the front of its queue.",
+            )
+    preempting.finish()
+    return preempting.count, preempting.stopped
