@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import random
+import re
 import secrets
 import signal
 import socket
@@ -50,6 +51,7 @@ from agents.hpc import DIALECTS, Batch, Settings
 from agents.state import Position, State
 from klique.sdk import loopback
 from protocol import messages
+from protocol import outputs as protocol_outputs
 
 logger = logging.getLogger("klique.agent")
 
@@ -105,6 +107,35 @@ def _detail(response: httpx.Response) -> str:
         return detail
     text = " ".join(response.text.split())[:200]
     return text or response.reason_phrase
+
+
+def _refusal(answer: httpx.Response) -> str | None:
+    """None for an answer that took the call; what the plane said, to retry on, for one meaning "not
+    now"; UploadFailed for one that will never work."""
+    if answer.status_code < 400:
+        return None
+    problem = f"the plane answered {answer.status_code}: {_detail(answer)}"
+    if answer.status_code not in RETRIED_STATUSES:
+        raise UploadFailed(problem)
+    return problem
+
+
+async def _put_in_bucket(ticket: protocol_outputs.Ticket, path: Path, size: int) -> str | None:
+    """PUT the file to the bucket's presigned URL with the headers it was signed with; None when stored,
+    else what the bucket said (every refusal is retried from a new ticket: an expired URL, a bucket away).
+    Redirects are not followed, nor proxies from the environment bypassed: only the URL signed."""
+    try:
+        async with httpx.AsyncClient(timeout=300, follow_redirects=False) as bucket:
+            answer = await bucket.put(
+                ticket.url, content=_chunks(path), headers={**ticket.headers, "Content-Length": str(size)}
+            )
+    except httpx.TransportError as error:
+        return f"the bucket cannot be reached ({type(error).__name__}: {error})"
+    if answer.status_code < 300:
+        return None
+    code, message = (re.search(f"<{tag}>([^<]*)</{tag}>", answer.text) for tag in ("Code", "Message"))
+    said = " ".join(match[1] for match in (code, message) if match) or answer.reason_phrase
+    return f"the bucket answered {answer.status_code}: {said[:300]}"
 
 
 class Backoff:
@@ -291,38 +322,67 @@ class Agent:
                 await self.socket.send(json.dumps(message))
 
     async def upload(self, task_id: str, name: str, path: Path) -> None:
-        """PUT an output file to the plane's file store, streamed from disk with its SHA-256, under the
-        run's lease; retried with backoff while the plane cannot take it (down, restarting, its store full
-        or not writable) for up to upload_patience seconds. Raises UploadFailed saying why."""
-        digest = await asyncio.to_thread(_sha256, path)
+        """Store an output file where the task's project keeps them (the plane's file store or its bucket,
+        as a ticket says: protocol/outputs.py), streamed from disk with its SHA-256, under the run's lease;
+        retried from a new ticket with backoff while it cannot be stored now (the plane or the bucket down,
+        restarting, full or not writable, a URL expired) for up to upload_patience seconds. Raises
+        UploadFailed saying why."""
+        claim = protocol_outputs.Claim(
+            sha256=await asyncio.to_thread(_sha256, path), size=path.stat().st_size
+        )
         base, headers = loopback(self.url)
-        lease = self.state.lease(task_id)
+        auth = {"Authorization": f"Bearer {self.token}", "X-Klique-Lease": self.state.lease(task_id)}
         backoff = Backoff(base=0.5, cap=15.0)
         deadline = asyncio.get_running_loop().time() + self.upload_patience
-        while True:
-            try:
-                async with httpx.AsyncClient(base_url=base, headers=headers, timeout=300) as client:
-                    response = await client.put(
-                        f"/agents/v1/tasks/{task_id}/outputs/{quote(name)}",
-                        content=_chunks(path),
-                        headers={
-                            "Authorization": f"Bearer {self.token}",
-                            "X-Klique-Lease": lease,
-                            "X-Klique-Sha256": digest,
-                            "Content-Length": str(path.stat().st_size),
-                        },
+        async with httpx.AsyncClient(base_url=base, headers=headers, timeout=300) as plane:
+            while True:
+                try:
+                    problem = await self._store(
+                        plane, auth, task=task_id, quoted=quote(name), claim=claim, path=path
                     )
-                if response.status_code < 400:
+                except httpx.TransportError as error:
+                    problem = f"the plane cannot be reached ({type(error).__name__}: {error})"
+                if problem is None:
                     return
-                problem = f"the plane answered {response.status_code}: {_detail(response)}"
-                if response.status_code not in RETRIED_STATUSES:
-                    raise UploadFailed(problem)
-            except httpx.TransportError as error:
-                problem = f"the plane cannot be reached ({type(error).__name__}: {error})"
-            if asyncio.get_running_loop().time() > deadline or self.stopping.is_set():
-                raise UploadFailed(f"{problem}; gave up after {self.upload_patience:.0f} s of retries")
-            logger.warning("output %s of task %s not stored yet (%s); retrying", name, task_id, problem)
-            await asyncio.sleep(backoff.next())
+                if asyncio.get_running_loop().time() > deadline or self.stopping.is_set():
+                    raise UploadFailed(f"{problem}; gave up after {self.upload_patience:.0f} s of retries")
+                logger.warning("output %s of task %s not stored yet (%s); retrying", name, task_id, problem)
+                await asyncio.sleep(backoff.next())
+
+    async def _store(
+        self,
+        plane: httpx.AsyncClient,
+        auth: dict[str, str],
+        *,
+        task: str,
+        quoted: str,
+        claim: protocol_outputs.Claim,
+        path: Path,
+    ) -> str | None:
+        """One try: None when stored, else what to retry on; UploadFailed for what will never work."""
+        claimed = claim.to_json()
+        answer = await plane.post(protocol_outputs.tickets_path(task, quoted), json=claimed, headers=auth)
+        if answer.status_code == 404:  # a plane older than tickets: it has the file store only
+            ticket = protocol_outputs.Ticket(store=protocol_outputs.PLANE)
+        elif problem := _refusal(answer):
+            return problem
+        else:
+            try:
+                ticket = protocol_outputs.Ticket.from_json(answer.json())
+            except (ValueError, messages.ProtocolError) as error:
+                raise UploadFailed(f"the plane's ticket cannot be read: {error}") from None
+        if ticket.store == protocol_outputs.PLANE:
+            answer = await plane.put(
+                protocol_outputs.plane_path(task, quoted),
+                content=_chunks(path),
+                headers={**auth, "X-Klique-Sha256": claim.sha256, "Content-Length": str(claim.size)},
+            )
+            return _refusal(answer)
+        problem = await _put_in_bucket(ticket, path, claim.size)
+        if problem:
+            return problem
+        answer = await plane.post(protocol_outputs.receipts_path(task, quoted), json=claimed, headers=auth)
+        return _refusal(answer)
 
     async def shutdown(self, grace_seconds: float) -> None:
         await self.backend.stop_all(grace_seconds)

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
+JSON = "application/json"
 FLUSH_SECONDS = 0.25
 MAX_LINE = 64 * 1024
 RANK_VARIABLES = ("SLURM_NODEID", "PBS_NODENUM", "OMPI_COMM_WORLD_NODE_RANK")
@@ -69,7 +71,7 @@ class Reporter:
 
     def _request(
         self, method: str, path: str, data: Any, content_type: str, extra: dict[str, str] | None = None
-    ) -> None:
+    ) -> bytes:
         request = urllib.request.Request(  # noqa: S310 -- the plane's http(s) URL, from the agent
             self.base + path,
             data=data,
@@ -82,7 +84,7 @@ class Reporter:
             },
         )
         with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 -- the plane's http(s) URL
-            response.read()
+            return bytes(response.read())
 
     def flush(self) -> bool:
         """Post what is pending; True when nothing is left."""
@@ -114,25 +116,23 @@ class Reporter:
         return not self.pending
 
     def upload(self, name: str, path: Path, patience: float = UPLOAD_PATIENCE_SECONDS) -> str | None:
-        """PUT one output, streamed from disk with its SHA-256; retried with backoff while the plane
-        cannot take it (down, restarting, its store full or not writable) for up to `patience` seconds.
-        None when stored, else what went wrong, in words."""
+        """Store one output where the task's project keeps them (the plane's file store, or its bucket
+        through a presigned URL, as the plane's ticket says), streamed from disk with its SHA-256; retried
+        from a new ticket with backoff while it cannot be stored now, for up to `patience` seconds. None
+        when stored, else what went wrong, in words."""
         digest = hashlib.sha256()
         with open(path, "rb") as handle:
             while chunk := handle.read(1024 * 1024):
                 digest.update(chunk)
+        claim = {"sha256": digest.hexdigest(), "size": path.stat().st_size}
         deadline, delay = time.monotonic() + patience, 0.5
         while True:
             try:
-                with open(path, "rb") as handle:
-                    self._request(
-                        "PUT",
-                        f"/agents/v1/tasks/{self.task_id}/outputs/{quote(name)}",
-                        handle,
-                        "application/octet-stream",
-                        {"Content-Length": str(path.stat().st_size), "X-Klique-Sha256": digest.hexdigest()},
-                    )
-                return None
+                problem = self._store(quote(name), path, claim)
+                if problem is None:
+                    return None
+            except Refused as refused:
+                return f"klique: output {name} was not stored: {refused}"
             except urllib.error.HTTPError as error:
                 problem = f"the plane answered {error.code}: {_detail(error)}"
                 if error.code not in RETRIED_STATUSES:
@@ -143,6 +143,65 @@ class Reporter:
                 return f"klique: output {name} was not stored: {problem}; gave up after {patience:.0f} s"
             time.sleep(random.uniform(0, delay))  # noqa: S311 -- jitter, not secrecy
             delay = min(15.0, delay * 2)
+
+    def _store(self, quoted: str, path: Path, claim: dict[str, Any]) -> str | None:
+        """One try (the plane's protocol/outputs.py): None when stored, else what to retry on."""
+        body = json.dumps(claim).encode()
+        try:
+            ticket = json.loads(
+                self._request("POST", f"/agents/v1/tasks/{self.task_id}/output-tickets/{quoted}", body, JSON)
+            )
+        except urllib.error.HTTPError as error:
+            if error.code != 404:  # 404: a plane older than tickets, with its file store only
+                raise
+            ticket = {"store": "plane"}
+        if not isinstance(ticket, dict) or ticket.get("store") not in ("plane", "s3"):
+            raise Refused(f"the plane's ticket cannot be read: {str(ticket)[:200]}")
+        if ticket["store"] == "plane":
+            with open(path, "rb") as handle:
+                self._request(
+                    "PUT",
+                    f"/agents/v1/tasks/{self.task_id}/outputs/{quoted}",
+                    handle,
+                    "application/octet-stream",
+                    {"Content-Length": str(claim["size"]), "X-Klique-Sha256": claim["sha256"]},
+                )
+            return None
+        problem = _put_in_bucket(ticket, path, claim["size"])
+        if problem:
+            return problem
+        self._request("POST", f"/agents/v1/tasks/{self.task_id}/output-receipts/{quoted}", body, JSON)
+        return None
+
+
+class Refused(Exception):
+    """What will never work; the message says why."""
+
+
+def _put_in_bucket(ticket: dict[str, Any], path: Path, size: int) -> str | None:
+    """PUT the file to the ticket's presigned URL with exactly its signed headers and none of the plane's
+    (urllib follows no redirect of a PUT); None when stored, else what the bucket said."""
+    url, headers = ticket.get("url"), ticket.get("headers", {})
+    if (
+        not isinstance(url, str)
+        or urlsplit(url).scheme not in ("http", "https")
+        or not isinstance(headers, dict)
+    ):
+        raise Refused("the plane's ticket carries no http(s) URL to store the file at")
+    try:
+        with open(path, "rb") as handle:
+            request = urllib.request.Request(  # noqa: S310 -- an http(s) URL the plane signed
+                url, data=handle, method="PUT", headers={**headers, "Content-Length": str(size)}
+            )
+            with urllib.request.urlopen(request, timeout=300) as response:  # noqa: S310 -- checked above
+                response.read()
+    except urllib.error.HTTPError as error:
+        text = error.read().decode(errors="replace")
+        said = " ".join(re.findall(r"<(?:Code|Message)>([^<]*)<", text)) or str(error.reason)
+        return f"the bucket answered {error.code}: {said[:300]}"
+    except OSError as error:
+        return f"the bucket cannot be reached ({error})"
+    return None
 
 
 def _detail(error: urllib.error.HTTPError) -> str:

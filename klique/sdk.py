@@ -218,7 +218,15 @@ class Client:
         return rows
 
     def download(self, task: str, name: str) -> bytes:
+        """An output's bytes, from the plane, or from its project's bucket where the plane redirects (a
+        signed URL: fetched without this client's token)."""
         response = self.http.get(f"/api/v1/tasks/{self.resolve(task)}/outputs/{name}")
+        if response.is_redirect and "location" in response.headers:
+            response = httpx.get(response.headers["location"], timeout=self.http.timeout)
+            if response.status_code >= 400:
+                raise KliqueError(
+                    f"The bucket answered {response.status_code} for output {name}.", response.status_code
+                )
         if response.status_code >= 400:
             raise KliqueError(response.json().get("detail", response.text), response.status_code)
         return response.content

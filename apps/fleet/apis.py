@@ -6,11 +6,12 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from django.core.files.storage import default_storage
 from django.db import transaction
-from django.http import FileResponse, HttpRequest, JsonResponse
+from django.http import FileResponse, HttpRequest, HttpResponseRedirect, JsonResponse
 from django.shortcuts import get_object_or_404
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
@@ -22,15 +23,17 @@ from rest_framework.response import Response
 
 from apps.accounts.api_base import TenantAPIView
 from apps.accounts.models import Role, User
+from apps.accounts.selectors import project_list
 from apps.core.ids import as_uuid
-from apps.fleet import cloud, credentials, dispatch, errors, outputs, selectors
-from apps.fleet.models import AgentToken, CloudInstance, TaskOutput
+from apps.fleet import buckets, cloud, credentials, dispatch, errors, outputs, selectors
+from apps.fleet.models import AgentToken, CloudInstance, OutputDestination, TaskOutput
 from apps.metering.selectors import instance_hours_text, instance_time, usd_text
 from apps.resources.models import Pool
 from apps.scheduling import runs
 from apps.scheduling.models import Task, TaskRun
 from apps.scheduling.selectors import may_read_output, output_readers, tasks_visible_to
 from protocol import cloud as protocol_cloud
+from protocol import outputs as protocol_outputs
 from protocol.messages import ProtocolError
 
 if TYPE_CHECKING:
@@ -117,9 +120,89 @@ class TaskMetricsView(TenantAPIView):
 
 
 class TaskOutputOut(serializers.ModelSerializer[TaskOutput]):
+    location = serializers.SerializerMethodField(help_text='"plane", or the s3:// address of the object')
+
     class Meta:
         model = TaskOutput
-        fields = ["name", "size", "sha256", "at"]
+        fields = ["name", "size", "sha256", "at", "location"]
+
+    def get_location(self, output: TaskOutput) -> str:
+        if output.destination is None:
+            return protocol_outputs.PLANE
+        return f"s3://{output.destination.bucket}/{output.stored}"
+
+
+class OutputDestinationIo(serializers.Serializer[OutputDestination]):
+    store = serializers.ChoiceField(choices=protocol_outputs.STORES, help_text="plane (the default) or s3")
+    bucket = serializers.CharField(required=False, max_length=63)
+    prefix = serializers.CharField(required=False, max_length=200, allow_blank=True, default="")
+    region = serializers.CharField(required=False, max_length=60)
+    endpoint = serializers.CharField(
+        required=False, max_length=300, allow_blank=True, default="", help_text="empty for AWS S3"
+    )
+    access_key_secret = serializers.CharField(
+        required=False, max_length=128, help_text="a vault secret's name"
+    )
+    secret_key_secret = serializers.CharField(
+        required=False, max_length=128, help_text="a vault secret's name"
+    )
+    created_by = serializers.CharField(read_only=True)
+    created_at = serializers.DateTimeField(read_only=True)
+
+    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
+        if data["store"] == protocol_outputs.S3:
+            missing = [
+                key
+                for key in ("bucket", "region", "access_key_secret", "secret_key_secret")
+                if not data.get(key)
+            ]
+            if missing:
+                raise serializers.ValidationError({key: ["An s3 store needs it."] for key in missing})
+        return data
+
+
+def _destination_out(destination: OutputDestination | None) -> dict[str, Any]:
+    if destination is None:
+        return {"store": protocol_outputs.PLANE}
+    fields = (
+        "bucket",
+        "prefix",
+        "region",
+        "endpoint",
+        "access_key_secret",
+        "secret_key_secret",
+        "created_by",
+    )
+    return {
+        "store": protocol_outputs.S3,
+        **{field: getattr(destination, field) for field in fields},
+        "created_at": destination.created_at,
+    }
+
+
+class ProjectOutputsView(TenantAPIView):
+    """Where a project's task outputs go: the plane's file store, or a bucket in its region."""
+
+    write_role = Role.VIEWER  # project admins; checked per project
+
+    @extend_schema(responses=OutputDestinationIo, summary="Where the project's outputs go")
+    def get(self, request: Request, project_id: str) -> Response:
+        project = get_object_or_404(project_list(), pk=project_id)
+        return Response(_destination_out(buckets.current(project)))
+
+    @extend_schema(
+        request=OutputDestinationIo, responses=OutputDestinationIo, summary="Send outputs elsewhere"
+    )
+    def put(self, request: Request, project_id: str) -> Response:
+        project = get_object_or_404(project_list(), pk=project_id)
+        data = OutputDestinationIo(data=request.data)
+        data.is_valid(raise_exception=True)
+        asked = None
+        if data.validated_data["store"] == protocol_outputs.S3:
+            fields = {key: value for key, value in data.validated_data.items() if key != "store"}
+            asked = buckets.Destination(**fields)
+        destination = buckets.destination_set(user=self.user, project=project, asked=asked)
+        return Response(_destination_out(destination))
 
 
 class TaskOutputListView(TenantAPIView):
@@ -131,11 +214,16 @@ class TaskOutputListView(TenantAPIView):
 
 class TaskOutputDownloadView(TenantAPIView):
     @extend_schema(responses={(200, "application/octet-stream"): bytes}, summary="Download one output")
-    def get(self, request: Request, task_id: str, name: str) -> FileResponse:
+    def get(self, request: Request, task_id: str, name: str) -> FileResponse | HttpResponseRedirect:
         task = _readable_task(self.user, task_id)
         output = selectors.task_output(task, name)
         if output is None:
             raise NotFound(f"Task {task.pk} has no output {name!r} in its latest run.")
+        if output.destination is not None:  # in the project's bucket: the reader fetches it from there
+            url = buckets.download_url(
+                output.destination, output.stored, PurePosixPath(output.name).name, reader=self.user.username
+            )
+            return HttpResponseRedirect(url)
         try:
             stored = default_storage.open(output.stored, "rb")
         except OSError:
@@ -205,6 +293,70 @@ def agent_output_upload(request: HttpRequest, task_id: str, name: str) -> JsonRe
     except errors.AgentRejected as rejected:
         return JsonResponse({"detail": str(rejected)}, status=400 if "output" in str(rejected) else 403)
     return JsonResponse(TaskOutputOut(output).data, status=201)
+
+
+def _claim(request: HttpRequest) -> protocol_outputs.Claim:
+    try:
+        return protocol_outputs.Claim.from_json(json.loads(request.body or b"{}"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ProtocolError('Send {"sha256": "<hex>", "size": <bytes>} as JSON.') from None
+
+
+def _output_call(
+    request: HttpRequest,
+    task_id: str,
+    act: Callable[[Task, protocol_outputs.Claim], dict[str, Any]],
+    answer: int = 200,
+) -> JsonResponse:
+    """An agent's (or a node reporter's) call about one output of the task's current run."""
+    if request.method != "POST":
+        return JsonResponse({"detail": "Use POST."}, status=405)
+    tenant, presented = getattr(request, "tenant", None), _bearer(request)
+    if tenant is None or presented is None:
+        return JsonResponse({"detail": "Send 'Authorization: Bearer <agent or task token>'."}, status=401)
+    try:
+        claim = _claim(request)
+        task = _uploader_task(tenant, presented, str(task_id), request.headers.get("X-Klique-Lease", ""))
+        return JsonResponse(act(task, claim), status=answer)
+    except (ProtocolError, errors.AgentRejected) as refused:
+        return _refused(refused)
+
+
+def _refused(refused: Exception) -> JsonResponse:
+    """An output call refused, as the agent reads it: 409 stale (dropped), OutputNotStored's own status
+    (retried or not), 400 for what was sent, 403 for who sent it."""
+    if isinstance(refused, StaleUpload):
+        return JsonResponse({"detail": str(refused), "verdict": "stale"}, status=409)
+    if isinstance(refused, errors.OutputNotStored):
+        return JsonResponse({"detail": str(refused)}, status=refused.status)
+    bad_input = isinstance(refused, ProtocolError) or "output" in str(refused)
+    return JsonResponse({"detail": str(refused)}, status=400 if bad_input else 403)
+
+
+@csrf_exempt
+@transaction.atomic
+def agent_output_ticket(request: HttpRequest, task_id: str, name: str) -> JsonResponse:
+    """POST /agents/v1/tasks/{id}/output-tickets/{name}: where to store this output (protocol/outputs.py)."""
+    return _output_call(
+        request,
+        task_id,
+        lambda task, claim: outputs.output_ticket(task=task, name=name, claim=claim).to_json(),
+    )
+
+
+@csrf_exempt
+@transaction.atomic
+def agent_output_receipt(request: HttpRequest, task_id: str, name: str) -> JsonResponse:
+    """POST /agents/v1/tasks/{id}/output-receipts/{name}: the output is in the project's bucket; keep it
+    listed once the bucket shows it as claimed."""
+    return _output_call(
+        request,
+        task_id,
+        lambda task, claim: dict(
+            TaskOutputOut(outputs.output_receipt(task=task, name=name, claim=claim)).data
+        ),
+        answer=201,
+    )
 
 
 MAX_REPORTS_PER_POST = 1000

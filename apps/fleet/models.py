@@ -13,6 +13,7 @@ from typing import Any
 from django.db import models
 from django.utils import timezone
 
+from apps.accounts.models import Project
 from apps.resources.models import Pool
 from apps.scheduling.models import Task
 
@@ -109,6 +110,38 @@ class CloudInstance(models.Model):
         return self.name
 
 
+class OutputDestination(models.Model):
+    """Where a project's task outputs go instead of the plane's file store: an S3-compatible bucket (in the
+    project's region, where it has regions). The bucket's credentials are two of the vault's secrets, named
+    here, that the project's tasks may be given. Never changed in place: a new setting retires the current
+    row and adds one, so that outputs stored under an earlier one are still found where they went."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="+")
+    bucket = models.CharField(max_length=63)
+    prefix = models.CharField(max_length=200, blank=True)  # "" or ending in "/"
+    region = models.CharField(max_length=50)
+    endpoint = models.CharField(max_length=300, blank=True)  # "" for AWS S3; else an S3-compatible store
+    access_key_secret = models.CharField(max_length=128)  # vault secret names, never their values
+    secret_key_secret = models.CharField(max_length=128)
+    created_by = models.CharField(max_length=150)
+    created_at = models.DateTimeField(default=timezone.now)
+    retired_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["project"],
+                condition=models.Q(retired_at__isnull=True),
+                name="one_current_destination",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+
 class TaskOutput(models.Model):
     """A file a task declared as output, uploaded by its agent when the task ended."""
 
@@ -116,7 +149,11 @@ class TaskOutput(models.Model):
     name = models.CharField(max_length=500)  # relative to the task's folder
     size = models.BigIntegerField()
     sha256 = models.CharField(max_length=64)
-    stored = models.CharField(max_length=1000)  # the name in the file store
+    stored = models.CharField(max_length=1000)  # the name in the file store, or the key in the bucket
+    # The project's bucket it went to; None: the plane's own file store.
+    destination = models.ForeignKey(
+        OutputDestination, null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
     at = models.DateTimeField(default=timezone.now)
     lease_id = models.UUIDField(null=True, blank=True)  # the run that wrote it: each run has its own set
 

@@ -1,5 +1,6 @@
-"""The files a run declares as outputs, kept by the plane: streamed to disk with their SHA-256, renamed
-into place whole, one set per run."""
+"""The files a run declares as outputs, one set per run: kept by the plane (streamed to disk with their
+SHA-256, renamed into place whole), or, for a project with an output bucket, stored by the agent in the
+bucket with a ticket and recorded here at its receipt (protocol/outputs.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from django.core.files.storage import default_storage
 from django.db import transaction
 from django.utils import timezone
 
-from apps.fleet.models import TaskOutput
+from apps.fleet import buckets
+from apps.fleet.models import OutputDestination, TaskOutput
 from apps.metering.ledger import Event, Report, ingest
 from apps.metering.models import Kind
 from apps.scheduling.models import Task
@@ -26,6 +28,7 @@ from apps.scheduling.models import Task
 if TYPE_CHECKING:
     from tenants.models import Tenant
 from apps.fleet.errors import AgentRejected, OutputNotStored
+from protocol import outputs as protocol_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +83,13 @@ def output_store(*, tenant: Tenant, task: Task, name: str, content: Readable, sh
     run's outputs (its pool's agent under the run's lease, or the run's task token). With `sha256`, a file
     whose content does not match is not kept (422: the agent sends it again)."""
     name = _output_name(name)
+    destination = buckets.current(task.project)
+    if destination is not None:
+        raise OutputNotStored(
+            f"Project {task.project}'s outputs go to {destination}, not to the plane: ask for a ticket "
+            f"(POST {protocol_outputs.tickets_path(str(task.pk), name)}) and store it there.",
+            409,
+        )
     stored = f"{tenant.schema_name}/{task.pk}/{task.lease_id}/{name}"
     target = Path(default_storage.path(stored))
     try:
@@ -92,6 +102,61 @@ def output_store(*, tenant: Tenant, task: Task, name: str, content: Readable, sh
         lease_id=task.lease_id,
         name=name,
         defaults={"size": size, "sha256": digest, "stored": stored, "at": timezone.now()},
+    )
+    return output
+
+
+def output_ticket(*, task: Task, name: str, claim: protocol_outputs.Claim) -> protocol_outputs.Ticket:
+    """Where the task's current run stores output `name`: the plane's file store, or its project's
+    bucket, through a URL good for that one object (under this run's lease) and a few minutes."""
+    name = _output_name(name)
+    destination = buckets.current(task.project)
+    if destination is None:
+        return protocol_outputs.Ticket(store=protocol_outputs.PLANE)
+    _check_residency(task, destination)
+    return buckets.put_ticket(
+        destination, buckets.key_of(destination, str(task.pk), str(task.lease_id), name), claim
+    )
+
+
+def _check_residency(task: Task, destination: OutputDestination) -> None:
+    regions = task.project.regions if task.project else []
+    if regions and destination.region not in regions:
+        raise OutputNotStored(
+            f"Project {task.project} is limited to {', '.join(regions)} but its output bucket {destination} "
+            f"is in {destination.region}: an admin of the project sets a bucket in one of its regions.",
+            409,
+        )
+
+
+@transaction.atomic
+def output_receipt(*, task: Task, name: str, claim: protocol_outputs.Claim) -> TaskOutput:
+    """Record an output the agent says it stored in the project's bucket with a ticket, once the bucket
+    shows it as claimed (NotInBucket otherwise: 422 store it again, 503 ask later)."""
+    name = _output_name(name)
+    destination = buckets.current(task.project)
+    if destination is None:
+        raise OutputNotStored(
+            f"Project {task.project or '(none)'} keeps its outputs on the plane: PUT {name} to "
+            f"{protocol_outputs.plane_path(str(task.pk), name)}.",
+            409,
+        )
+    key = buckets.key_of(destination, str(task.pk), str(task.lease_id), name)
+    try:
+        buckets.check_object(destination, key, claim)
+    except buckets.NotInBucket as missing:
+        raise OutputNotStored(str(missing), missing.status) from None
+    output, _ = TaskOutput.objects.update_or_create(
+        task=task,
+        lease_id=task.lease_id,
+        name=name,
+        defaults={
+            "size": claim.size,
+            "sha256": claim.sha256,
+            "stored": key,
+            "destination": destination,
+            "at": timezone.now(),
+        },
     )
     return output
 
@@ -137,13 +202,16 @@ def _write_atomically(target: Path, name: str, content: Readable, expected: str 
 
 
 def meter_outputs(*, now: datetime | None = None, hours: int = 3) -> Report:
-    """Meter task outputs kept over the last `hours` whole hours: bytes x time, one event per output and
-    hour (so a rerun of this after a missed hour still meters it, once)."""
+    """Meter task outputs the plane kept over the last `hours` whole hours: bytes x time, one event per
+    output and hour (so a rerun of this after a missed hour still meters it, once). Outputs in a project's
+    own bucket are not the plane's to meter: the bucket's cloud bills them."""
 
     now = now or timezone.now()
     end = now.replace(minute=0, second=0, microsecond=0)
     events = []
-    outputs = TaskOutput.objects.select_related("task", "task__project", "task__submitter").filter(at__lt=end)
+    outputs = TaskOutput.objects.select_related("task", "task__project", "task__submitter").filter(
+        at__lt=end, destination__isnull=True
+    )
     for output in outputs:
         for hour in range(hours, 0, -1):
             window_start, window_end = end - timedelta(hours=hour), end - timedelta(hours=hour - 1)

@@ -14,12 +14,23 @@ urlpatterns = [
     path(
         "tasks/<uuid:task_id>/outputs/<path:name>", apis.TaskOutputDownloadView.as_view(), name="task-output"
     ),
+    path("projects/<uuid:project_id>/outputs/", apis.ProjectOutputsView.as_view(), name="project-outputs"),
     path("pools/<uuid:pool_id>/agent-tokens/", apis.PoolAgentTokensView.as_view(), name="pool-agent-tokens"),
     path("agent-tokens/<uuid:token_id>/", apis.AgentTokenDetailView.as_view(), name="agent-token-detail"),
     path("instances/", apis.CloudInstancesView.as_view(), name="cloud-instances"),
 ]
 
 agent_urlpatterns = [
+    path(
+        "agents/v1/tasks/<uuid:task_id>/output-tickets/<path:name>",
+        apis.agent_output_ticket,
+        name="agent-output-ticket",
+    ),
+    path(
+        "agents/v1/tasks/<uuid:task_id>/output-receipts/<path:name>",
+        apis.agent_output_receipt,
+        name="agent-output-receipt",
+    ),
     path(
         "agents/v1/tasks/<uuid:task_id>/outputs/<path:name>",
         apis.agent_output_upload,

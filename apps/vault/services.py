@@ -321,3 +321,41 @@ def tenant_secret(name: str, *, reader: str) -> str:
     value = crypto.open_sealed(_data_key(), bytes(secret.ciphertext), _bound_to(secret))
     record(actor=reader, action="secret.read", target=f"secret {secret}")
     return value
+
+
+def _project_secret(project: Project, name: str) -> Secret | None:
+    """The project's own secret of that name, else a tenant secret granted to the project; never one the
+    platform itself reads."""
+    candidates = (
+        Secret.objects.filter(name=name)
+        .filter(
+            Q(scope=Secret.Scope.PROJECT, project=project)
+            | Q(scope=Secret.Scope.TENANT, audience_projects=project)
+        )
+        .exclude(scope=Secret.Scope.TENANT, name__in=platform_secret_names())
+        .distinct()
+    )
+    return min(candidates, key=lambda secret: secret.scope != Secret.Scope.PROJECT, default=None)
+
+
+def project_secret_problem(project: Project, name: str) -> str | None:
+    """Why the plane may not use secret `name` for project's own purposes (its output bucket), or None."""
+    if _project_secret(project, name) is not None:
+        return None
+    if Secret.objects.filter(scope=Secret.Scope.TENANT, name=name).exists():
+        return (
+            f"tenant secret {name} is not granted to project {project.name}: a tenant admin adds the project "
+            "to its audience, or the project keeps its own secret of that name"
+        )
+    return f"project {project.name} has no secret {name}; keep it with POST /api/v1/secrets/ (scope project)"
+
+
+def project_secret(project: Project, name: str, *, reader: str) -> str:
+    """The value of a secret the plane uses for a project (its output bucket's keys), audited; NotFound
+    saying why when there is none the project may use."""
+    secret = _project_secret(project, name)
+    if secret is None:
+        raise NotFound(f"{project_secret_problem(project, name)}.")
+    value = crypto.open_sealed(_data_key(), bytes(secret.ciphertext), _bound_to(secret))
+    record(actor=reader, action="secret.read", target=f"secret {secret}")
+    return value

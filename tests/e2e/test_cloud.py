@@ -6,6 +6,7 @@ and the idle instances end."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -13,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import boto3
+import httpx
 import pytest
 
 from tests.cloud.conftest import KEYS, REGION, an_image, ec2_client, start_moto
@@ -59,6 +62,57 @@ def wait_for(what: str, check: Any, timeout: float, every: float = 0.5) -> Any:
             return result
         time.sleep(every)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+WRITE = "import json, os\nos.makedirs('out')\njson.dump({'loss': 0.25}, open('out/metrics.json', 'w'))\n"
+
+
+def check_outputs_in_the_project_s_bucket(demo: Demo, endpoint: str, port: int) -> None:
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name=REGION,
+        aws_access_key_id=KEYS["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=KEYS["AWS_SECRET_ACCESS_KEY"],
+    )
+    s3.create_bucket(Bucket="vision-outputs")
+    project = demo.call("POST", "/api/v1/projects/", json={"name": "orbit", "regions": [REGION]})
+    for name, value in (
+        ("S3_KEY_ID", KEYS["AWS_ACCESS_KEY_ID"]),
+        ("S3_SECRET", KEYS["AWS_SECRET_ACCESS_KEY"]),
+    ):
+        secret = {"scope": "project", "project": "orbit", "name": name, "value": value}
+        demo.call("POST", "/api/v1/secrets/", json=secret)
+    bucket = {
+        "store": "s3", "bucket": "vision-outputs", "prefix": "klique/", "region": REGION,
+        "endpoint": endpoint, "access_key_secret": "S3_KEY_ID", "secret_key_secret": "S3_SECRET",
+    }  # fmt: skip
+    demo.call("PUT", f"/api/v1/projects/{project['id']}/outputs/", json=bucket)
+    spec = {"command": [sys.executable, "-c", WRITE], "outputs": ["out/*.json"]}
+    task = demo.call(
+        "POST",
+        "/api/v1/tasks/",
+        json={"compute_resource": "Research: burst", "project": "orbit", "spec": spec},
+    )["id"]
+    wait_for(
+        "the task with outputs completed",
+        lambda: demo.call("GET", f"/api/v1/tasks/{task}/")["state"] == "completed",
+        120,
+    )
+    [output] = demo.call("GET", f"/api/v1/tasks/{task}/outputs/")
+    assert output["name"] == "out/metrics.json"
+    assert output["location"].startswith(f"s3://vision-outputs/klique/{task}/")
+    stored = s3.get_object(
+        Bucket="vision-outputs", Key=output["location"].removeprefix("s3://vision-outputs/")
+    )
+    assert json.loads(stored["Body"].read()) == {"loss": 0.25}
+    download = httpx.get(
+        f"http://127.0.0.1:{port}/api/v1/tasks/{task}/outputs/out/metrics.json",
+        headers=demo.headers,
+        timeout=30,
+    )
+    assert download.status_code == 302
+    assert json.loads(httpx.get(download.headers["location"], timeout=30).content) == {"loss": 0.25}
 
 
 def test_a_cloud_pool_scales_from_zero_runs_work_on_its_instances_and_survives_an_interruption(
@@ -194,6 +248,10 @@ def test_a_cloud_pool_scales_from_zero_runs_work_on_its_instances_and_survives_a
             120,
         )
         assert demo.logged(long)[-1] == "step 59"
+
+        # A project limited to the pool's region keeps its outputs in its own bucket there (moto's S3): the
+        # instance's agent stores them in the bucket itself, and the API serves them from there.
+        check_outputs_in_the_project_s_bucket(demo, endpoint, running.port)
 
         # Idle instances end after their timeout (60 s); none is left running.
         wait_for("the idle instances to end", lambda: alive(ec2) == set(), 120, every=2)

@@ -30,6 +30,11 @@ class PlaneStandIn:
     refuse: int = 0  # answer this many posts with 503 first, as a plane that is restarting would
     full: int = 0  # answer this many uploads with 507 first, as a plane whose store is full would
     digests: list[str] = field(default_factory=list)  # the X-Klique-Sha256 of each upload
+    store: str = "plane"  # where tickets send outputs: "plane", or "s3" (this stand-in's /bucket/ too)
+    bucket: dict[str, bytes] = field(default_factory=dict)  # key -> what was PUT to the bucket
+    bucket_headers: list[dict[str, str]] = field(default_factory=list)
+    bucket_refuse: int = 0  # answer this many bucket PUTs with 403 (a URL expired) first
+    receipts: list[dict[str, Any]] = field(default_factory=list)  # (name, claim) of each receipt
 
     def metrics(self, task_id: str) -> list[dict[str, Any]]:
         return [r for r in self.reports if r["task_id"] == task_id and r["type"] == "metric"]
@@ -53,6 +58,20 @@ def plane() -> Iterator[PlaneStandIn]:
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if "/output-tickets/" in self.path:
+                name = self.path.split("/output-tickets/", 1)[1]
+                if recorder.store == "plane":
+                    self._answer(200, {"store": "plane"})
+                    return
+                url = f"{recorder.url}/bucket/{self._task()}/{name}?X-Amz-Signature=s"
+                self._answer(
+                    200, {"store": "s3", "url": url, "headers": {"x-amz-meta-klique-sha256": body["sha256"]}}
+                )
+                return
+            if "/output-receipts/" in self.path:
+                recorder.receipts.append({"name": self.path.split("/output-receipts/", 1)[1], **body})
+                self._answer(201, {"name": body})
+                return
             if recorder.refuse > 0:
                 recorder.refuse -= 1
                 self._answer(503, {"detail": "restarting"})
@@ -62,6 +81,18 @@ def plane() -> Iterator[PlaneStandIn]:
             self._answer(200, {"kept": len(body["reports"])})
 
         def do_PUT(self) -> None:
+            if self.path.startswith("/bucket/"):
+                content = self.rfile.read(int(self.headers["Content-Length"]))
+                recorder.bucket_headers.append({k.lower(): v for k, v in self.headers.items()})
+                if recorder.bucket_refuse > 0:
+                    recorder.bucket_refuse -= 1
+                    self._xml(
+                        403, "<Error><Code>AccessDenied</Code><Message>Request has expired</Message></Error>"
+                    )
+                    return
+                recorder.bucket[self.path.split("?")[0].removeprefix("/bucket/")] = content
+                self._xml(200, "")
+                return
             name = self.path.split("/outputs/", 1)[1]
             content = self.rfile.read(int(self.headers["Content-Length"]))
             recorder.digests.append(self.headers.get("X-Klique-Sha256", ""))
@@ -81,6 +112,13 @@ def plane() -> Iterator[PlaneStandIn]:
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+
+        def _xml(self, status: int, text: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(text)))
+            self.end_headers()
+            self.wfile.write(text.encode())
 
         def log_message(self, format: str, *args: Any) -> None:
             pass

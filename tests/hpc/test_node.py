@@ -81,6 +81,29 @@ def test_output_metrics_outputs_and_the_exit_code_reach_the_plane_through_its_re
     assert (tmp_path / "exit-code").read_text() == "4"
 
 
+def test_outputs_of_a_project_with_a_bucket_go_to_the_bucket_then_a_receipt_to_the_plane(
+    plane: PlaneStandIn, tmp_path: Path
+) -> None:
+    plane.store, plane.bucket_refuse = "s3", 1  # the first URL has expired by the time the PUT arrives
+    process = reporter(plane, tmp_path, "bash", "-c", WORK, PATH="/usr/bin:/bin")
+    process.communicate(timeout=60)
+    assert process.returncode == 4
+    assert plane.outputs == {}  # nothing of the file went through the plane
+    assert plane.bucket == {f"{TASK}/result.txt": b"done\n"}
+    digest = hashlib.sha256(b"done\n").hexdigest()
+    assert [headers.get("x-amz-meta-klique-sha256") for headers in plane.bucket_headers] == [digest, digest]
+    assert all(
+        "Authorization" not in headers for headers in plane.bucket_headers
+    )  # the task token stays home
+    assert plane.receipts == [
+        {"name": "result.txt", "sha256": digest, "size": 5}
+    ]  # once, after it was stored
+    said = [
+        line for r in plane.reports if r["type"] == "log" and r["stream"] == "klique" for line in r["lines"]
+    ]
+    assert not any("not stored" in line for line in said)
+
+
 def test_sigterm_reaches_the_command_which_may_stop_cleanly(plane: PlaneStandIn, tmp_path: Path) -> None:
     # The signal reaches the whole group: a single `sleep 60 & wait` could end on the killed sleep and
     # the script with it, before the shell's own trap ran; the loop waits on until the trap runs.

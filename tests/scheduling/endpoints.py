@@ -185,4 +185,20 @@ ENDPOINTS += [
         owner="bob",  # what a task wrote: its submitter's, its project's members', the admins'
         others=403,
     ),
+    Endpoint(
+        "GET",
+        "api/v1/projects/<uuid:project_id>/outputs/",
+        "viewer",
+        lambda w: f"/api/v1/projects/{w.project_a}/outputs/",
+        names_object=True,
+    ),
+    Endpoint(
+        "PUT",
+        "api/v1/projects/<uuid:project_id>/outputs/",
+        "project_admin",
+        lambda w: f"/api/v1/projects/{w.project_a}/outputs/",
+        body=lambda w: {"store": "plane"},
+        bad_body={"store": "s3", "bucket": "Not_A_Bucket"},
+        names_object=True,
+    ),
 ]
