@@ -9,7 +9,9 @@ between the launch and its own note of it finds the instance by its tags when it
 from __future__ import annotations
 
 import base64
+import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from agents.cloud.providers import (
@@ -31,6 +33,9 @@ from agents.cloud.providers import (
 )
 
 NAME_TAG = "klique:instance"
+# A spot request's status once EC2 has given its instance the two-minute interruption notice.
+NOTICES = frozenset({"marked-for-termination", "marked-for-stop", "marked-for-hibernation"})
+logger = logging.getLogger(__name__)
 
 # EC2's error codes, by what an administrator has to do about them.
 _KINDS = {
@@ -51,7 +56,7 @@ _KINDS = {
 _KIND_OF = {code: kind for kind, codes in _KINDS.items() for code in codes}
 _ADVICE = {
     CREDENTIALS: "check the autoscaler's AWS credentials and that their policy allows ec2:RunInstances, "
-    "ec2:DescribeInstances, ec2:TerminateInstances and ec2:CreateTags",
+    "ec2:DescribeInstances, ec2:DescribeSpotInstanceRequests, ec2:TerminateInstances and ec2:CreateTags",
     QUOTA: "raise the account's EC2 quota for this instance type (Service Quotas) or lower max_instances",
     CAPACITY: "the region has no capacity of this type now; it is tried again, or use another type or region",
     IMAGE: "set [agent.cloud] image to an AMI that exists in this region",
@@ -95,6 +100,7 @@ class Ec2:
 
             client = boto3.client("ec2", region_name=region, endpoint_url=endpoint_url or None)
         self.client = client
+        self._notices_unread = False  # said once that spot requests cannot be read
 
     def _call(self, doing: str, operation: str, **arguments: Any) -> Any:
         try:
@@ -138,7 +144,42 @@ class Ec2:
                     seen += [self._seen(instance) for instance in reservation.get("Instances", [])]
         except Exception as error:
             raise _refusal(error, "list the autoscaler's instances") from None
-        return seen
+        return self._with_notices(seen)
+
+    def _with_notices(self, seen: list[Seen]) -> list[Seen]:
+        """Spot instances the cloud has announced it will reclaim, two minutes ahead: EC2 marks their spot
+        request (marked-for-termination) when it puts the notice in the instance's metadata. Their tasks
+        are preempted while the instance is still there to stop them with their grace period. Without
+        leave to read spot requests, instances are judged by their state alone, once said in the log."""
+        live = [item.provider_id for item in seen if item.spot and item.state in (PENDING, RUNNING)]
+        if not live:
+            return seen
+        try:
+            answer = self.client.describe_spot_instance_requests(
+                Filters=[{"Name": "instance-id", "Values": live}]
+            )
+        except Exception as error:
+            if not self._notices_unread:
+                logger.warning(
+                    "spot interruption notices cannot be read (%s); instances are judged by state", error
+                )
+            self._notices_unread = True
+            return seen
+        noticed = {
+            str(request.get("InstanceId")): "{Code}: {Message}".format_map(
+                {"Message": "", **request["Status"]}
+            )
+            for request in answer.get("SpotInstanceRequests", [])
+            if request.get("Status", {}).get("Code") in NOTICES
+        }
+        return [
+            replace(
+                item, interruption=f"the cloud announced it will reclaim it ({noticed[item.provider_id]})"
+            )
+            if item.provider_id in noticed and not item.interruption
+            else item
+            for item in seen
+        ]
 
     @staticmethod
     def _seen(instance: Mapping[str, Any]) -> Seen:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -316,6 +316,28 @@ def test_an_instance_the_cloud_takes_back_is_reported_interrupted(scaling: Scali
     asyncio.run(scaling.scaler.tick())
     assert scaling.plane.reported[name].state == cloud.INTERRUPTED
     assert "the provider ended it" in scaling.plane.reported[name].reason
+
+
+def test_an_instance_given_its_interruption_notice_is_reported_interrupted_while_it_still_runs(
+    scaling: Scaling,
+) -> None:
+    asyncio.run(scaling.assign("spot-task"))
+    asyncio.run(scaling.scaler.tick())
+    (name,) = scaling.plane.on
+    listing = scaling.scaler.provider.instances
+    notice = "the cloud announced it will reclaim it (marked-for-termination: in two minutes)"
+
+    def with_notice(tags: dict[str, str]) -> list[Any]:  # EC2's notice, as Ec2.instances reads it
+        return [replace(item, interruption=notice) if item.name == name else item for item in listing(tags)]
+
+    scaling.scaler.provider.instances = with_notice  # type: ignore[method-assign]
+    asyncio.run(scaling.scaler.tick())
+    assert scaling.plane.reported[name].state == cloud.INTERRUPTED
+    assert scaling.plane.reported[name].reason == notice
+    assert len(scaling.running()) == 1  # still there: its agent gets the preemption and its grace period
+    asyncio.run(scaling.assign("next-task"))
+    asyncio.run(scaling.scaler.tick())
+    assert len(scaling.running()) == 2  # the next task gets a new instance, not the one going away
 
 
 def test_a_handoff_the_plane_calls_stale_lets_the_task_go(scaling: Scaling) -> None:

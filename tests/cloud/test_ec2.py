@@ -154,3 +154,77 @@ def test_the_agents_check_asks_the_provider_and_names_what_is_wrong(aws: str, tm
     assert invalid.returncode == 2
     assert "max_instances must be a whole number from 1" in invalid.stdout
     assert "idle_timeout_seconds must be from 60 seconds" in invalid.stdout
+
+
+def _listed(instance_id: str, name: str, spot: bool) -> dict[str, Any]:
+    return {
+        "InstanceId": instance_id,
+        "InstanceType": "g5.12xlarge",
+        "State": {"Name": "running", "Code": 16},
+        "Tags": [{"Key": "klique:instance", "Value": name}, {"Key": "klique:autoscaler", "Value": "s"}],
+        **({"InstanceLifecycle": "spot"} if spot else {}),
+    }
+
+
+def _stub_listing(stub: Stubber) -> None:
+    instances = [
+        _listed("i-1", "s-one", True),
+        _listed("i-2", "s-two", True),
+        _listed("i-3", "s-three", False),
+    ]
+    stub.add_response("describe_instances", {"Reservations": [{"Instances": instances}]})
+
+
+def test_a_spot_instance_given_its_two_minute_notice_is_seen_as_interrupted_while_it_still_runs() -> None:
+    """EC2 marks the spot request when it gives the instance its notice; moto cannot, so the answers are
+    stubbed on the real client."""
+    client = ec2_client("http://127.0.0.1:9")
+    stub = Stubber(client)
+    _stub_listing(stub)
+    notice = {"Code": "marked-for-termination", "Message": "Spot Instance is marked for termination."}
+    stub.add_response(
+        "describe_spot_instance_requests",
+        {
+            "SpotInstanceRequests": [
+                {"InstanceId": "i-1", "Status": notice},
+                {
+                    "InstanceId": "i-2",
+                    "Status": {"Code": "fulfilled", "Message": "Your spot request is fulfilled."},
+                },
+            ]
+        },
+        {"Filters": [{"Name": "instance-id", "Values": ["i-1", "i-2"]}]},  # spot ones only
+    )
+    with stub:
+        seen = {item.name: item for item in Ec2(REGION, client=client).instances({"klique:autoscaler": "s"})}
+    assert seen["s-one"].state == providers.RUNNING
+    assert seen["s-one"].interruption == (
+        "the cloud announced it will reclaim it "
+        "(marked-for-termination: Spot Instance is marked for termination.)"
+    )
+    assert seen["s-two"].interruption == ""
+    assert seen["s-three"].interruption == ""
+
+
+def test_without_leave_to_read_spot_requests_instances_are_judged_by_state_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client = ec2_client("http://127.0.0.1:9")
+    stub = Stubber(client)
+    provider = Ec2(REGION, client=client)
+    for _ in range(2):
+        _stub_listing(stub)
+        stub.add_client_error("describe_spot_instance_requests", service_error_code="UnauthorizedOperation")
+    with stub:
+        first = provider.instances({"klique:autoscaler": "s"})
+        second = provider.instances({"klique:autoscaler": "s"})
+    assert [item.interruption for item in first + second] == [""] * 6
+    assert sum("notices cannot be read" in record.message for record in caplog.records) == 1  # said once
+
+
+def test_spot_requests_are_read_from_moto_without_a_notice(aws: str) -> None:
+    provider = Ec2(REGION, endpoint_url=aws)
+    provider.launch(launch(an_image(aws), name="scaler-5e6f7a8b", spot=True))
+    [seen] = provider.instances({"klique:autoscaler": "scaler"})
+    assert seen.spot is True
+    assert seen.interruption == ""
