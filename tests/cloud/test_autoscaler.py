@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 from agents.cloud.autoscaler import Autoscaler
 from agents.cloud.ec2 import Ec2
 from agents.cloud.plane import PlaneError
-from agents.cloud.providers import ProviderError
+from agents.cloud.providers import ProviderError, Seen
 from agents.cloud.settings import CloudSettings
 from agents.state import State
 from protocol import cloud
@@ -327,7 +328,7 @@ def test_an_instance_given_its_interruption_notice_is_reported_interrupted_while
     listing = scaling.scaler.provider.instances
     notice = "the cloud announced it will reclaim it (marked-for-termination: in two minutes)"
 
-    def with_notice(tags: dict[str, str]) -> list[Any]:  # EC2's notice, as Ec2.instances reads it
+    def with_notice(tags: Mapping[str, str]) -> list[Seen]:  # EC2's notice, as Ec2.instances reads it
         return [replace(item, interruption=notice) if item.name == name else item for item in listing(tags)]
 
     scaling.scaler.provider.instances = with_notice  # type: ignore[method-assign]
