@@ -33,6 +33,13 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     submit.add_argument("--project")
     submit.add_argument("--priority", type=int, default=0)
     submit.add_argument(
+        "--time-limit",
+        type=seconds_of,
+        metavar="DURATION",
+        help="how long a run may last (90s, 45m, 2h, 1d; a number is seconds): past it the run is stopped; "
+        "a task with a limit may run in gaps before a waiting larger task",
+    )
+    submit.add_argument(
         "--output",
         action="append",
         default=[],
@@ -118,6 +125,19 @@ def run(args: argparse.Namespace, client: Client | None = None) -> int:
         return 1
 
 
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
+
+
+def seconds_of(text: str) -> int:
+    """Seconds from "90s", "45m", "2h", "1d" or a plain number of seconds."""
+    text = text.strip().lower()
+    unit = DURATION_UNITS.get(text[-1:], 0)
+    number = text[:-1] if unit else text
+    if not number.isdigit() or int(number) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: give 90s, 45m, 2h, 1d or seconds.")
+    return int(number) * (unit or 1)
+
+
 def _submit(args: argparse.Namespace, client: Client) -> str | Outcome:
     command = list(args.argv)
     task = client.submit(
@@ -129,6 +149,7 @@ def _submit(args: argparse.Namespace, client: Client) -> str | Outcome:
         command=command or None,
         outputs=args.output,
         idempotency_key=args.idempotency_key,
+        time_limit_seconds=args.time_limit,
     )
     if args.wait:
         return wait(client, task, timeout=args.timeout, as_json=args.json)

@@ -82,10 +82,13 @@ class Client:
         command: list[str] | None = None,
         outputs: list[str] | None = None,
         idempotency_key: str = "",
+        time_limit_seconds: int | None = None,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {"compute_resource": compute_resource, "name": name, "priority": priority}
         if idempotency_key:
             body["idempotency_key"] = idempotency_key
+        if time_limit_seconds is not None:
+            body["time_limit_seconds"] = time_limit_seconds
         if gpus is not None:
             body["gpus"] = gpus
         if project is not None:

@@ -77,6 +77,11 @@ def export_active() -> dict[str, Any]:
             "strict_fifo": profile.strict_fifo,
             "starvation_seconds": profile.starvation_seconds,
         }
+        for key in ("time_limit_default_seconds", "time_limit_max_seconds"):
+            if getattr(profile, key) is not None:
+                item[key] = getattr(profile, key)
+        if profile.time_limit_required:
+            item["time_limit_required"] = True
         if profile.sharing == TaskSharing.MIG:
             item["mig_profile"] = profile.mig_profile
         elif profile.size_from_task:
@@ -228,6 +233,9 @@ def draft_provision(*, tenant: Tenant, user: User) -> Provisioned:
                 "mig_profile": item.get("mig_profile", ""),
                 "strict_fifo": item["strict_fifo"],
                 "starvation_seconds": item["starvation_seconds"],
+                "time_limit_default_seconds": item["time_limit_default_seconds"],
+                "time_limit_max_seconds": item["time_limit_max_seconds"],
+                "time_limit_required": item["time_limit_required"],
             },
         )
         ProfilePool.objects.filter(profile=profile).delete()

@@ -5,7 +5,8 @@ A document has three lists, each item named by a slug:
     pools:    name, environment, capacity_gpus, gpu_class, region, sharing, cost_tier,
               heartbeat_timeout_seconds
     profiles: name, display_name, sharing (whole | fraction | mig), a size, pools (ordered, each with an
-              execution_priority), strict_fifo, starvation_seconds. The size is one of:
+              execution_priority), strict_fifo, starvation_seconds, time_limit_default_seconds,
+              time_limit_max_seconds, time_limit_required (backfill). The size is one of:
               gpus ("8", "0.25"); nodes and gpus_per_node; min_gpus and max_gpus (read from the task);
               mig_profile ("1g.10gb")
     policies: name, group, reservation_gpus, limit_gpus, compute_resources (profile, name,
@@ -30,7 +31,14 @@ from typing import Any
 
 from rest_framework import serializers
 
-from apps.resources.models import MIG_METHODS, Environment, SharingMethod, TaskSharing
+from apps.resources.models import (
+    MAX_TIME_LIMIT_SECONDS,
+    MIG_METHODS,
+    MIN_TIME_LIMIT_SECONDS,
+    Environment,
+    SharingMethod,
+    TaskSharing,
+)
 from apps.resources.selectors import residency_problem
 from apps.scheduling.engine import UNITS_PER_GPU, SizeError, describe, mig_fraction, units
 from protocol.batch import (
@@ -73,6 +81,15 @@ class ProfilePoolDoc(serializers.Serializer[dict[str, Any]]):
     execution_priority = serializers.IntegerField(required=False, default=0)
 
 
+def _check_time_limits(attrs: dict[str, Any]) -> None:
+    default, most = attrs["time_limit_default_seconds"], attrs["time_limit_max_seconds"]
+    if default is not None and most is not None and default > most:
+        raise serializers.ValidationError(
+            f"Profile {attrs['name']}: time_limit_default_seconds ({default}) is above "
+            f"time_limit_max_seconds ({most}); a task given the default would be refused."
+        )
+
+
 class ProfileDoc(serializers.Serializer[dict[str, Any]]):
     name = serializers.SlugField(max_length=100)
     display_name = serializers.CharField(max_length=200, required=False, default="", allow_blank=True)
@@ -86,8 +103,26 @@ class ProfileDoc(serializers.Serializer[dict[str, Any]]):
     pools = ProfilePoolDoc(many=True, allow_empty=False)
     strict_fifo = serializers.BooleanField(required=False, default=False)
     starvation_seconds = serializers.IntegerField(required=False, min_value=1, allow_null=True, default=None)
+    # Time limits (backfill, docs/scheduling.md): a task's default, the most a task may ask, and whether a
+    # task must have one; seconds.
+    time_limit_default_seconds = serializers.IntegerField(
+        required=False,
+        min_value=MIN_TIME_LIMIT_SECONDS,
+        max_value=MAX_TIME_LIMIT_SECONDS,
+        allow_null=True,
+        default=None,
+    )
+    time_limit_max_seconds = serializers.IntegerField(
+        required=False,
+        min_value=MIN_TIME_LIMIT_SECONDS,
+        max_value=MAX_TIME_LIMIT_SECONDS,
+        allow_null=True,
+        default=None,
+    )
+    time_limit_required = serializers.BooleanField(required=False, default=False)
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        _check_time_limits(attrs)
         modes = [
             mode
             for mode, keys in (

@@ -76,6 +76,10 @@ class Pool(models.Model):
         return now - self.last_heartbeat_at <= timedelta(seconds=self.heartbeat_timeout_seconds)
 
 
+MIN_TIME_LIMIT_SECONDS = 60  # a task's time limit: at least a minute
+MAX_TIME_LIMIT_SECONDS = 30 * 86_400  # and at most 30 days
+
+
 class ResourceProfile(models.Model):
     """A task size and an ordered list of pools.
 
@@ -95,6 +99,10 @@ class ResourceProfile(models.Model):
     mig_profile = models.CharField(max_length=20, blank=True)
     strict_fifo = models.BooleanField(default=False)
     starvation_seconds = models.PositiveIntegerField(null=True, blank=True)
+    # Time limits: a task's default when it gives none, the most it may ask, whether it must have one.
+    time_limit_default_seconds = models.PositiveIntegerField(null=True, blank=True)
+    time_limit_max_seconds = models.PositiveIntegerField(null=True, blank=True)
+    time_limit_required = models.BooleanField(default=False)
     pools = models.ManyToManyField(Pool, through="ProfilePool", related_name="profiles")
 
     class Meta:

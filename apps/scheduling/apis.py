@@ -24,6 +24,13 @@ class TaskIn(serializers.Serializer[Task]):
     project = serializers.CharField(max_length=100, required=False, allow_null=True, default=None)
     priority = serializers.IntegerField(required=False, default=0, min_value=-100, max_value=100)
     max_attempts = serializers.IntegerField(required=False, default=3, min_value=1, max_value=20)
+    time_limit_seconds = serializers.IntegerField(
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="how long a run may last; past it the run is stopped with a grace period. Lets the "
+        "scheduler run it in gaps before a waiting larger task (backfill). Default: the profile's.",
+    )
     spec = serializers.DictField(required=False, default=dict)
     idempotency_key = serializers.CharField(
         max_length=100,
@@ -65,6 +72,7 @@ class TaskOut(serializers.ModelSerializer[Task]):
             "pool",
             "attempts",
             "max_attempts",
+            "time_limit_seconds",
             "exit_code",
             "submitted_at",
             "queued_at",

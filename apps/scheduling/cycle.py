@@ -96,17 +96,43 @@ def snapshot(tenant: Tenant, now: datetime, *, held: frozenset[str] = frozenset(
             )
         )
     queued = tuple(
-        engine.Task(str(pk), str(resource), size, submitted.timestamp(), engine.Sharing(sharing), priority)
-        for pk, resource, size, submitted, sharing, priority in Task.objects.filter(
+        engine.Task(
+            str(pk), str(resource), size, submitted.timestamp(), engine.Sharing(sharing), priority, limit
+        )
+        for pk, resource, size, submitted, sharing, priority, limit in Task.objects.filter(
             state=TaskState.QUEUED, compute_resource__isnull=False
-        ).values_list("pk", "compute_resource_id", "size_units", "submitted_at", "sharing", "priority")
+        ).values_list(
+            "pk",
+            "compute_resource_id",
+            "size_units",
+            "submitted_at",
+            "sharing",
+            "priority",
+            "time_limit_seconds",
+        )
         if str(pk) not in held
     )
     running = tuple(
-        engine.Allocation(str(pk), str(resource), str(pool), size, (started or placed or now).timestamp())
-        for pk, resource, pool, size, started, placed in Task.objects.filter(
+        engine.Allocation(
+            str(pk),
+            str(resource),
+            str(pool),
+            size,
+            (started or placed or now).timestamp(),
+            # A run not started yet ends its limit after it starts, at the earliest now.
+            None if limit is None else (started or now).timestamp() + limit,
+        )
+        for pk, resource, pool, size, started, placed, limit in Task.objects.filter(
             state__in=ACTIVE_STATES, pool__isnull=False
-        ).values_list("pk", "compute_resource_id", "pool_id", "size_units", "started_at", "placed_at")
+        ).values_list(
+            "pk",
+            "compute_resource_id",
+            "pool_id",
+            "size_units",
+            "started_at",
+            "placed_at",
+            "time_limit_seconds",
+        )
     )
     stopping = _stopping_units()
     refusing = agents().refusing()  # an autoscaler that cannot start instances: its pool takes no work
@@ -215,6 +241,7 @@ def run_cycle(tenant: Tenant) -> CycleResult:
             return CycleResult(ran=False)
         lifecycle.leases_expire()
         lifecycle.tasks_of_silent_pools(tenant=tenant)
+        lifecycle.tasks_past_time_limit(tenant=tenant)
         now = timezone.now()
         held = _held_by_budgets(now)
         state = snapshot(tenant, now, held=frozenset(held))

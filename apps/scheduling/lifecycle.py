@@ -24,7 +24,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import DurationField, ExpressionWrapper, F, Q, Value
 from django.utils import timezone
 
 from apps.accounts.models import User
@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SCHEDULER = "scheduler"
+TIME_LIMIT_REASON = "time_limit"
 
 # Which state may follow which. PREEMPTED passes straight on to QUEUED (at the front of the queue).
 TRANSITIONS: dict[str, frozenset[str]] = {
@@ -189,6 +190,60 @@ def leases_expire() -> int:
         )
         count += 1
     return count
+
+
+def tasks_past_time_limit(*, tenant: Tenant, now: datetime | None = None) -> int:
+    """Stop every run that has reached its task's time limit the way a preemption is stopped (SIGTERM,
+    the grace period to checkpoint, then SIGKILL) and end the task failed, saying so: not retried, since a
+    retry would meet the same limit. Its GPU time is metered to now. Returns how many."""
+    now = now or timezone.now()
+    limit = ExpressionWrapper(
+        F("time_limit_seconds") * Value(timedelta(seconds=1)), output_field=DurationField()
+    )
+    due = (
+        Task.objects.select_for_update(skip_locked=True)
+        .filter(state=TaskState.RUNNING, time_limit_seconds__isnull=False, started_at__isnull=False)
+        .alias(deadline=F("started_at") + limit)
+        .filter(deadline__lte=now)
+    )
+    stopped = 0
+    for task in due:
+        run = run_request_stop(task, kind="preempt", grace_seconds=PREEMPT_GRACE_SECONDS)
+        if run is not None:
+            wake.notify_pool(
+                tenant=tenant,
+                pool_id=run.pool_id,
+                message={"type": "preempt", "task_id": str(task.pk), "lease_id": str(run.pk),
+                         "grace_seconds": PREEMPT_GRACE_SECONDS},
+            )  # fmt: skip
+        limit_text = _duration_text(int(task.time_limit_seconds or 0))
+        transition(
+            task,
+            to_state=TaskState.FAILED,
+            actor=SCHEDULER,
+            message=f"stopped at its time limit of {limit_text}",
+            reason_code=TIME_LIMIT_REASON,
+            reason=(
+                f"Stopped at its time limit of {limit_text}, with {PREEMPT_GRACE_SECONDS:.0f} s to "
+                "checkpoint first; not retried. Give it a longer time_limit_seconds (its compute resource's "
+                "profile sets the most) to let it finish."
+            ),
+        )
+        stopped += 1
+    if stopped:
+        wake.request_cycle(tenant)  # its GPUs free once its agent lets go of the run
+    return stopped
+
+
+def _duration_text(seconds: int) -> str:
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    parts = [
+        f"{hours} h" if hours else "",
+        f"{minutes} min" if minutes else "",
+        f"{seconds} s" if seconds else "",
+    ]
+    return " ".join(part for part in parts if part) or "0 s"
 
 
 def run_hand_on(

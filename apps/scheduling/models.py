@@ -40,6 +40,9 @@ class Task(models.Model):
     nodes = models.PositiveSmallIntegerField(default=1)
     sharing = models.CharField(max_length=16, choices=TaskSharing.choices, default=TaskSharing.WHOLE)
     priority = models.IntegerField(default=0)
+    # How long a run may last; past it the run is stopped with a grace period (lifecycle). None: no
+    # limit, and then its end cannot be planned, so it never holds back a waiting task's backfill.
+    time_limit_seconds = models.PositiveIntegerField(null=True, blank=True)
     # The token it was submitted with, when that was an AI agent's delegated token (its quota counts it).
     submitted_with = models.ForeignKey(
         "accounts.ApiToken", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"

@@ -19,7 +19,7 @@ from apps.accounts.models import ApiToken, Project, Role, User
 from apps.core.errors import Forbidden, InvalidInput
 from apps.core.events import publish_event
 from apps.core.ids import as_uuid
-from apps.resources.models import ComputeResource, TaskSharing
+from apps.resources.models import MAX_TIME_LIMIT_SECONDS, MIN_TIME_LIMIT_SECONDS, ComputeResource, TaskSharing
 from apps.resources.selectors import residency_problem
 from apps.scheduling import wake
 from apps.scheduling.engine import UNITS_PER_GPU, SizeError, describe, units
@@ -49,6 +49,7 @@ class TaskRequest:
     max_attempts: int = 3
     spec: dict[str, Any] | None = None
     idempotency_key: str = ""  # the same key again (by the same submitter) returns the task it made
+    time_limit_seconds: int | None = None  # None: the profile's default, if it has one
 
 
 def compute_resource_open_to(user: User, reference: str) -> ComputeResource:
@@ -162,6 +163,44 @@ def _check_residency(resource: ComputeResource, project: Project | None) -> None
         raise InvalidInput(problem, field="compute_resource")
 
 
+def _time_limit(resource: ComputeResource, asked: int | None) -> int | None:
+    """The task's time limit: the one asked for within the profile's bounds, else the profile's default;
+    InvalidInput saying which bound it breaks."""
+    profile = resource.profile
+    if asked is None:
+        if profile.time_limit_default_seconds is not None:
+            return int(profile.time_limit_default_seconds)
+        if profile.time_limit_required:
+            raise InvalidInput(
+                f"{resource.name} needs a time limit: give time_limit_seconds (at most "
+                f"{_seconds_text(profile.time_limit_max_seconds or MAX_TIME_LIMIT_SECONDS)}).",
+                field="time_limit_seconds",
+            )
+        return None
+    if isinstance(asked, bool) or not isinstance(asked, int) or asked < MIN_TIME_LIMIT_SECONDS:
+        raise InvalidInput(
+            f"time_limit_seconds is a whole number of seconds, at least {MIN_TIME_LIMIT_SECONDS}; {asked!r} "
+            "was given.",
+            field="time_limit_seconds",
+        )
+    most = profile.time_limit_max_seconds or MAX_TIME_LIMIT_SECONDS
+    if asked > most:
+        raise InvalidInput(
+            f"{resource.name} allows a time limit of at most {_seconds_text(most)}; "
+            f"{_seconds_text(asked)} was asked for.",
+            field="time_limit_seconds",
+        )
+    return asked
+
+
+def _seconds_text(seconds: int) -> str:
+    if seconds % 3600 == 0:
+        return f"{seconds // 3600} h ({seconds} s)"
+    if seconds % 60 == 0:
+        return f"{seconds // 60} min ({seconds} s)"
+    return f"{seconds} s"
+
+
 def _check_environment(spec: dict[str, Any]) -> None:
     """The task's environment follows the rule every agent checks again (protocol.environment); its
     declared volumes are names (protocol.volumes)."""
@@ -195,6 +234,7 @@ def _build(tenant: Tenant, user: User, request: TaskRequest, now: datetime) -> T
         sharing=resource.profile.sharing,
         priority=request.priority,
         max_attempts=request.max_attempts,
+        time_limit_seconds=_time_limit(resource, request.time_limit_seconds),
         spec=request.spec or {},
         submitted_at=now,
         queued_at=now,

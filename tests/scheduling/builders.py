@@ -51,12 +51,15 @@ def task(
     at: float = 0.0,
     priority: int = 0,
     sharing: Sharing = Sharing.WHOLE,
+    limit: float | None = None,
 ) -> Task:
-    return Task(name, queue_name, units(size), at, sharing, priority)
+    return Task(name, queue_name, units(size), at, sharing, priority, limit)
 
 
-def running(name: str, queue_name: str, pool_name: str, size: Size, *, started: float = 0.0) -> Allocation:
-    return Allocation(name, queue_name, pool_name, units(size), started)
+def running(
+    name: str, queue_name: str, pool_name: str, size: Size, *, started: float = 0.0, ends: float | None = None
+) -> Allocation:
+    return Allocation(name, queue_name, pool_name, units(size), started, ends)
 
 
 def snapshot(

@@ -131,6 +131,28 @@ def test_submit_json_with_a_key_and_outputs_for_scripts(
 
 
 @pytest.mark.parametrize(
+    ("given", "seconds"), [("90s", 90), ("45m", 2700), ("2h", 7200), ("1d", 86_400), ("600", 600)]
+)
+def test_a_time_limit_is_given_as_a_duration(
+    world: World, db: None, capsys: pytest.CaptureFixture[str], given: str, seconds: int
+) -> None:
+    code, out = klique(
+        world, "bob", "submit", "Research: 4 GPUs", "--json", "--time-limit", given, capsys=capsys
+    )
+    assert code == 0, out
+    assert json.loads(out)["time_limit_seconds"] == seconds
+
+
+@pytest.mark.parametrize("given", ["2x", "h", "0", "0m", "1.5h", ""])
+def test_a_time_limit_that_is_not_a_duration_is_refused_before_anything_is_sent(
+    given: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(("submit", "Research: 4 GPUs", "--time-limit", given))
+    assert "is not a duration" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     ("state", "exit_code", "outcome"),
     [("completed", 0, 0), ("failed", 3, 3), ("failed", None, 1), ("failed", 0, 1), ("failed", 300, 1),
      ("failed", -9, 1), ("aborted", None, 3)],

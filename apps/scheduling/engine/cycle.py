@@ -14,6 +14,13 @@ The contract is docs/scheduling.md. In short, for one tenant:
 5. Strict FIFO: a head that cannot go blocks its queue for the cycle. Best-effort FIFO: later tasks may
    pass it, but a head that has waited past the profile's starvation bound holds its pool: nothing
    considered after it is placed there this cycle.
+5b. Backfill (EASY). A head that cannot go, in either discipline, is planned a start in the first pool of
+   its order where the work running there will make room for it by their time limits (the earliest such
+   time, in pool order on a tie), and that pool is reserved for it: a task considered after it goes there
+   only if its own time limit ends it by that start, or it fits in what will still be free beside the head
+   then. So small work fills the gap without ever delaying the head's planned start. A head that cannot
+   be planned (work without a time limit stands in its way) is handled as in rule 5. Reservations of the
+   borrowing band do not bind a guaranteed task's second chance (rule 6).
 6. A guaranteed task that fits nowhere may reclaim capacity from borrowed work: victims in one pool of its
    order whose policies are above their reservations and stay at or above them, lowest queuing priority
    first, then most recently started; only if that lets the task start there, never one victim twice.
@@ -38,7 +45,7 @@ from .model import (
 )
 from .preemption import Preempting
 from .reasons import Explaining
-from .state import BORROWING, GUARANTEED, QueueState
+from .state import BORROWING, GUARANTEED, QueueState, Reservation
 from .units import describe
 
 
@@ -60,7 +67,10 @@ class _Cycle(Preempting, Explaining):
         reasons = {
             task_id: reason for task_id, reason in self.reasons.items() if task_id not in self.placements
         }
-        return Decision(tuple(self.placements.values()), tuple(self.preemptions), reasons)
+        planned = {
+            reservation.task: (pool_id, reservation.start) for pool_id, reservation in self.reserved.items()
+        }
+        return Decision(tuple(self.placements.values()), tuple(self.preemptions), reasons, planned)
 
     def _settle(self) -> None:
         """Give guaranteed tasks that found no room a second chance at reclaim, after borrowing.
@@ -70,6 +80,8 @@ class _Cycle(Preempting, Explaining):
         tries reclaim again, in the order it was first considered. A borrowing placement of this cycle
         that is reclaimed is simply not made; work that was already running is preempted.
         """
+        self.settling = True  # borrowing heads' reservations no longer bind (see _binds)
+        self.version += 1
         for state, index in self.waiting_guaranteed:
             task, policy = state.tasks[index], state.policy
             if self._ineligible(policy, task) is not None or not self._guaranteed(policy, task):
@@ -166,7 +178,9 @@ class _Cycle(Preempting, Explaining):
             return
         if band == GUARANTEED:
             self.waiting_guaranteed.append((state, index))
-        if is_head and self._starving(state.profile, task):
+        if is_head and not state.planned and self._plan_head(state, task, band):
+            pass  # a planned start protects the head better than a hold: the gap stays usable
+        elif is_head and self._starving(state.profile, task):
             home = self._home(state.profile, task)
             if home is not None and home not in self.held:
                 self.held[home] = task.id
@@ -174,7 +188,7 @@ class _Cycle(Preempting, Explaining):
                 self.version += 1  # a held pool changes what others may place and reclaim
         # Given up on for the whole cycle: free capacity only shrinks from here, so the borrowing band
         # would not find room the guaranteed band did not.
-        self._give_up(state, index, self._no_room_reason(state.profile, task))
+        self._give_up(state, index, self._planned_reason(task, self._no_room_reason(state.profile, task)))
 
     def _refuse_the_same_behind(self, state: QueueState, index: int) -> None:
         """In the borrowing band usage only grows, so every task after `index` in this queue that is at least
@@ -238,13 +252,82 @@ class _Cycle(Preempting, Explaining):
                 continue
             if self.held.get(pool_id, task.id) != task.id:
                 continue
+            if self._binds(pool_id, task) and not self.reserved[pool_id].admits(task, self.now):
+                continue
             if pool.capacity - self.pool_used[pool_id] >= task.size:
                 return pool_id
         return None
 
+    # -- backfill --------------------------------------------------------------------------------------
+
+    def _plan_head(self, state: QueueState, task: Task, band: int) -> bool:
+        """The first task of a queue to find no room this cycle is its blocked head: plan its start (once;
+        tasks behind it that find no room either are not planned, as in EASY backfill)."""
+        state.planned = True
+        return self._reserve(state.profile, task, band)
+
+    def _reserve(self, profile: Profile, task: Task, band: int) -> bool:
+        """Plan the blocked head's start in the pool of its order that makes room for it first, and reserve
+        that pool for it; False when no pool can be planned (work without a time limit in the way)."""
+        best: tuple[float, int, str] | None = None
+        for pool_id in profile.pools:
+            pool = self.pools.get(pool_id)
+            if pool is None or not self._fits_kind(pool, task) or pool_id in self.reserved:
+                continue
+            if self.held.get(pool_id, task.id) != task.id:
+                continue
+            planned = self._plan(pool_id, task.size)
+            if planned is not None and (best is None or planned[0] < best[0]):
+                best = (planned[0], planned[1], pool_id)
+        if best is None:
+            return False
+        start, extra, pool_id = best
+        self.reserved[pool_id] = Reservation(task.id, task.size, start, extra, band)
+        self.version += 1  # a reserved pool changes what others may place and reclaim
+        return True
+
+    def _plan(self, pool_id: str, size: int) -> tuple[float, int] | None:
+        """When the pool will have `size` free as the work in it reaches its time limits, and what will be
+        free beside it then; None if work without a limit must end first, or if room is there now (the
+        task is kept out by a hold or a reservation, not by the work running)."""
+        pool = self.pools[pool_id]
+        free = pool.capacity - self.pool_used[pool_id]
+        if free >= size:
+            return None
+        ending = sorted(
+            (max(allocation.ends_at, self.now), allocation.size)
+            for allocation in self.in_pool[pool_id]
+            if allocation.ends_at is not None and allocation.task not in self.preempted
+        )
+        for at, freed in ending:
+            free += freed
+            if free >= size:  # (others ending at the same moment count toward what is free beside it)
+                return at, self._free_at(pool_id, at) - size
+        return None
+
+    def _free_at(self, pool_id: str, at: float) -> int:
+        """What the pool will have free at `at` once every allocation with a limit ending by then is gone."""
+        ended = sum(
+            allocation.size
+            for allocation in self.in_pool[pool_id]
+            if allocation.ends_at is not None
+            and max(allocation.ends_at, self.now) <= at
+            and allocation.task not in self.preempted
+        )
+        return self.pools[pool_id].capacity - self.pool_used[pool_id] + ended
+
     def _commit(self, task: Task, policy: Policy, pool: str, *, band: int) -> None:
         self.placements[task.id] = Placement(task.id, pool)
-        allocation = Allocation(task.id, task.queue, pool, task.size, self.now)
+        ends_at = self.now + task.time_limit if task.time_limit is not None else None
+        allocation = Allocation(task.id, task.queue, pool, task.size, self.now, ends_at)
+        reservation = self.reserved.get(pool)
+        stays = ends_at is None or (reservation is not None and ends_at > reservation.start)
+        if reservation is not None and reservation.task != task.id and stays:
+            reservation.extra -= task.size  # it will still be there beside the head
+        if reservation is not None and (reservation.task == task.id or reservation.extra < 0):
+            # Placed; or a guaranteed task's second chance took its room: it is planned afresh next cycle.
+            del self.reserved[pool]
+            self.version += 1
         self.in_pool[pool].append(allocation)
         self.placed_in_queue[task.queue].append(allocation)
         self.pool_used[pool] += task.size

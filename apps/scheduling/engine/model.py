@@ -73,6 +73,7 @@ class Task:
     submitted_at: float
     sharing: Sharing = Sharing.WHOLE
     priority: int = 0
+    time_limit: float | None = None  # seconds it may run; None: no limit, its end cannot be planned
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,7 @@ class Allocation:
     pool: str
     size: int
     started_at: float
+    ends_at: float | None = None  # when its time limit stops it at the latest; None: no limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,3 +126,6 @@ class Decision:
     placements: tuple[Placement, ...]
     preemptions: tuple[Preemption, ...]
     reasons: Mapping[str, Reason]  # every task left queued, by id
+    # Blocked heads with a planned start (backfill): task id -> (pool id, when). Nothing placed this cycle
+    # keeps a planned head from starting then.
+    planned: Mapping[str, tuple[str, float]] = field(default_factory=dict)

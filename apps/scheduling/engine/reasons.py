@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 from .model import (
@@ -54,6 +55,22 @@ class Explaining(CycleState):
                     f"Capacity is held for task {holders[0]}, which has waited past its starvation bound."
                 ),
             )
+        reserved = [
+            (pool_id, reservation)
+            for pool_id in profile.pools
+            if (reservation := self.reserved.get(pool_id)) is not None and reservation.task != task.id
+        ]
+        if reserved and task.size <= self._room(profile, task.sharing):
+            pool_id, reservation = min(reserved, key=lambda item: item[1].start)
+            return self._reason(
+                ("reserved", profile.id, reservation.task, task.size),
+                "reserved_for_head",
+                lambda: (
+                    f"Pool {self.pools[pool_id].label} is reserved for task {reservation.task}, planned to "
+                    f"start at {_moment(reservation.start)} as the work there reaches its time limits; this "
+                    "task would delay it. A task whose time limit ends it by then may run in the gap."
+                ),
+            )
         return Reason(  # kept in the memo by _no_room_reason while usage stays as it is
             "no_capacity",
             f"No pool in its profile's order has {describe(task.size)} free ("
@@ -63,6 +80,18 @@ class Explaining(CycleState):
                 if self._fits_kind(pool, task)
             )
             + " free).",
+        )
+
+    def _planned_reason(self, task: Task, fallback: Reason) -> Reason:
+        """A blocked head's reason, with its planned start where a pool is reserved for it."""
+        planned = [(pool_id, r) for pool_id, r in self.reserved.items() if r.task == task.id]
+        if not planned:
+            return fallback
+        pool_id, reservation = planned[0]
+        return Reason(
+            fallback.code,
+            f"{fallback.message} Pool {self.pools[pool_id].label} is reserved for it: planned to start at "
+            f"{_moment(reservation.start)}, as the work there reaches its time limits.",
         )
 
     def _give_reasons_to_the_rest(self) -> None:
@@ -83,3 +112,9 @@ class Explaining(CycleState):
                     self.reasons[task.id] = Reason(
                         "not_reached", "Not considered this cycle; it will be next cycle."
                     )
+
+
+def _moment(at: float) -> str:
+    """A planned start as a person reads it, in UTC; the same text from cycle to cycle while the plan
+    holds, so that a waiting task's reason is not rewritten as time passes."""
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(at))

@@ -41,6 +41,7 @@ class QueueState:
     done: list[bool] = field(default_factory=list)
     blocked_by: str | None = None  # strict FIFO: the head that blocks this queue for the cycle
     smallest: int = 0  # the smallest task size in the queue
+    planned: bool = False  # its blocked head was planned a start this cycle (or could not be)
     _head: int = 0
 
     def head(self) -> int:
@@ -54,6 +55,23 @@ class QueueState:
         while index < len(self.tasks) and self.done[index]:
             index += 1
         return index
+
+
+@dataclass
+class Reservation:
+    """A blocked head's planned start in one pool (EASY backfill): at `start` the pool will have room for
+    it, because the work running there reaches its time limits; `extra` is what will still be free beside
+    it then. Another task may go into the pool now only if it ends by `start` or fits in `extra`."""
+
+    task: str
+    size: int
+    start: float
+    extra: int
+    band: int
+
+    def admits(self, task: Task, now: float) -> bool:
+        ends_in_time = task.time_limit is not None and now + task.time_limit <= self.start
+        return ends_in_time or task.size <= self.extra
 
 
 @dataclass
@@ -106,6 +124,8 @@ class CycleState:
         self.reasons: dict[str, Reason] = {}
         self.held: dict[str, str] = {}  # pool -> id of the starving head it is held for
         self.holding: set[str] = set()  # the tasks that pools are held for
+        self.reserved: dict[str, Reservation] = {}  # pool -> the blocked head planned to start there
+        self.settling = False  # in the guaranteed tasks' second chance (cycle._settle)
         self.version = 0  # bumped whenever usage or the held pools change; see _memo
         self._home_cache: dict[tuple[str, Sharing, int], str | None] = {}
         self._memo_entries = Memo(-1)
@@ -142,6 +162,14 @@ class CycleState:
     def _fits_kind(self, pool: Pool, task: Task) -> bool:
         need = SHARING_NEEDS[task.sharing]
         return pool.online and (need is None or need in pool.sharing) and pool.capacity >= task.size
+
+    def _binds(self, pool_id: str, task: Task) -> bool:
+        """Whether a reservation of the pool for another task limits where `task` may go: always, except a
+        borrowing head's for a guaranteed task's second chance (guaranteed work comes first)."""
+        reservation = self.reserved.get(pool_id)
+        if reservation is None or reservation.task == task.id:
+            return False
+        return not (self.settling and reservation.band == BORROWING)
 
     def _home(self, profile: Profile, task: Task) -> str | None:
         """The first pool of the profile's order that could ever hold the task."""
