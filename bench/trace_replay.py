@@ -6,6 +6,15 @@ from the trace. The same jobs replay through plain FIFO (one strict-FIFO queue, 
 Klique with every limit at its reservation (no borrowing). Prints GPU utilization, p50/p95 queue wait,
 mean job completion time (JCT), reservation-violation hours (a policy waiting below its reservation with
 work that fits while others borrow, summed over policies), preemptions, and each replay's wall time.
+
+Per cluster, its p95 wait under Klique, under plain FIFO on the pooled GPUs, and siloed (the cluster
+alone on GPUs equal to its reservation, best-effort FIFO), from the same run: the target is every
+cluster's p95 under Klique below its siloed p95 and at most 1.5x its p95 under pooled FIFO.
+
+Backfill: one best-effort queue over the pooled GPUs with a starvation bound of an hour, replayed without
+time limits and with each job's limit at twice its duration rounded up to the hour (as users overstate
+them); the mean wait of jobs of 16 GPUs or more with backfill should be at most half of without.
+
 The last line is Klique's mean JCT over FIFO's.
 Usage: .venv/bin/python bench/trace_replay.py [--trace PATH] [--gpus 640] [--pools 4] [--interval 60]
 """
@@ -14,9 +23,11 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import sys
 import time
 from collections import defaultdict
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -24,6 +35,7 @@ from apps.scheduling.engine import Policy, Pool, Profile, Queue, units
 from apps.scheduling.engine.simulate import (
     SUMMARY_HEADERS,
     Job,
+    Outcome,
     Setup,
     replay,
     summary_rows,
@@ -73,6 +85,81 @@ def fifo_setup(klique: Setup) -> Setup:
     )
 
 
+STARVATION_SECONDS = 3600.0
+BIG_JOB_GPUS = 16
+
+
+def siloed(klique: Setup, jobs: list[Job]) -> dict[str, Outcome]:
+    """Each cluster alone on GPUs equal to its reservation (one pool), best-effort FIFO."""
+    outcomes = {}
+    for policy in klique.policies:
+        if policy.reservation <= 0:
+            continue
+        setup = Setup(
+            f"{policy.id} siloed",
+            (Pool("silo", policy.reservation, name="silo"),),
+            (Profile("silo", ("silo",)),),
+            (Policy(policy.id, policy.reservation, policy.reservation),),
+            (Queue(policy.id, policy.id, "silo"),),
+        )
+        outcomes[policy.id] = replay(
+            setup, [job for job in jobs if job.group == policy.id], interval=INTERVAL[0]
+        )
+    return outcomes
+
+
+def cluster_rows(
+    klique: Setup, outcomes: list[Outcome], silos: dict[str, Outcome]
+) -> tuple[list[list[str]], int]:
+    """Per cluster: p95 waits side by side, and how many clusters miss the targets."""
+    rows, misses = [], 0
+    for policy in klique.policies:
+        under_klique = outcomes[0].group_wait_percentile(policy.id, 0.95)
+        under_fifo = outcomes[1].group_wait_percentile(policy.id, 0.95)
+        silo = silos.get(policy.id)
+        under_silo = silo.wait_percentile(0.95) if silo is not None and silo.waits else None
+        beats_silo = under_silo is None or (under_klique or 0.0) < under_silo or (under_klique or 0.0) == 0.0
+        near_fifo = under_fifo is None or (under_klique or 0.0) <= 1.5 * under_fifo + 60.0
+        misses += not (beats_silo and near_fifo)
+        rows.append(
+            [
+                policy.id,
+                f"{policy.reservation // units(1)}",
+                str(len(outcomes[0].group_waits.get(policy.id, []))),
+                _hours(under_klique),
+                _hours(under_fifo),
+                _hours(under_silo) if silo is not None else "no reservation",
+                "yes" if beats_silo and near_fifo else "NO",
+            ]
+        )
+    return rows, misses
+
+
+def _hours(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds / 3600:.2f}"
+
+
+def backfill(klique: Setup, jobs: list[Job]) -> tuple[Outcome, Outcome]:
+    """Best-effort FIFO with its starvation bound, without and with time limits (backfill)."""
+    capacity = sum(pool.capacity for pool in klique.pools)
+    setup = Setup(
+        "best-effort FIFO",
+        klique.pools,
+        (Profile("one", tuple(pool.id for pool in klique.pools), starvation_seconds=STARVATION_SECONDS),),
+        (Policy("all", capacity, capacity),),
+        (Queue("one", "all", "one"),),
+    )
+    plain = [replace(job, queue="one") for job in jobs]
+    limited = [replace(job, time_limit=3600.0 * math.ceil(2 * job.duration / 3600.0)) for job in plain]
+    return (
+        replay(setup, plain, interval=INTERVAL[0]),
+        replay(replace(setup, name="best-effort FIFO + backfill"), limited, interval=INTERVAL[0]),
+    )
+
+
+INTERVAL = [60.0]  # simulated seconds between cycles, as given on the command line
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -87,6 +174,7 @@ def main() -> int:
     trace = sorted(read_trace(args.trace), key=lambda row: row[1])
     if args.limit:
         trace = trace[: args.limit]
+    INTERVAL[0] = args.interval
     klique = klique_setup(trace, args.gpus, args.pools)
     by_cluster = [
         Job(f"j{i}", cluster, submit, duration, units(size), cluster)
@@ -113,6 +201,41 @@ def main() -> int:
         for row, wall, outcome in zip(summary_rows(outcomes), walls, outcomes, strict=True)
     ]
     print(table([*SUMMARY_HEADERS, "wall s", "cycles"], rows))
+
+    silos = siloed(klique, by_cluster)
+    per_cluster, misses = cluster_rows(klique, outcomes, silos)
+    print("\nWait p95 per cluster (hours): Klique, plain FIFO on the pooled GPUs, the cluster siloed")
+    print(
+        table(
+            ["cluster", "reserved GPUs", "jobs", "Klique", "pooled FIFO", "siloed", "on target"], per_cluster
+        )
+    )
+    print(f"{misses} of {len(per_cluster)} clusters miss the target (below siloed, at most 1.5x pooled FIFO)")
+
+    without, with_backfill = backfill(klique, by_cluster)
+    big = units(BIG_JOB_GPUS)
+    print(
+        f"\nBackfill: mean wait of jobs of {BIG_JOB_GPUS} GPUs or more, best-effort FIFO with a starvation "
+        "bound"
+    )
+    print(
+        table(
+            ["configuration", f"mean wait >= {BIG_JOB_GPUS} GPUs h", "wait p95 h", "mean JCT h", "timed out"],
+            [
+                [
+                    outcome.name,
+                    f"{outcome.mean_wait_at_least(big) / 3600:.2f}",
+                    f"{outcome.wait_percentile(0.95) / 3600:.2f}",
+                    f"{outcome.mean_completion_time / 3600:.2f}",
+                    str(outcome.timed_out),
+                ]
+                for outcome in (without, with_backfill)
+            ],
+        )
+    )
+    if without.mean_wait_at_least(big):
+        share = with_backfill.mean_wait_at_least(big) / without.mean_wait_at_least(big)
+        print(f"backfill / without: {share:.3f} (target: at most 0.5)\n")
     klique_jct, fifo_jct = outcomes[0].mean_completion_time, outcomes[1].mean_completion_time
     print(
         f"ratio: {klique_jct / fifo_jct:.3f} "

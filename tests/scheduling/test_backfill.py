@@ -145,6 +145,35 @@ def test_a_past_due_limit_plans_the_head_now_and_admits_nothing_that_would_stay(
     assert placed(decision) == set()
 
 
+def test_a_head_held_back_by_its_policy_s_limit_is_planned_and_its_policy_s_work_waits_behind_it() -> None:
+    """Team t may use 8 GPUs (all reserved, pool of 16): 6 run for an hour, an 8-GPU head waits. As a
+    borrower it is passed over by the guaranteed band, but it is planned first, so its team's small
+    work goes only if it ends in time."""
+    decision = schedule(
+        snapshot(
+            pools=[pool("p", 16)],
+            profiles=[profile("prof", ["p"])],
+            policies=[policy("t", 8, 8)],
+            queues=[queue("q", "t", "prof")],
+            queued=[
+                task("head", "q", 8, at=1.0),
+                task("delays", "q", 1, at=2.0, limit=2 * HOUR),
+                task("unlimited", "q", 1, at=3.0),
+                task("in-time", "q", 1, at=4.0, limit=HOUR / 2),
+            ],
+            allocations=[running("a", "q", "p", 6, ends=NOW + HOUR)],
+            now=NOW,
+        )
+    )
+    assert placed(decision) == {"in-time"}
+    assert decision.planned == {"head": ("p", NOW + HOUR)}
+    assert decision.reasons["head"].code == "policy_limit"
+    assert "planned to start at" in decision.reasons["head"].message
+    for waiting in ("delays", "unlimited"):
+        assert decision.reasons[waiting].code == "reserved_for_head"
+        assert "Policy t's room is reserved for task head" in decision.reasons[waiting].message
+
+
 def test_a_guaranteed_task_is_not_kept_out_by_a_borrowing_head_s_reservation() -> None:
     decision = schedule(
         snapshot(
@@ -233,16 +262,45 @@ def free_at(snapshot: Snapshot, decision: Decision, pool_id: str, at: float) -> 
     return capacity - sum(present)
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def policy_free_at(snapshot: Snapshot, decision: Decision, policy_id: str, at: float) -> int:
+    """How far under its limit the policy is at `at`, given the decision (as free_at, per policy)."""
+    victims = {preemption.victim for preemption in decision.preemptions}
+    tasks = {item.id: item for item in snapshot.queued}
+    policy_of = {queue.id: queue.policy for queue in snapshot.queues}
+    limit = next(item.limit for item in snapshot.policies if item.id == policy_id)
+    present = [
+        item.size
+        for item in snapshot.running
+        if policy_of.get(item.queue) == policy_id
+        and item.task not in victims
+        and (item.ends_at is None or max(item.ends_at, snapshot.now) > at)
+    ]
+    for placement in decision.placements:
+        placed_task = tasks[placement.task]
+        limit_seconds = placed_task.time_limit
+        if policy_of[placed_task.queue] == policy_id and (
+            limit_seconds is None or snapshot.now + limit_seconds > at
+        ):
+            present.append(placed_task.size)
+    return limit - sum(present)
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(with_limits())
 def test_nothing_placed_keeps_a_planned_head_from_starting_when_planned(snapshot: Snapshot) -> None:
     decision = schedule(snapshot)
     check_invariants(snapshot, decision)
     tasks = {item.id: item for item in snapshot.queued}
+    policy_of = {queue.id: queue.policy for queue in snapshot.queues}
     pools_planned: defaultdict[str, int] = defaultdict(int)
+    policies_planned: defaultdict[str, int] = defaultdict(int)
     for head, (pool_id, start) in decision.planned.items():
         assert head not in placed(decision)
         assert start >= snapshot.now
+        policy_id = policy_of[tasks[head].queue]
         pools_planned[pool_id] += 1
+        policies_planned[policy_id] += 1
         assert free_at(snapshot, decision, pool_id, start) >= tasks[head].size, (head, pool_id, start)
+        assert policy_free_at(snapshot, decision, policy_id, start) >= tasks[head].size, (head, policy_id)
     assert all(count == 1 for count in pools_planned.values())  # one planned head per pool
+    assert all(count == 1 for count in policies_planned.values())  # and per policy

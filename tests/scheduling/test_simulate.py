@@ -48,3 +48,43 @@ def test_without_borrowing_the_pool_idles_and_jobs_wait() -> None:
 def test_a_job_larger_than_every_pool_is_refused() -> None:
     outcome = replay(two_groups(), [Job("huge", "dev-q", 0.0, HOUR, units(16), "dev")])
     assert (outcome.jobs, outcome.refused, outcome.finished) == (1, 1, 0)
+
+
+def one_queue(starvation: float | None = None) -> Setup:
+    return Setup(
+        "one queue",
+        (Pool("p", units(8)),),
+        (Profile("any", ("p",), starvation_seconds=starvation),),
+        (Policy("all", units(8), units(8)),),
+        (Queue("q", "all", "any"),),
+    )
+
+
+def big_behind_small(limits: bool) -> list[Job]:
+    """6 GPUs busy for 2 h; an 8-GPU job waits; 1-GPU jobs keep arriving, each an hour long."""
+    limit = (lambda hours: hours * HOUR) if limits else (lambda hours: None)
+    jobs = [Job("busy", "q", 0.0, 2 * HOUR, units(6), time_limit=limit(2))]
+    jobs.append(Job("big", "q", 60.0, HOUR, units(8), time_limit=limit(1)))
+    jobs += [
+        Job(f"small-{i}", "q", 120.0 + i * 1800.0, HOUR, units(1), time_limit=limit(1)) for i in range(8)
+    ]
+    return jobs
+
+
+def test_with_time_limits_small_work_fills_the_gap_and_the_big_job_starts_when_planned() -> None:
+    without = replay(one_queue(), big_behind_small(limits=False), interval=60.0)
+    backfilled = replay(one_queue(), big_behind_small(limits=True), interval=60.0)
+    big_without = next(wait for size, wait in without.sized_waits if size == units(8))
+    big_backfilled = next(wait for size, wait in backfilled.sized_waits if size == units(8))
+    # Without limits the small jobs keep passing it and it waits on; with them it starts when busy ends.
+    assert big_backfilled == pytest.approx(2 * HOUR - 60.0, abs=60.0)
+    assert big_without > big_backfilled
+    assert backfilled.mean_wait_at_least(units(8)) == big_backfilled
+    assert backfilled.finished == without.finished == 10
+    assert backfilled.timed_out == 0
+
+
+def test_a_run_that_reaches_its_time_limit_is_stopped_there() -> None:
+    outcome = replay(one_queue(), [Job("long", "q", 0.0, 3 * HOUR, units(2), time_limit=HOUR)], interval=60.0)
+    assert outcome.timed_out == 1
+    assert outcome.gpu_unit_seconds == pytest.approx(units(2) * HOUR, rel=1e-6)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import heapq
 
+from .backfill import Backfilling
 from .model import (
     Allocation,
     Decision,
@@ -45,7 +46,7 @@ from .model import (
 )
 from .preemption import Preempting
 from .reasons import Explaining
-from .state import BORROWING, GUARANTEED, QueueState, Reservation
+from .state import BORROWING, GUARANTEED, QueueState
 from .units import describe
 
 
@@ -54,7 +55,7 @@ def schedule(snapshot: Snapshot) -> Decision:
     return _Cycle(snapshot).run()
 
 
-class _Cycle(Preempting, Explaining):
+class _Cycle(Backfilling, Preempting, Explaining):
     """One cycle's main loop: the guaranteed band, the borrowing band, then a second chance at reclaim."""
 
     # -- the cycle -------------------------------------------------------------------------------------
@@ -80,13 +81,11 @@ class _Cycle(Preempting, Explaining):
         tries reclaim again, in the order it was first considered. A borrowing placement of this cycle
         that is reclaimed is simply not made; work that was already running is preempted.
         """
-        self.settling = True  # borrowing heads' reservations no longer bind (see _binds)
-        self.version += 1
         for state, index in self.waiting_guaranteed:
             task, policy = state.tasks[index], state.policy
             if self._ineligible(policy, task) is not None or not self._guaranteed(policy, task):
                 continue
-            pool = self._place(state.profile, task) or self._reclaim(state.profile, policy, task)
+            pool = self._place(state.profile, policy, task) or self._reclaim(state.profile, policy, task)
             if pool is not None:
                 self._commit(task, policy, pool, band=GUARANTEED)
                 self.placed_now[task.id] = (state, index)
@@ -140,6 +139,10 @@ class _Cycle(Preempting, Explaining):
                 return
             if state.profile.strict_fifo:
                 return  # the head borrows: in strict FIFO nothing behind it goes in the guaranteed band
+            if not state.planned and index == state.head():
+                # The head borrows, and guaranteed work behind it goes first: if it is blocked, plan it
+                # now, so that its own policy's work does not delay it (backfill).
+                self._plan_if_blocked(state, task)
             index = state.pending(index + 1)
 
     def _key(self, state: QueueState, task: Task) -> tuple[object, ...]:
@@ -156,19 +159,20 @@ class _Cycle(Preempting, Explaining):
             task.id,
         )
 
-    def _guaranteed(self, policy: Policy, task: Task) -> bool:
-        return self.policy_used[policy.id] + task.size <= policy.reservation
-
     def _consider(self, state: QueueState, index: int, band: int) -> None:
         task, policy = state.tasks[index], state.policy
         is_head = state.head() == index
         refusal = self._ineligible(policy, task)
         if refusal is not None:
+            if is_head and not state.planned and refusal.code == "policy_limit":
+                self._plan_head(state, task, band)
+            if task.id in self.planned_heads:
+                refusal = self._planned_reason(task, refusal)
             self._give_up(state, index, refusal)
-            if band == BORROWING and not state.profile.strict_fifo:
+            if band == BORROWING and not state.profile.strict_fifo and refusal.code != "reserved_for_head":
                 self._refuse_the_same_behind(state, index)
             return
-        pool = self._place(state.profile, task)
+        pool = self._place(state.profile, policy, task)
         if pool is None and band == GUARANTEED:
             pool = self._reclaim(state.profile, policy, task)
         if pool is not None:
@@ -189,6 +193,16 @@ class _Cycle(Preempting, Explaining):
         # Given up on for the whole cycle: free capacity only shrinks from here, so the borrowing band
         # would not find room the guaranteed band did not.
         self._give_up(state, index, self._planned_reason(task, self._no_room_reason(state.profile, task)))
+
+    def _plan_if_blocked(self, state: QueueState, task: Task) -> None:
+        """A head the guaranteed band passes over (it would borrow): plan it if it is blocked, by its
+        policy's limit or for room, before the work behind it is placed."""
+        refusal = self._ineligible(state.policy, task)
+        if refusal is not None and refusal.code != "policy_limit":
+            return  # the tenant's share, or a reservation for another head: nothing to plan here
+        if refusal is None and self._place(state.profile, state.policy, task) is not None:
+            return  # it may still go, in the borrowing band
+        self._plan_head(state, task, BORROWING)
 
     def _refuse_the_same_behind(self, state: QueueState, index: int) -> None:
         """In the borrowing band usage only grows, so every task after `index` in this queue that is at least
@@ -219,6 +233,9 @@ class _Cycle(Preempting, Explaining):
             state.blocked_by = task.id
 
     def _ineligible(self, policy: Policy, task: Task) -> Reason | None:
+        reserved = self._policy_reservation_refusal(policy, task)
+        if reserved is not None:
+            return reserved
         used = self.policy_used[policy.id]
         if used + task.size > policy.limit:
             return self._reason(
@@ -243,7 +260,7 @@ class _Cycle(Preempting, Explaining):
 
     # -- placement -------------------------------------------------------------------------------------
 
-    def _place(self, profile: Profile, task: Task) -> str | None:
+    def _place(self, profile: Profile, policy: Policy, task: Task) -> str | None:
         if task.size > self._room(profile, task.sharing):
             return None
         for pool_id in profile.pools:
@@ -252,82 +269,17 @@ class _Cycle(Preempting, Explaining):
                 continue
             if self.held.get(pool_id, task.id) != task.id:
                 continue
-            if self._binds(pool_id, task) and not self.reserved[pool_id].admits(task, self.now):
+            if self._binds(pool_id, task, policy) and not self.reserved[pool_id].admits(task, self.now):
                 continue
             if pool.capacity - self.pool_used[pool_id] >= task.size:
                 return pool_id
         return None
 
-    # -- backfill --------------------------------------------------------------------------------------
-
-    def _plan_head(self, state: QueueState, task: Task, band: int) -> bool:
-        """The first task of a queue to find no room this cycle is its blocked head: plan its start (once;
-        tasks behind it that find no room either are not planned, as in EASY backfill)."""
-        state.planned = True
-        return self._reserve(state.profile, task, band)
-
-    def _reserve(self, profile: Profile, task: Task, band: int) -> bool:
-        """Plan the blocked head's start in the pool of its order that makes room for it first, and reserve
-        that pool for it; False when no pool can be planned (work without a time limit in the way)."""
-        best: tuple[float, int, str] | None = None
-        for pool_id in profile.pools:
-            pool = self.pools.get(pool_id)
-            if pool is None or not self._fits_kind(pool, task) or pool_id in self.reserved:
-                continue
-            if self.held.get(pool_id, task.id) != task.id:
-                continue
-            planned = self._plan(pool_id, task.size)
-            if planned is not None and (best is None or planned[0] < best[0]):
-                best = (planned[0], planned[1], pool_id)
-        if best is None:
-            return False
-        start, extra, pool_id = best
-        self.reserved[pool_id] = Reservation(task.id, task.size, start, extra, band)
-        self.version += 1  # a reserved pool changes what others may place and reclaim
-        return True
-
-    def _plan(self, pool_id: str, size: int) -> tuple[float, int] | None:
-        """When the pool will have `size` free as the work in it reaches its time limits, and what will be
-        free beside it then; None if work without a limit must end first, or if room is there now (the
-        task is kept out by a hold or a reservation, not by the work running)."""
-        pool = self.pools[pool_id]
-        free = pool.capacity - self.pool_used[pool_id]
-        if free >= size:
-            return None
-        ending = sorted(
-            (max(allocation.ends_at, self.now), allocation.size)
-            for allocation in self.in_pool[pool_id]
-            if allocation.ends_at is not None and allocation.task not in self.preempted
-        )
-        for at, freed in ending:
-            free += freed
-            if free >= size:  # (others ending at the same moment count toward what is free beside it)
-                return at, self._free_at(pool_id, at) - size
-        return None
-
-    def _free_at(self, pool_id: str, at: float) -> int:
-        """What the pool will have free at `at` once every allocation with a limit ending by then is gone."""
-        ended = sum(
-            allocation.size
-            for allocation in self.in_pool[pool_id]
-            if allocation.ends_at is not None
-            and max(allocation.ends_at, self.now) <= at
-            and allocation.task not in self.preempted
-        )
-        return self.pools[pool_id].capacity - self.pool_used[pool_id] + ended
-
     def _commit(self, task: Task, policy: Policy, pool: str, *, band: int) -> None:
         self.placements[task.id] = Placement(task.id, pool)
         ends_at = self.now + task.time_limit if task.time_limit is not None else None
         allocation = Allocation(task.id, task.queue, pool, task.size, self.now, ends_at)
-        reservation = self.reserved.get(pool)
-        stays = ends_at is None or (reservation is not None and ends_at > reservation.start)
-        if reservation is not None and reservation.task != task.id and stays:
-            reservation.extra -= task.size  # it will still be there beside the head
-        if reservation is not None and (reservation.task == task.id or reservation.extra < 0):
-            # Placed; or a guaranteed task's second chance took its room: it is planned afresh next cycle.
-            del self.reserved[pool]
-            self.version += 1
+        self._book(task, policy, pool, ends_at)
         self.in_pool[pool].append(allocation)
         self.placed_in_queue[task.queue].append(allocation)
         self.pool_used[pool] += task.size

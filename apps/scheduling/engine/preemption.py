@@ -55,7 +55,7 @@ class Preempting(CycleState):
             pool = self.pools.get(pool_id)
             if pool is None or not self._fits_kind(pool, task) or self.held.get(pool_id, task.id) != task.id:
                 continue
-            if self._binds(pool_id, task):
+            if self._binds(pool_id, task, policy):
                 continue  # reserved for a head considered before it: no preemption that could delay it
             need = task.size - (pool.capacity - self.pool_used[pool_id])
             if need <= 0 or self._reclaimable(pool_id) < need:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
+from .backfill import moment
 from .model import (
     Profile,
     Reason,
@@ -67,7 +67,7 @@ class Explaining(CycleState):
                 "reserved_for_head",
                 lambda: (
                     f"Pool {self.pools[pool_id].label} is reserved for task {reservation.task}, planned to "
-                    f"start at {_moment(reservation.start)} as the work there reaches its time limits; this "
+                    f"start at {moment(reservation.start)} as the work there reaches its time limits; this "
                     "task would delay it. A task whose time limit ends it by then may run in the gap."
                 ),
             )
@@ -84,6 +84,8 @@ class Explaining(CycleState):
 
     def _planned_reason(self, task: Task, fallback: Reason) -> Reason:
         """A blocked head's reason, with its planned start where a pool is reserved for it."""
+        if task.id not in self.planned_heads:
+            return fallback
         planned = [(pool_id, r) for pool_id, r in self.reserved.items() if r.task == task.id]
         if not planned:
             return fallback
@@ -91,7 +93,7 @@ class Explaining(CycleState):
         return Reason(
             fallback.code,
             f"{fallback.message} Pool {self.pools[pool_id].label} is reserved for it: planned to start at "
-            f"{_moment(reservation.start)}, as the work there reaches its time limits.",
+            f"{moment(reservation.start)}, as the work there reaches its time limits.",
         )
 
     def _give_reasons_to_the_rest(self) -> None:
@@ -112,9 +114,3 @@ class Explaining(CycleState):
                     self.reasons[task.id] = Reason(
                         "not_reached", "Not considered this cycle; it will be next cycle."
                     )
-
-
-def _moment(at: float) -> str:
-    """A planned start as a person reads it, in UTC; the same text from cycle to cycle while the plan
-    holds, so that a waiting task's reason is not rewritten as time passes."""
-    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(at))

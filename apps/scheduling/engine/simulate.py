@@ -7,7 +7,8 @@ Model: at each scheduling instant (every `interval` simulated seconds in which s
 finished) the engine runs on the current snapshot; placements start at once and run for their remaining
 duration; a preempted job goes back to its queue keeping its submit time and the work it had done (as if
 it checkpointed at the preemption). A job larger than every pool it may use is refused at submit, as the
-control plane refuses it.
+control plane refuses it. A job with a time limit gives the engine its planned end (backfill), and a run
+that reaches its limit is stopped there and counted as timed out.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Job:
     duration: float  # seconds of work
     size: int  # units
     group: str = ""  # whose entitlement the job counts against when reservations are compared
+    time_limit: float | None = None  # seconds a run may last; None: no limit
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,18 @@ class Outcome:
     waits: list[float] = field(default_factory=list)
     completion_times: list[float] = field(default_factory=list)
     reservation_violation_seconds: float = 0.0
+    timed_out: int = 0  # runs stopped at their time limit
+    sized_waits: list[tuple[int, float]] = field(default_factory=list)  # (units, wait) per job
+    group_waits: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+
+    def mean_wait_at_least(self, size: int) -> float:
+        """The mean queue wait of jobs of at least `size` units."""
+        waits = [wait for units, wait in self.sized_waits if units >= size]
+        return statistics.fmean(waits) if waits else 0.0
+
+    def group_wait_percentile(self, group: str, fraction: float) -> float | None:
+        waits = sorted(self.group_waits.get(group, []))
+        return waits[min(len(waits) - 1, int(fraction * len(waits)))] if waits else None
 
     @property
     def utilization(self) -> float:
@@ -146,6 +160,7 @@ class _Replay:
             allocation = self.running.pop(job_id)
             self.outcome.gpu_unit_seconds += allocation.size * (at - run_start)
             self.outcome.finished += 1
+            self.outcome.timed_out += state.remaining > at - run_start  # stopped at its limit
             self.outcome.completion_times.append(at - state.job.submit)
             self.outcome.span_seconds = max(self.outcome.span_seconds, at - self.start)
             del self.live[job_id]
@@ -159,7 +174,7 @@ class _Replay:
                 self.outcome.refused += 1
                 continue
             self.live[job.id] = _Live(job, job.duration)
-            self.queued[job.id] = Task(job.id, job.queue, job.size, job.submit)
+            self.queued[job.id] = _task(job)
 
     def _cycle(self, now: float) -> None:
         setup, outcome = self.setup, self.outcome
@@ -184,9 +199,7 @@ class _Replay:
             state.remaining -= ran
             state.started_at = None
             outcome.preemptions += 1
-            self.queued[preemption.victim] = Task(
-                state.job.id, state.job.queue, state.job.size, state.job.submit
-            )
+            self.queued[preemption.victim] = _task(state.job)
         for placement in decision.placements:
             task = self.queued.pop(placement.task)
             state = self.live[placement.task]
@@ -194,14 +207,23 @@ class _Replay:
             if state.first_start is None:
                 state.first_start = now
                 outcome.waits.append(now - state.job.submit)
-            self.running[task.id] = Allocation(task.id, task.queue, placement.pool, task.size, now)
-            heapq.heappush(self.finishing, (now + max(state.remaining, 0.0), task.id, now))
+                outcome.sized_waits.append((state.job.size, now - state.job.submit))
+                outcome.group_waits[state.job.group or state.job.queue].append(now - state.job.submit)
+            limit = state.job.time_limit
+            ends_at = None if limit is None else now + limit
+            self.running[task.id] = Allocation(task.id, task.queue, placement.pool, task.size, now, ends_at)
+            run_for = max(state.remaining, 0.0) if limit is None else min(max(state.remaining, 0.0), limit)
+            heapq.heappush(self.finishing, (now + run_for, task.id, now))
         outcome.reservation_violation_seconds += self.interval * _violations(
             [self.live[task_id].job for task_id in self.queued],
             [(self.live[task_id].job, allocation.size) for task_id, allocation in self.running.items()],
             self.group_of,
             self.entitlements,
         )
+
+
+def _task(job: Job) -> Task:
+    return Task(job.id, job.queue, job.size, job.submit, time_limit=job.time_limit)
 
 
 def _violations(

@@ -67,7 +67,8 @@ class Reservation:
     size: int
     start: float
     extra: int
-    band: int
+    band: int  # the head's band when it was planned
+    policy: str  # the head's policy
 
     def admits(self, task: Task, now: float) -> bool:
         ends_in_time = task.time_limit is not None and now + task.time_limit <= self.start
@@ -125,7 +126,8 @@ class CycleState:
         self.held: dict[str, str] = {}  # pool -> id of the starving head it is held for
         self.holding: set[str] = set()  # the tasks that pools are held for
         self.reserved: dict[str, Reservation] = {}  # pool -> the blocked head planned to start there
-        self.settling = False  # in the guaranteed tasks' second chance (cycle._settle)
+        self.policy_reserved: dict[str, Reservation] = {}  # policy -> the blocked head its room is kept for
+        self.planned_heads: set[str] = set()  # the tasks reservations are held for
         self.version = 0  # bumped whenever usage or the held pools change; see _memo
         self._home_cache: dict[tuple[str, Sharing, int], str | None] = {}
         self._memo_entries = Memo(-1)
@@ -163,13 +165,20 @@ class CycleState:
         need = SHARING_NEEDS[task.sharing]
         return pool.online and (need is None or need in pool.sharing) and pool.capacity >= task.size
 
-    def _binds(self, pool_id: str, task: Task) -> bool:
-        """Whether a reservation of the pool for another task limits where `task` may go: always, except a
-        borrowing head's for a guaranteed task's second chance (guaranteed work comes first)."""
+    def _guaranteed(self, policy: Policy, task: Task) -> bool:
+        return self.policy_used[policy.id] + task.size <= policy.reservation
+
+    def _binds(self, pool_id: str, task: Task, policy: Policy) -> bool:
+        """Whether a pool's reservation for another task limits where `task` may go: always, but a
+        borrowing head's does not keep out another policy's guaranteed work (guaranteed comes first)."""
         reservation = self.reserved.get(pool_id)
         if reservation is None or reservation.task == task.id:
             return False
-        return not (self.settling and reservation.band == BORROWING)
+        return not (
+            reservation.band == BORROWING
+            and reservation.policy != policy.id
+            and self._guaranteed(policy, task)
+        )
 
     def _home(self, profile: Profile, task: Task) -> str | None:
         """The first pool of the profile's order that could ever hold the task."""
