@@ -100,6 +100,7 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     usage.add_argument("--since", help="from this day or time (ISO 8601), as 2026-11-01")
     usage.add_argument("--until", help="up to this day or time (ISO 8601), not included")
     simulate.add_argument("--trace", help="replay a CSV trace: timestamp,duration,num_gpus,compute_resource")
+    simulate.add_argument("--json", action="store_true", help="print the whole result as JSON, for scripts")
 
 
 class Outcome(NamedTuple):
@@ -401,6 +402,8 @@ def _simulate(args: argparse.Namespace, client: Client) -> str:
         except OSError as error:
             raise KliqueError(f"Cannot read the trace {args.trace}: {error.strerror}.") from None
     result = client.simulate(days=args.days, trace=trace)
+    if args.json:
+        return json.dumps(result, indent=2)
     current, proposed = result["current"], result["proposed"]
     rows = [
         ["jobs replayed", current["jobs"], proposed["jobs"]],
@@ -421,7 +424,47 @@ def _simulate(args: argparse.Namespace, client: Client) -> str:
         ],
         ["preemptions", current["preemptions"], proposed["preemptions"]],
     ]
-    return table(["", "current", "proposed (draft)"], rows)
+    overall = table(["", "current", "proposed (draft)"], rows)
+    return f"{overall}\n\nPer team (policy), current -> proposed:\n{_teams_table(current, proposed)}"
+
+
+def _teams_table(current: dict[str, Any], proposed: dict[str, Any]) -> str:
+    """Each policy's waits, reservation use, borrowing and preemptions suffered, before and after, with
+    what got worse marked: an average that improves can hide one team's p95 that doubles."""
+    before = {team["policy"]: team for team in current.get("teams", [])}
+    after = {team["policy"]: team for team in proposed.get("teams", [])}
+    rows = []
+    for name in sorted(set(before) | set(after)):
+        old, new = before.get(name, {}), after.get(name, {})
+        rows.append(
+            [
+                name,
+                _change(old.get("wait_p50_seconds"), new.get("wait_p50_seconds")),
+                _change(old.get("wait_p95_seconds"), new.get("wait_p95_seconds")),
+                _change(old.get("wait_p99_seconds"), new.get("wait_p99_seconds")),
+                f"{_share(old.get('reservation_use'))} -> {_share(new.get('reservation_use'))}",
+                f"{old.get('borrowed_gpu_hours', 0)} -> {new.get('borrowed_gpu_hours', 0)}",
+                f"{old.get('preemptions_suffered', 0)} -> {new.get('preemptions_suffered', 0)}",
+            ]
+        )
+    headers = ["policy", "wait p50", "wait p95", "wait p99", "reservation use", "borrowed GPU-h", "preempted"]
+    return table(headers, rows)
+
+
+def _change(old: float | None, new: float | None) -> str:
+    """A wait before and after; WORSE where it grew by more than a minute and a tenth."""
+    if old is None and new is None:
+        return "-"
+    text = f"{duration(old) if old is not None else '-'} -> {duration(new) if new is not None else '-'}"
+    if old is not None and new is not None and new > old * 1.1 + 60:
+        text += " WORSE"
+    elif old is not None and new is not None and new < old * 0.9 - 60:
+        text += " better"
+    return text
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
 
 
 def _logs(args: argparse.Namespace, client: Client) -> str:

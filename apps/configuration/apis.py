@@ -14,7 +14,6 @@ from rest_framework.response import Response
 from apps.accounts.api_base import TenantAPIView
 from apps.accounts.models import Role
 from apps.configuration import selectors, services
-from apps.configuration.simulation import outcome_dict
 from apps.core.schema import DocumentField
 from apps.fleet.selectors import NONE_REPORTED, Reported, agents_by_pool
 from apps.resources.models import ComputeResource, Pool
@@ -110,13 +109,7 @@ class DraftSimulateView(TenantAPIView):
         result = services.draft_simulate(
             days=values["days"], trace=values["trace"], interval=values["interval_seconds"]
         )
-        return Response(
-            {
-                "jobs": result.jobs,
-                "current": outcome_dict(result.current),
-                "proposed": outcome_dict(result.proposed),
-            }
-        )
+        return Response(result.as_dict())
 
 
 class ActiveConfigurationView(TenantAPIView):

@@ -100,7 +100,15 @@ def jobs_from_history(days: int) -> list[Job]:
     now = timezone.now()
     rows = Task.objects.filter(
         submitted_at__gte=now - timedelta(days=days), started_at__isnull=False
-    ).values_list("pk", "compute_resource_name", "submitted_at", "started_at", "ended_at", "size_units")
+    ).values_list(
+        "pk",
+        "compute_resource_name",
+        "submitted_at",
+        "started_at",
+        "ended_at",
+        "size_units",
+        "time_limit_seconds",
+    )
     return [
         Job(
             str(pk),
@@ -109,8 +117,9 @@ def jobs_from_history(days: int) -> list[Job]:
             ((ended or now) - (started or now)).total_seconds(),  # started is set: filtered above
             size,
             resource,
+            float(limit) if limit else None,
         )
-        for pk, resource, submitted, started, ended, size in rows
+        for pk, resource, submitted, started, ended, size, limit in rows
     ]
 
 
@@ -143,6 +152,14 @@ class Comparison:
     jobs: int
     current: Outcome
     proposed: Outcome
+    reservations: dict[str, int]  # policy -> units, as provisioned: every team is judged by the same
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "jobs": self.jobs,
+            "current": outcome_dict(self.current, self.reservations),
+            "proposed": outcome_dict(self.proposed, self.reservations),
+        }
 
 
 def compare(*, draft: dict[str, Any], jobs: list[Job], interval: float = 60.0) -> Comparison:
@@ -159,11 +176,35 @@ def compare(*, draft: dict[str, Any], jobs: list[Job], interval: float = 60.0) -
         len(jobs),
         replay(current, jobs, interval=interval, entitlements=entitlements),
         replay(proposed, jobs, interval=interval, entitlements=entitlements),
+        entitlements,
     )
 
 
-def outcome_dict(outcome: Outcome) -> dict[str, Any]:
+def team_dict(outcome: Outcome, team: str, reservation: int) -> dict[str, Any]:
+    """One policy's (team's) figures in a replay: its waits, what it ran, borrowed and lost to preemption."""
+    span = outcome.span_seconds or 1.0
+    used = outcome.group_gpu_unit_seconds.get(team, 0.0)
     return {
+        "policy": team,
+        "jobs_started": len(outcome.group_waits.get(team, [])),
+        "wait_p50_seconds": outcome.group_wait_percentile(team, 0.5),
+        "wait_p95_seconds": outcome.group_wait_percentile(team, 0.95),
+        "wait_p99_seconds": outcome.group_wait_percentile(team, 0.99),
+        "gpu_hours": round(used / engine.UNITS_PER_GPU / 3600, 2),
+        "reservation_gpus": reservation / engine.UNITS_PER_GPU,
+        # The share of its reservation the team used over the replay (above 1: it borrowed on top).
+        "reservation_use": round(used / (reservation * span), 4) if reservation else None,
+        "borrowed_gpu_hours": round(
+            outcome.group_borrowed_unit_seconds.get(team, 0.0) / engine.UNITS_PER_GPU / 3600, 2
+        ),
+        "preemptions_suffered": outcome.group_preemptions.get(team, 0),
+    }
+
+
+def outcome_dict(outcome: Outcome, reservations: dict[str, int] | None = None) -> dict[str, Any]:
+    teams = sorted(set(reservations or {}) | set(outcome.group_waits))
+    return {
+        "teams": [team_dict(outcome, team, (reservations or {}).get(team, 0)) for team in teams],
         "jobs": outcome.jobs,
         "refused": outcome.refused,
         "finished": outcome.finished,

@@ -88,3 +88,34 @@ def test_a_run_that_reaches_its_time_limit_is_stopped_there() -> None:
     outcome = replay(one_queue(), [Job("long", "q", 0.0, 3 * HOUR, units(2), time_limit=HOUR)], interval=60.0)
     assert outcome.timed_out == 1
     assert outcome.gpu_unit_seconds == pytest.approx(units(2) * HOUR, rel=1e-6)
+
+
+def test_each_team_s_figures_equal_a_replay_of_its_jobs_alone_when_teams_do_not_meet() -> None:
+    """Two teams on pools of their own, never borrowing: each team's waits and GPU time in the shared
+    replay are those of a replay of its jobs alone, computed independently here."""
+    both = Setup(
+        "both",
+        (Pool("pa", units(4)), Pool("pb", units(4))),
+        (Profile("a", ("pa",)), Profile("b", ("pb",))),
+        (Policy("A", units(4), units(4)), Policy("B", units(4), units(4))),
+        (Queue("qa", "A", "a"), Queue("qb", "B", "b")),
+    )
+    jobs = [
+        Job(f"{team}-{i}", f"q{team.lower()}", i * 600.0 + offset, (1 + i % 3) * HOUR, units(1 + i % 4), team)
+        for team, offset in (("A", 0.0), ("B", 300.0))
+        for i in range(12)
+    ]
+    shared = replay(both, jobs, interval=60.0)
+    for team in ("A", "B"):
+        alone = Setup(
+            team,
+            tuple(pool for pool in both.pools if pool.id == f"p{team.lower()}"),
+            tuple(profile for profile in both.profiles if profile.id == team.lower()),
+            tuple(policy for policy in both.policies if policy.id == team),
+            tuple(queue for queue in both.queues if queue.policy == team),
+        )
+        own = replay(alone, [job for job in jobs if job.group == team], interval=60.0)
+        assert sorted(shared.group_waits[team]) == sorted(own.waits)
+        assert shared.group_gpu_unit_seconds[team] == pytest.approx(own.gpu_unit_seconds)
+        assert shared.group_preemptions[team] == own.preemptions == 0
+        assert shared.group_wait_percentile(team, 0.95) == own.wait_percentile(0.95)

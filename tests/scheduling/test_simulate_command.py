@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -98,3 +99,33 @@ def test_the_cli_prints_both_columns(
     assert "queue wait p95" in out
     assert run(parse_args(["simulate", "--trace", str(tmp_path / "missing.csv")]), client) == 1
     assert "Cannot read the trace" in capsys.readouterr().out
+
+
+def test_each_team_is_shown_before_and_after_with_what_got_worse(
+    api: Callable[..., APIClient], world: World, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    make_history(world)
+    smaller = acme_document()
+    smaller["pools"][1]["capacity_gpus"] = 4  # h100 halves: Research's waits grow
+    api("alice").put("/api/v1/configuration/draft/", {"document": smaller}, format="json")
+    body = api("alice").post("/api/v1/configuration/draft/simulate/", {"days": 2}, format="json").json()
+    teams = {team["policy"]: team for team in body["proposed"]["teams"]}
+    research = teams["research"]
+    assert research["jobs_started"] == 10
+    assert (
+        research["wait_p95_seconds"]
+        > {t["policy"]: t for t in body["current"]["teams"]}["research"]["wait_p95_seconds"]
+    )
+    assert research["gpu_hours"] == pytest.approx(10 * 4 * 2, rel=0.02)  # ten 4-GPU tasks of two hours
+    assert research["preemptions_suffered"] == 0
+    assert research["reservation_gpus"] > 0
+
+    client = Client("http://acme.klique.test", world.tokens["alice"], transport=DjangoTransport())
+    assert run(parse_args(["simulate", "--days", "2"]), client) == 0
+    out = capsys.readouterr().out
+    assert "Per team (policy), current -> proposed" in out
+    research_line = next(line for line in out.splitlines() if line.startswith("research"))
+    assert "WORSE" in research_line
+    assert run(parse_args(["simulate", "--days", "2", "--json"]), client) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert {team["policy"] for team in printed["current"]["teams"]} >= {"research"}

@@ -63,6 +63,9 @@ class Outcome:
     timed_out: int = 0  # runs stopped at their time limit
     sized_waits: list[tuple[int, float]] = field(default_factory=list)  # (units, wait) per job
     group_waits: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    group_preemptions: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # suffered
+    group_gpu_unit_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    group_borrowed_unit_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     def mean_wait_at_least(self, size: int) -> float:
         """The mean queue wait of jobs of at least `size` units."""
@@ -159,6 +162,9 @@ class _Replay:
                 continue
             allocation = self.running.pop(job_id)
             self.outcome.gpu_unit_seconds += allocation.size * (at - run_start)
+            self.outcome.group_gpu_unit_seconds[self.group_of(state.job)] += allocation.size * (
+                at - run_start
+            )
             self.outcome.finished += 1
             self.outcome.timed_out += state.remaining > at - run_start  # stopped at its limit
             self.outcome.completion_times.append(at - state.job.submit)
@@ -196,6 +202,8 @@ class _Replay:
             state = self.live[preemption.victim]
             ran = now - (state.started_at or now)
             outcome.gpu_unit_seconds += allocation.size * ran
+            outcome.group_gpu_unit_seconds[self.group_of(state.job)] += allocation.size * ran
+            outcome.group_preemptions[self.group_of(state.job)] += 1
             state.remaining -= ran
             state.started_at = None
             outcome.preemptions += 1
@@ -208,12 +216,19 @@ class _Replay:
                 state.first_start = now
                 outcome.waits.append(now - state.job.submit)
                 outcome.sized_waits.append((state.job.size, now - state.job.submit))
-                outcome.group_waits[state.job.group or state.job.queue].append(now - state.job.submit)
+                outcome.group_waits[self.group_of(state.job)].append(now - state.job.submit)
             limit = state.job.time_limit
             ends_at = None if limit is None else now + limit
             self.running[task.id] = Allocation(task.id, task.queue, placement.pool, task.size, now, ends_at)
             run_for = max(state.remaining, 0.0) if limit is None else min(max(state.remaining, 0.0), limit)
             heapq.heappush(self.finishing, (now + run_for, task.id, now))
+        usage: dict[str, int] = defaultdict(int)
+        for task_id, allocation in self.running.items():
+            usage[self.group_of(self.live[task_id].job)] += allocation.size
+        for group, used in usage.items():
+            above = used - self.entitlements.get(group, 0)
+            if above > 0:
+                outcome.group_borrowed_unit_seconds[group] += above * self.interval
         outcome.reservation_violation_seconds += self.interval * _violations(
             [self.live[task_id].job for task_id in self.queued],
             [(self.live[task_id].job, allocation.size) for task_id, allocation in self.running.items()],
