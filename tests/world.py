@@ -36,6 +36,7 @@ from apps.fleet.models import TaskOutput
 from apps.metering.ledger import Event, ingest
 from apps.provider.services import public_tenant_ensure, tenant_create
 from apps.resources.models import ComputeResource, Pool
+from apps.scheduling.objectives import objective_save
 from apps.scheduling.services import TaskRequest, tasks_submit
 from apps.vault.services import secret_set
 from gateway.models import Usage
@@ -71,6 +72,7 @@ class World:
     secret_a: str  # acme's tenant secret SHARED_TOKEN (its id); its value is SECRET_VALUE_A
     wallet_a: str  # acme's gateway wallet (a tenant budget in USD, period none)
     usage_a: str  # the request id of one gateway call bob made in acme
+    objective_a: str  # acme's queue-wait objective research-p95 (its id)
     ledger_a: str = "kq-world-ledger-1"  # one ledger event of bob's in acme
 
 
@@ -115,6 +117,13 @@ def build_world() -> World:
         draft_provision(tenant=tenant_a, user=alice)
         Pool.objects.update(last_heartbeat_at=timezone.now())
         compute_resource = ComputeResource.objects.get(name="Research: 4 GPUs")
+        objective = objective_save(
+            name="research-p95",
+            policy="research",
+            percentile=95,
+            target_seconds=3600,
+            window_seconds=7 * 86_400,
+        )
         h100 = Pool.objects.get(name="h100")
         agent_token = agent_token_create(pool=h100, name="rack-1")
         (task,) = tasks_submit(
@@ -180,4 +189,5 @@ def build_world() -> World:
         secret_a=str(secret.pk),
         wallet_a=str(wallet.pk),
         usage_a=call.request_id,
+        objective_a=str(objective.pk),
     )

@@ -12,9 +12,9 @@ from rest_framework.response import Response
 
 from apps.accounts.api_base import TenantAPIView
 from apps.accounts.models import ApiToken, Role
-from apps.scheduling import selectors, services
-from apps.scheduling.engine import to_gpus_text
-from apps.scheduling.models import Task, TaskEvent, TaskState
+from apps.scheduling import objectives, selectors, services
+from apps.scheduling.engine import SizeError, to_gpus_text, units
+from apps.scheduling.models import Task, TaskEvent, TaskState, WaitObjective
 
 
 class TaskIn(serializers.Serializer[Task]):
@@ -215,3 +215,79 @@ class QueueWaitView(TenantAPIView):
                 for key, stats in selectors.queue_wait(by=by).items()
             }
         )
+
+
+class WaitObjectiveIn(serializers.Serializer[WaitObjective]):
+    name = serializers.SlugField(max_length=100)
+    policy = serializers.CharField(max_length=100, required=False, allow_null=True, default=None)
+    compute_resource = serializers.CharField(max_length=200, required=False, allow_null=True, default=None)
+    percentile = serializers.FloatField(help_text="95 for p95; between 0 and 100")
+    target_seconds = serializers.IntegerField(help_text="the longest wait the objective allows")
+    window_seconds = serializers.IntegerField(help_text="measured over this long (at least an hour)")
+    min_gpus = serializers.CharField(max_length=20, required=False, allow_null=True, default=None)
+    max_gpus = serializers.CharField(max_length=20, required=False, allow_null=True, default=None)
+
+
+def _objective_out(objective: WaitObjective) -> dict[str, Any]:
+    return {
+        "id": str(objective.pk),
+        "name": objective.name,
+        "policy": objective.policy.name if objective.policy else None,
+        "compute_resource": objective.compute_resource.name if objective.compute_resource else None,
+        "percentile": objective.percentile,
+        "target_seconds": objective.target_seconds,
+        "window_seconds": objective.window_seconds,
+        "min_gpus": to_gpus_text(objective.min_units) if objective.min_units is not None else None,
+        "max_gpus": to_gpus_text(objective.max_units) if objective.max_units is not None else None,
+        "announced_state": objective.state,
+        "state_since": objective.state_since,
+        **objectives.status(objective).as_dict(),
+    }
+
+
+def _objective_fields(data: dict[str, Any]) -> dict[str, Any]:
+    fields = dict(data)
+    for key, unit_key in (("min_gpus", "min_units"), ("max_gpus", "max_units")):
+        text = fields.pop(key)
+        try:
+            fields[unit_key] = None if text is None else units(text)
+        except SizeError as error:
+            raise serializers.ValidationError({key: [str(error)]}) from None
+    return fields
+
+
+class WaitObjectiveListView(TenantAPIView):
+    """Queue-wait objectives (SLOs): everyone sees them and how they stand; admins set them."""
+
+    @extend_schema(responses=WaitObjectiveIn(many=True), summary="Queue-wait objectives and how they stand")
+    def get(self, request: Request) -> Response:
+        rows = WaitObjective.objects.select_related("policy", "compute_resource")
+        return Response([_objective_out(objective) for objective in rows])
+
+    @extend_schema(
+        request=WaitObjectiveIn, responses={201: WaitObjectiveIn}, summary="Set a queue-wait objective"
+    )
+    def post(self, request: Request) -> Response:
+        data = WaitObjectiveIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        objective = objectives.objective_save(**_objective_fields(data.validated_data))
+        return Response(_objective_out(objective), status=status.HTTP_201_CREATED)
+
+
+class WaitObjectiveDetailView(TenantAPIView):
+    @extend_schema(responses=WaitObjectiveIn, summary="One objective and how it stands, with why tasks wait")
+    def get(self, request: Request, objective_id: str) -> Response:
+        return Response(_objective_out(get_object_or_404(WaitObjective, pk=objective_id)))
+
+    @extend_schema(request=WaitObjectiveIn, responses=WaitObjectiveIn, summary="Change an objective")
+    def put(self, request: Request, objective_id: str) -> Response:
+        objective = get_object_or_404(WaitObjective, pk=objective_id)
+        data = WaitObjectiveIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        objective = objectives.objective_save(objective=objective, **_objective_fields(data.validated_data))
+        return Response(_objective_out(objective))
+
+    @extend_schema(responses={204: None}, summary="Remove an objective")
+    def delete(self, request: Request, objective_id: str) -> Response:
+        get_object_or_404(WaitObjective, pk=objective_id).delete()
+        return Response(status=status.HTTP_204_NO_CONTENT)

@@ -11,13 +11,15 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from apps.resources.models import ComputeResource
+from apps.scheduling import objectives
+from apps.scheduling.models import WaitObjective
 from apps.scheduling.selectors import queue_depths, queue_wait
 from tenants.selectors import tenant_list
 
 CACHE_SECONDS = 15.0
 
 
-def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+def _families() -> tuple[GaugeMetricFamily, ...]:
     return (
         GaugeMetricFamily(
             "klique_queue_wait_seconds",
@@ -33,6 +35,21 @@ def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily
             "klique_queue_tasks",
             "Tasks queued and active, by compute resource.",
             labels=["tenant", "compute_resource", "state"],
+        ),
+        GaugeMetricFamily(
+            "klique_wait_objective_seconds",
+            "A queue-wait objective's percentile of waits over its window, and its target.",
+            labels=["tenant", "objective", "kind"],
+        ),
+        GaugeMetricFamily(
+            "klique_wait_objective_attainment",
+            "The share of an objective's tasks that waited within its target, over its window.",
+            labels=["tenant", "objective"],
+        ),
+        GaugeMetricFamily(
+            "klique_wait_objective_error_budget",
+            "The share of an objective's error budget left (0: breached).",
+            labels=["tenant", "objective"],
         ),
     )
 
@@ -57,7 +74,7 @@ class QueueCollector(Collector):
         yield from metrics
 
     def _read(self) -> list[Metric]:
-        by_resource, by_group, depth = _families()
+        by_resource, by_group, depth, objective_wait, attained, budget = _families()
         for tenant in tenant_list().filter(status="active"):
             with schema_context(tenant.schema_name):
                 names = {str(pk): name for pk, name in ComputeResource.objects.values_list("pk", "name")}
@@ -73,4 +90,20 @@ class QueueCollector(Collector):
                     if key in names:
                         for state, count in counts.items():
                             depth.add_metric([tenant.slug, names[key], state], count)
-        return [by_resource, by_group, depth]
+                _objectives(tenant.slug, objective_wait, attained, budget)
+        return [by_resource, by_group, depth, objective_wait, attained, budget]
+
+
+def _objectives(
+    tenant: str, wait: GaugeMetricFamily, attained: GaugeMetricFamily, budget: GaugeMetricFamily
+) -> None:
+    """Each queue-wait objective of the tenant in use: its value and target, attainment, budget left."""
+    for objective in WaitObjective.objects.all():
+        current = objectives.status(objective)
+        wait.add_metric([tenant, objective.name, "target"], objective.target_seconds)
+        if current.window.value_seconds is not None:
+            wait.add_metric([tenant, objective.name, "value"], current.window.value_seconds)
+        if (share := current.window.fraction()) is not None:
+            attained.add_metric([tenant, objective.name], share)
+        if current.budget_left is not None:
+            budget.add_metric([tenant, objective.name], current.budget_left)

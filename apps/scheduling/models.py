@@ -5,9 +5,10 @@ from __future__ import annotations
 import uuid
 
 from django.db import models
+from django.utils import timezone
 
 from apps.accounts.models import Project, User
-from apps.resources.models import ComputeResource, Pool, TaskSharing
+from apps.resources.models import ComputeResource, Pool, ResourcePolicy, TaskSharing
 
 
 class TaskState(models.TextChoices):
@@ -156,3 +157,43 @@ class TaskRun(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task_id} attempt {self.attempt} ({self.lease_id})"
+
+
+class WaitObjective(models.Model):
+    """A published queue-wait objective: `percentile` of the waits of a policy's (or one compute
+    resource's) tasks, over the last `window_seconds`, within `target_seconds`; optionally only for tasks
+    of `min_units` to `max_units`. Its state is kept so that each change is announced once."""
+
+    class State(models.TextChoices):
+        OK = "ok"
+        AT_RISK = "at_risk"  # the error budget burns fast enough to be gone before the window ends
+        BREACHED = "breached"  # more tasks waited too long than the objective allows
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.SlugField(max_length=100, unique=True)
+    policy = models.ForeignKey(
+        ResourcePolicy, null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
+    compute_resource = models.ForeignKey(
+        ComputeResource, null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
+    percentile = models.FloatField()
+    target_seconds = models.PositiveIntegerField()
+    window_seconds = models.PositiveIntegerField()
+    min_units = models.PositiveIntegerField(null=True, blank=True)
+    max_units = models.PositiveIntegerField(null=True, blank=True)
+    state = models.CharField(max_length=10, choices=State.choices, default=State.OK)
+    state_since = models.DateTimeField(default=timezone.now)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(policy__isnull=True) ^ models.Q(compute_resource__isnull=True),
+                name="objective_of_one_scope",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return self.name

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 
-from apps.scheduling import meter
+from apps.scheduling import meter, objectives
 from apps.scheduling.cycle import run_cycle
 from apps.scheduling.wake import CYCLE_TASK, send_cycle
 from tenants.tenancy import tenant_task
@@ -29,6 +29,12 @@ def scheduling_cycle(tenant: Tenant) -> dict[str, object]:
         "preempted": result.preempted,
         "ms": result.milliseconds,
     }
+
+
+@tenant_task("scheduling.objectives")
+def evaluate_objectives(tenant: Tenant) -> int:
+    """Measure the tenant's queue-wait objectives and announce each change of state; how many changed."""
+    return len(objectives.objectives_evaluate(tenant=tenant))
 
 
 @tenant_task("metering.running_gpus")

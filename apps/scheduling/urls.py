@@ -8,6 +8,10 @@ from apps.scheduling import apis
 
 urlpatterns = [
     path("queue-wait/", apis.QueueWaitView.as_view(), name="queue-wait"),
+    path("wait-objectives/", apis.WaitObjectiveListView.as_view(), name="wait-objectives"),
+    path(
+        "wait-objectives/<uuid:objective_id>/", apis.WaitObjectiveDetailView.as_view(), name="wait-objective"
+    ),
     path("tasks/", apis.TaskListView.as_view(), name="task-list"),
     path("tasks/<uuid:task_id>/", apis.TaskDetailView.as_view(), name="task-detail"),
     path("tasks/<uuid:task_id>/cancel/", apis.TaskCancelView.as_view(), name="task-cancel"),

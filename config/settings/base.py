@@ -211,6 +211,11 @@ CELERY_BEAT_SCHEDULE = {
         "args": ("metering.storage",),
     },
     "gateway-sweep-holds": {"task": "gateway.sweep_holds", "schedule": 600.0},
+    "queue-wait-objectives": {  # SLO attainment; slo.at_risk / slo.breached / slo.recovered on changes
+        "task": "tenants.for_each_tenant",
+        "schedule": 60.0,
+        "args": ("scheduling.objectives",),
+    },
 }
 
 REST_FRAMEWORK = {
