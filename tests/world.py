@@ -38,6 +38,7 @@ from apps.provider.services import public_tenant_ensure, tenant_create
 from apps.resources.models import ComputeResource, Pool
 from apps.scheduling.objectives import objective_save
 from apps.scheduling.services import TaskRequest, tasks_submit
+from apps.scheduling.webhooks import webhook_save
 from apps.vault.services import secret_set
 from gateway.models import Usage
 from gateway.services import budget_create
@@ -73,6 +74,7 @@ class World:
     wallet_a: str  # acme's gateway wallet (a tenant budget in USD, period none)
     usage_a: str  # the request id of one gateway call bob made in acme
     objective_a: str  # acme's queue-wait objective research-p95 (its id)
+    webhook_a: str  # acme's webhook (its id), signed with SHARED_TOKEN
     ledger_a: str = "kq-world-ledger-1"  # one ledger event of bob's in acme
 
 
@@ -134,6 +136,11 @@ def build_world() -> World:
         stored = default_storage.save(f"acme/{task.pk}/result.txt", ContentFile(b"accuracy 0.93\n"))
         TaskOutput.objects.create(task=task, name="result.txt", size=14, sha256="0" * 64, stored=stored)
         secret = secret_set(user=alice, scope="tenant", name="SHARED_TOKEN", value=SECRET_VALUE_A)
+        webhook_a = str(
+            webhook_save(
+                url="https://93.184.215.14/klique", secret_name="SHARED_TOKEN", kinds=[], actor="alice"
+            ).pk
+        )
         wallet = budget_create(scope="tenant", unit="usd", limit=100, period="none")
         call = Usage.objects.create(
             request_id="kqr-world-bob-1",
@@ -190,4 +197,5 @@ def build_world() -> World:
         wallet_a=str(wallet.pk),
         usage_a=call.request_id,
         objective_a=str(objective.pk),
+        webhook_a=webhook_a,
     )

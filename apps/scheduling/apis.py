@@ -12,9 +12,9 @@ from rest_framework.response import Response
 
 from apps.accounts.api_base import TenantAPIView
 from apps.accounts.models import ApiToken, Role
-from apps.scheduling import objectives, selectors, services
+from apps.scheduling import objectives, selectors, services, webhooks
 from apps.scheduling.engine import SizeError, to_gpus_text, units
-from apps.scheduling.models import Task, TaskEvent, TaskState, WaitObjective
+from apps.scheduling.models import EventWebhook, Task, TaskEvent, TaskState, WaitObjective, WebhookDelivery
 
 
 class TaskIn(serializers.Serializer[Task]):
@@ -291,3 +291,67 @@ class WaitObjectiveDetailView(TenantAPIView):
     def delete(self, request: Request, objective_id: str) -> Response:
         get_object_or_404(WaitObjective, pk=objective_id).delete()
         return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class WebhookIn(serializers.Serializer[EventWebhook]):
+    url = serializers.CharField(max_length=500, help_text="https://, at a public address")
+    secret_name = serializers.CharField(max_length=128, help_text="a tenant secret: the HMAC-SHA256 key")
+    kinds = serializers.ListField(
+        child=serializers.CharField(max_length=50), required=False, default=list, help_text="[] for all"
+    )
+
+
+class WebhookOut(serializers.ModelSerializer[EventWebhook]):
+    class Meta:
+        model = EventWebhook
+        fields = ["id", "url", "secret_name", "kinds", "created_by", "created_at"]
+
+
+class DeliveryOut(serializers.ModelSerializer[WebhookDelivery]):
+    class Meta:
+        model = WebhookDelivery
+        fields = [
+            "id",
+            "kind",
+            "status",
+            "attempts",
+            "next_attempt_at",
+            "last_error",
+            "delivered_at",
+            "created_at",
+        ]
+
+
+class WebhookListView(TenantAPIView):
+    """The tenant's webhooks: where announcements (queue-wait objectives' changes) are sent (admins)."""
+
+    read_role = Role.ADMIN
+
+    @extend_schema(responses=WebhookOut(many=True), summary="The tenant's webhooks")
+    def get(self, request: Request) -> Response:
+        return self.page(EventWebhook.objects.all(), WebhookOut)
+
+    @extend_schema(request=WebhookIn, responses={201: WebhookOut}, summary="Add a webhook")
+    def post(self, request: Request) -> Response:
+        data = WebhookIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        hook = webhooks.webhook_save(actor=self.user.username, **data.validated_data)
+        return Response(WebhookOut(hook).data, status=status.HTTP_201_CREATED)
+
+
+class WebhookDetailView(TenantAPIView):
+    read_role = Role.ADMIN
+
+    @extend_schema(responses={204: None}, summary="Remove a webhook and its delivery log")
+    def delete(self, request: Request, webhook_id: str) -> Response:
+        get_object_or_404(EventWebhook, pk=webhook_id).delete()
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class WebhookDeliveriesView(TenantAPIView):
+    read_role = Role.ADMIN
+
+    @extend_schema(responses=DeliveryOut(many=True), summary="A webhook's deliveries, newest first")
+    def get(self, request: Request, webhook_id: str) -> Response:
+        hook = get_object_or_404(EventWebhook, pk=webhook_id)
+        return self.page(WebhookDelivery.objects.filter(webhook=hook), DeliveryOut)

@@ -197,3 +197,47 @@ class WaitObjective(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class EventWebhook(models.Model):
+    """A tenant's HTTPS endpoint that is sent announcements (queue-wait objectives' changes of state),
+    signed with a vault secret's value (HMAC-SHA256), retried until it answers."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    url = models.CharField(max_length=500)
+    secret_name = models.CharField(max_length=128)  # a tenant secret: the signing key, never stored here
+    kinds = models.JSONField(default=list)  # event kinds it is sent ("slo.breached"); [] for all
+    created_by = models.CharField(max_length=150)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["created_at"]
+
+    def __str__(self) -> str:
+        return self.url
+
+
+class WebhookDelivery(models.Model):
+    """One announcement to one webhook: sent until it is answered 2xx, at most MAX_ATTEMPTS times."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        DELIVERED = "delivered"
+        FAILED = "failed"  # given up after its attempts; kept with the last error
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    webhook = models.ForeignKey(EventWebhook, on_delete=models.CASCADE, related_name="deliveries")
+    kind = models.CharField(max_length=50)
+    payload = models.JSONField()
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.PENDING, db_index=True)
+    attempts = models.PositiveSmallIntegerField(default=0)
+    next_attempt_at = models.DateTimeField(default=timezone.now)
+    last_error = models.CharField(max_length=500, blank=True)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.kind} to {self.webhook_id} ({self.status})"

@@ -22,6 +22,7 @@ from django.utils import timezone
 from apps.core.errors import InvalidInput
 from apps.core.events import publish_event
 from apps.resources.models import ComputeResource, ResourcePolicy
+from apps.scheduling import webhooks
 from apps.scheduling.models import TaskState, WaitObjective
 
 if TYPE_CHECKING:
@@ -255,7 +256,7 @@ def objective_save(
 @transaction.atomic
 def objectives_evaluate(*, tenant: Tenant, now: datetime | None = None) -> list[Status]:
     """Measure every objective; announce each change of state once (slo.at_risk, slo.breached,
-    slo.recovered on the tenant's events), with the tasks over target and why they wait."""
+    slo.recovered on the tenant's events and webhooks), with the tasks over target and why they wait."""
     now = now or timezone.now()
     changed = []
     for objective in WaitObjective.objects.select_for_update(skip_locked=True):
@@ -263,7 +264,9 @@ def objectives_evaluate(*, tenant: Tenant, now: datetime | None = None) -> list[
         if current.state == objective.state:
             continue
         kind = "slo.recovered" if current.state == WaitObjective.State.OK else f"slo.{current.state}"
-        publish_event(tenant=tenant, kind=kind, data={"objective": objective.name, **current.as_dict()})
+        data = {"objective": objective.name, **current.as_dict()}
+        publish_event(tenant=tenant, kind=kind, data=data)
+        webhooks.announce(kind, data)  # and to the tenant's webhooks, sent after this commits
         WaitObjective.objects.filter(pk=objective.pk).update(state=current.state, state_since=now)
         changed.append(current)
     return changed

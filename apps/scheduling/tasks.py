@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 
-from apps.scheduling import meter, objectives
+from apps.scheduling import meter, objectives, webhooks
 from apps.scheduling.cycle import run_cycle
 from apps.scheduling.wake import CYCLE_TASK, send_cycle
 from tenants.tenancy import tenant_task
@@ -33,8 +33,11 @@ def scheduling_cycle(tenant: Tenant) -> dict[str, object]:
 
 @tenant_task("scheduling.objectives")
 def evaluate_objectives(tenant: Tenant) -> int:
-    """Measure the tenant's queue-wait objectives and announce each change of state; how many changed."""
-    return len(objectives.objectives_evaluate(tenant=tenant))
+    """Measure the tenant's queue-wait objectives and announce each change of state; then send what is due
+    to the tenant's webhooks (new announcements, and retries). How many objectives changed."""
+    changed = len(objectives.objectives_evaluate(tenant=tenant))
+    webhooks.deliver_due()
+    return changed
 
 
 @tenant_task("metering.running_gpus")

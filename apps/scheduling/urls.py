@@ -12,6 +12,13 @@ urlpatterns = [
     path(
         "wait-objectives/<uuid:objective_id>/", apis.WaitObjectiveDetailView.as_view(), name="wait-objective"
     ),
+    path("webhooks/", apis.WebhookListView.as_view(), name="webhooks"),
+    path("webhooks/<uuid:webhook_id>/", apis.WebhookDetailView.as_view(), name="webhook"),
+    path(
+        "webhooks/<uuid:webhook_id>/deliveries/",
+        apis.WebhookDeliveriesView.as_view(),
+        name="webhook-deliveries",
+    ),
     path("tasks/", apis.TaskListView.as_view(), name="task-list"),
     path("tasks/<uuid:task_id>/", apis.TaskDetailView.as_view(), name="task-detail"),
     path("tasks/<uuid:task_id>/cancel/", apis.TaskCancelView.as_view(), name="task-cancel"),
