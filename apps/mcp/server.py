@@ -108,6 +108,15 @@ def build() -> MCPServer:
                 description="Your own key for this submission: calling again with it returns the same task.",
             ),
         ] = "",
+        time_limit_seconds: Annotated[
+            int | None,
+            Field(
+                ge=60,
+                le=30 * 86_400,
+                description="How long a run may last (seconds); past it the run is stopped. A task with a "
+                "limit may run in gaps before a waiting larger task. Default: the compute resource's.",
+            ),
+        ] = None,
     ) -> dict[str, Any]:
         """Queue a task on a compute resource, as you. It waits until the scheduler places it within your
         group's reservation and limit (and your token's GPU quota, for an agent's delegated token); follow
@@ -124,6 +133,7 @@ def build() -> MCPServer:
             outputs=outputs,
             environment=environment,
             idempotency_key=idempotency_key,
+            time_limit_seconds=time_limit_seconds,
         )
 
     @server.tool(annotations=READ)

@@ -116,6 +116,7 @@ def task_view(task: Task) -> dict[str, Any]:
         "reason": task.reason,
         "reason_code": task.reason_code,
         "gpus": to_gpus_text(task.size_units),
+        "time_limit_seconds": task.time_limit_seconds,
         "nodes": task.nodes,
         "pool": task.pool.name if task.pool is not None else None,
         "project": task.project.name if task.project is not None else None,
@@ -150,6 +151,7 @@ def submit_task(
     outputs: list[str],
     environment: dict[str, str],
     idempotency_key: str,
+    time_limit_seconds: int | None = None,
 ) -> dict[str, Any]:
     caller.may(needed=Role.MEMBER, write=True, submit=True)
     spec: dict[str, Any] = {"command": command}
@@ -166,6 +168,7 @@ def submit_task(
         project=project,
         spec=spec,
         idempotency_key=idempotency_key,
+        time_limit_seconds=time_limit_seconds,
     )
     with transaction.atomic():
         (task,) = services.tasks_submit(

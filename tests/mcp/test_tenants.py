@@ -65,3 +65,18 @@ def test_only_its_submitter_or_an_admin_cancels_a_task_through_mcp(world: World)
         identity(world.tenant_a, "alice"), partial(tools.cancel_task, task_id=world.task_a)
     )
     assert cancelled["state"] == "aborted"
+
+
+def test_a_task_submitted_through_mcp_may_give_its_time_limit_within_its_profile_s_bounds(
+    world: World,
+) -> None:
+    bob = identity(world.tenant_a, "bob")
+    submit = partial(
+        tools.submit_task, compute_resource="Research: 4 GPUs", command=["python", "train.py"], gpus=None,
+        name="", project=None, secrets=[], outputs=[], environment={}, idempotency_key="",
+    )  # fmt: skip
+    assert tools.run_as(bob, partial(submit, time_limit_seconds=7200))["time_limit_seconds"] == 7200
+    assert tools.run_as(bob, submit)["time_limit_seconds"] is None
+    with pytest.raises(tools.Refused) as refused:
+        tools.run_as(bob, partial(submit, time_limit_seconds=30))
+    assert "at least 60" in str(refused.value)
