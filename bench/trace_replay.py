@@ -90,7 +90,7 @@ STARVATION_SECONDS = 3600.0
 BIG_JOB_GPUS = 16
 
 
-def siloed(klique: Setup, jobs: list[Job]) -> dict[str, Outcome]:
+def siloed(klique: Setup, jobs: list[Job], interval: float) -> dict[str, Outcome]:
     """Each cluster alone on GPUs equal to its reservation (one pool), best-effort FIFO."""
     outcomes = {}
     for policy in klique.policies:
@@ -104,13 +104,13 @@ def siloed(klique: Setup, jobs: list[Job]) -> dict[str, Outcome]:
             (Queue(policy.id, policy.id, "silo"),),
         )
         outcomes[policy.id] = replay(
-            setup, [job for job in jobs if job.group == policy.id], interval=INTERVAL[0]
+            setup, [job for job in jobs if job.group == policy.id], interval=interval
         )
     return outcomes
 
 
 def cluster_rows(
-    klique: Setup, outcomes: list[Outcome], silos: dict[str, Outcome]
+    klique: Setup, outcomes: list[Outcome], silos: dict[str, Outcome], cycle: float
 ) -> tuple[list[list[str]], int]:
     """Per cluster: p95 waits side by side, and how many clusters miss the targets."""
     rows, misses = [], 0
@@ -120,7 +120,7 @@ def cluster_rows(
         silo = silos.get(policy.id)
         under_silo = silo.wait_percentile(0.95) if silo is not None and silo.waits else None
         # Waits are measured in whole cycles: within one cycle of each other, two waits are the same.
-        klique_wait, cycle = under_klique or 0.0, INTERVAL[0]
+        klique_wait = under_klique or 0.0
         beats_silo = under_silo is None or klique_wait < under_silo or klique_wait <= cycle
         near_fifo = under_fifo is None or klique_wait <= 1.5 * under_fifo + cycle
         misses += not (beats_silo and near_fifo)
@@ -142,7 +142,7 @@ def _hours(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds / 3600:.2f}"
 
 
-def backfill(klique: Setup, jobs: list[Job]) -> tuple[Outcome, Outcome]:
+def backfill(klique: Setup, jobs: list[Job], interval: float) -> tuple[Outcome, Outcome]:
     """Best-effort FIFO with its starvation bound, without and with time limits (backfill)."""
     capacity = sum(pool.capacity for pool in klique.pools)
     setup = Setup(
@@ -155,12 +155,9 @@ def backfill(klique: Setup, jobs: list[Job]) -> tuple[Outcome, Outcome]:
     plain = [replace(job, queue="one") for job in jobs]
     limited = [replace(job, time_limit=3600.0 * math.ceil(2 * job.duration / 3600.0)) for job in plain]
     return (
-        replay(setup, plain, interval=INTERVAL[0]),
-        replay(replace(setup, name="best-effort FIFO + backfill"), limited, interval=INTERVAL[0]),
+        replay(setup, plain, interval=interval),
+        replay(replace(setup, name="best-effort FIFO + backfill"), limited, interval=interval),
     )
-
-
-INTERVAL = [60.0]  # simulated seconds between cycles, as given on the command line
 
 
 def main() -> int:
@@ -177,7 +174,6 @@ def main() -> int:
     trace = sorted(read_trace(args.trace), key=lambda row: row[1])
     if args.limit:
         trace = trace[: args.limit]
-    INTERVAL[0] = args.interval
     klique = klique_setup(trace, args.gpus, args.pools)
     by_cluster = [
         Job(f"j{i}", cluster, submit, duration, units(size), cluster)
@@ -205,8 +201,8 @@ def main() -> int:
     ]
     print(table([*SUMMARY_HEADERS, "wall s", "cycles"], rows))
 
-    silos = siloed(klique, by_cluster)
-    per_cluster, misses = cluster_rows(klique, outcomes, silos)
+    silos = siloed(klique, by_cluster, args.interval)
+    per_cluster, misses = cluster_rows(klique, outcomes, silos, args.interval)
     print("\nWait p95 per cluster (hours): Klique, plain FIFO on the pooled GPUs, the cluster siloed")
     print(
         table(
@@ -215,7 +211,7 @@ def main() -> int:
     )
     print(f"{misses} of {len(per_cluster)} clusters miss the target (below siloed, at most 1.5x pooled FIFO)")
 
-    without, with_backfill = backfill(klique, by_cluster)
+    without, with_backfill = backfill(klique, by_cluster, args.interval)
     big = units(BIG_JOB_GPUS)
     print(
         f"\nBackfill: mean wait of jobs of {BIG_JOB_GPUS} GPUs or more, best-effort FIFO with a starvation "

@@ -130,6 +130,17 @@ def check_url(url: str) -> str:
     return check_host(parts.hostname, port)
 
 
+def check_secure_url(url: str, *, why: str) -> str:
+    """A URL a tenant sets for the plane (or its agents) to send to: refused as check_url refuses, and
+    also unless it is https, but for a range the provider allowed (KLIQUE_OUTBOUND_ALLOW), where plain
+    http is taken (a self-hosted service on a private network). `why` says what crosses it."""
+    address = check_url(url)
+    allowed = any(_plain(ipaddress.ip_address(address)) in network for network in _allowed_networks())
+    if urlsplit(url).scheme != "https" and not allowed:
+        raise OutboundRefused(f"{url[:100]!r} must use https: {why}.")
+    return address
+
+
 class _GuardedBackend(httpcore.NetworkBackend):
     def __init__(self, inner: httpcore.NetworkBackend) -> None:
         self.inner = inner

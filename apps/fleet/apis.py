@@ -286,12 +286,8 @@ def agent_output_upload(request: HttpRequest, task_id: str, name: str) -> JsonRe
             content=request,
             sha256=request.headers.get("X-Klique-Sha256", ""),
         )
-    except StaleUpload as stale:
-        return JsonResponse({"detail": str(stale), "verdict": "stale"}, status=409)
-    except errors.OutputNotStored as failed:
-        return JsonResponse({"detail": str(failed)}, status=failed.status)
     except errors.AgentRejected as rejected:
-        return JsonResponse({"detail": str(rejected)}, status=400 if "output" in str(rejected) else 403)
+        return _refused(rejected)
     return JsonResponse(TaskOutputOut(output).data, status=201)
 
 

@@ -11,7 +11,6 @@ is a tenant's choice. Signing needs no connection at all.
 from __future__ import annotations
 
 import base64
-import ipaddress
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -20,12 +19,12 @@ from urllib.parse import quote, urlsplit
 import boto3
 import httpx
 from botocore.config import Config
-from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from apps.accounts.models import Project, User
 from apps.accounts.permissions import is_project_admin
+from apps.accounts.services import REGION
 from apps.audit.services import record
 from apps.core import outbound
 from apps.core.errors import Forbidden, InvalidInput
@@ -34,7 +33,6 @@ from apps.vault import services as vault
 from protocol import outputs as protocol_outputs
 
 BUCKET = re.compile(r"^(?!xn--)(?!.*\.\.)[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-REGION = re.compile(r"^[a-z0-9][a-z0-9-]{0,49}$")
 PREFIX = re.compile(r"^[A-Za-z0-9!_.*'()/-]{0,200}$")
 SECRET_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 DOWNLOAD_SECONDS = 300  # how long the link a reader is redirected to is good for
@@ -79,20 +77,10 @@ def _endpoint(endpoint: str) -> str:
             field="endpoint",
         )
     try:
-        address = outbound.check_url(endpoint)
+        outbound.check_secure_url(endpoint, why="outputs and the bucket's signed URLs cross it")
     except outbound.OutboundRefused as refused:
         raise InvalidInput(str(refused), field="endpoint") from None
-    if parts.scheme != "https" and not _in_allowed_range(address):
-        raise InvalidInput(
-            f"Endpoint {endpoint[:100]!r} must use https: outputs and the bucket's signed URLs cross it.",
-            field="endpoint",
-        )
     return f"{parts.scheme}://{parts.netloc}"
-
-
-def _in_allowed_range(address: str) -> bool:
-    plain = ipaddress.ip_address(address)
-    return any(plain in ipaddress.ip_network(cidr, strict=False) for cidr in settings.KLIQUE_OUTBOUND_ALLOW)
 
 
 def _checked(project: Project, asked: Destination) -> Destination:
@@ -102,7 +90,7 @@ def _checked(project: Project, asked: Destination) -> Destination:
             "dashes, starting and ending with a letter or digit.",
             field="bucket",
         )
-    if not REGION.match(asked.region):
+    if not REGION.match(asked.region):  # the pools' and projects' region names
         raise InvalidInput(f"{asked.region[:60]!r} is not a region name (eu-west-1).", field="region")
     if project.regions and asked.region not in project.regions:
         raise InvalidInput(

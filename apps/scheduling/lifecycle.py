@@ -216,7 +216,7 @@ def tasks_past_time_limit(*, tenant: Tenant, now: datetime | None = None) -> int
                 message={"type": "preempt", "task_id": str(task.pk), "lease_id": str(run.pk),
                          "grace_seconds": PREEMPT_GRACE_SECONDS},
             )  # fmt: skip
-        limit_text = _duration_text(int(task.time_limit_seconds or 0))
+        limit_text = engine.describe_seconds(task.time_limit_seconds or 0)
         transition(
             task,
             to_state=TaskState.FAILED,
@@ -233,17 +233,6 @@ def tasks_past_time_limit(*, tenant: Tenant, now: datetime | None = None) -> int
     if stopped:
         wake.request_cycle(tenant)  # its GPUs free once its agent lets go of the run
     return stopped
-
-
-def _duration_text(seconds: int) -> str:
-    hours, rest = divmod(seconds, 3600)
-    minutes, seconds = divmod(rest, 60)
-    parts = [
-        f"{hours} h" if hours else "",
-        f"{minutes} min" if minutes else "",
-        f"{seconds} s" if seconds else "",
-    ]
-    return " ".join(part for part in parts if part) or "0 s"
 
 
 def run_hand_on(

@@ -99,7 +99,7 @@ def _objectives(
 ) -> None:
     """Each queue-wait objective of the tenant in use: its value and target, attainment, budget left."""
     for objective in WaitObjective.objects.all():
-        current = objectives.status(objective)
+        current = objectives.status(objective, explain=False)
         wait.add_metric([tenant, objective.name, "target"], objective.target_seconds)
         if current.window.value_seconds is not None:
             wait.add_metric([tenant, objective.name, "value"], current.window.value_seconds)

@@ -12,7 +12,7 @@ budget is spent, and at risk when the last hour spends it at least twice as fast
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -146,7 +146,9 @@ def attainment(objective: WaitObjective, *, since: datetime, now: datetime) -> A
     return Attainment(int(counted), int(missed), None if value is None else float(value))
 
 
-def status(objective: WaitObjective, *, now: datetime | None = None) -> Status:
+def status(objective: WaitObjective, *, now: datetime | None = None, explain: bool = True) -> Status:
+    """How the objective stands; with `explain`, also the tasks over target and why they wait (a query
+    of its own, left out where only the figures are read: /metrics, and objectives that did not change)."""
     now = now or timezone.now()
     window = attainment(objective, since=now - timedelta(seconds=objective.window_seconds), now=now)
     hour = attainment(objective, since=now - BURN_WINDOW, now=now)
@@ -156,6 +158,8 @@ def status(objective: WaitObjective, *, now: datetime | None = None) -> Status:
         state = WaitObjective.State.BREACHED
     elif (partial.burn_rate or 0.0) >= AT_RISK_BURN and hour.missed:
         state = WaitObjective.State.AT_RISK
+    if not explain:
+        return replace(partial, state=state)
     waiting, reasons = _why(objective, now)
     return Status(objective, window, hour, state, waiting, reasons)
 
@@ -260,9 +264,11 @@ def objectives_evaluate(*, tenant: Tenant, now: datetime | None = None) -> list[
     now = now or timezone.now()
     changed = []
     for objective in WaitObjective.objects.select_for_update(skip_locked=True):
-        current = status(objective, now=now)
+        current = status(objective, now=now, explain=False)
         if current.state == objective.state:
             continue
+        waiting, reasons = _why(objective, now)
+        current = replace(current, waiting=waiting, reasons=reasons)
         kind = "slo.recovered" if current.state == WaitObjective.State.OK else f"slo.{current.state}"
         data = {"objective": objective.name, **current.as_dict()}
         publish_event(tenant=tenant, kind=kind, data=data)

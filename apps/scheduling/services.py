@@ -22,7 +22,7 @@ from apps.core.ids import as_uuid
 from apps.resources.models import MAX_TIME_LIMIT_SECONDS, MIN_TIME_LIMIT_SECONDS, ComputeResource, TaskSharing
 from apps.resources.selectors import residency_problem
 from apps.scheduling import wake
-from apps.scheduling.engine import UNITS_PER_GPU, SizeError, describe, units
+from apps.scheduling.engine import UNITS_PER_GPU, SizeError, describe, describe_seconds, units
 from apps.scheduling.lifecycle import transition
 from apps.scheduling.models import ENDED_STATES, Task, TaskEvent, TaskState
 from apps.scheduling.runs import run_request_stop
@@ -173,7 +173,7 @@ def _time_limit(resource: ComputeResource, asked: int | None) -> int | None:
         if profile.time_limit_required:
             raise InvalidInput(
                 f"{resource.name} needs a time limit: give time_limit_seconds (at most "
-                f"{_seconds_text(profile.time_limit_max_seconds or MAX_TIME_LIMIT_SECONDS)}).",
+                f"{describe_seconds(profile.time_limit_max_seconds or MAX_TIME_LIMIT_SECONDS)}).",
                 field="time_limit_seconds",
             )
         return None
@@ -186,19 +186,11 @@ def _time_limit(resource: ComputeResource, asked: int | None) -> int | None:
     most = profile.time_limit_max_seconds or MAX_TIME_LIMIT_SECONDS
     if asked > most:
         raise InvalidInput(
-            f"{resource.name} allows a time limit of at most {_seconds_text(most)}; "
-            f"{_seconds_text(asked)} was asked for.",
+            f"{resource.name} allows a time limit of at most {describe_seconds(most)}; "
+            f"{describe_seconds(asked)} was asked for.",
             field="time_limit_seconds",
         )
     return asked
-
-
-def _seconds_text(seconds: int) -> str:
-    if seconds % 3600 == 0:
-        return f"{seconds // 3600} h ({seconds} s)"
-    if seconds % 60 == 0:
-        return f"{seconds // 60} min ({seconds} s)"
-    return f"{seconds} s"
 
 
 def _check_environment(spec: dict[str, Any]) -> None:

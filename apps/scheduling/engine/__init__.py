@@ -18,7 +18,7 @@ from .model import (
     Task,
 )
 from .state import task_order
-from .units import SizeError, describe, gpus, mig_fraction, to_gpus_text, units
+from .units import SizeError, describe, describe_seconds, gpus, mig_fraction, to_gpus_text, units
 
 __all__ = [
     "UNITS_PER_GPU",
@@ -36,6 +36,7 @@ __all__ = [
     "Snapshot",
     "Task",
     "describe",
+    "describe_seconds",
     "gpus",
     "mig_fraction",
     "schedule",

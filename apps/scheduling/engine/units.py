@@ -66,3 +66,17 @@ def mig_fraction(profile: str, gpu_class: str = "") -> Fraction:
     if not 1 <= compute <= slices:
         raise SizeError(f"{profile} needs {compute} compute slices; a {gpu_class or 'GPU'} has {slices}.")
     return Fraction(compute, slices)
+
+
+def describe_seconds(seconds: float) -> str:
+    """A span as a person says it: "45 s", "10 min", "2 h", "1 h 30 min", "1 h 0 min 5 s"."""
+    whole = int(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours and (minutes or secs):
+        return f"{hours} h {minutes} min" + (f" {secs} s" if secs else "")
+    if hours:
+        return f"{hours} h"
+    if minutes:
+        return f"{minutes} min" + (f" {secs} s" if secs else "")
+    return f"{secs} s"
