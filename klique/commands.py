@@ -425,7 +425,53 @@ def _simulate(args: argparse.Namespace, client: Client) -> str:
         ["preemptions", current["preemptions"], proposed["preemptions"]],
     ]
     overall = table(["", "current", "proposed (draft)"], rows)
-    return f"{overall}\n\nPer team (policy), current -> proposed:\n{_teams_table(current, proposed)}"
+    parts = [overall, f"Per team (policy), current -> proposed:\n{_teams_table(current, proposed)}"]
+    if current.get("resources") or proposed.get("resources"):
+        parts.append(f"Per compute resource, current -> proposed:\n{_resources_table(current, proposed)}")
+    if current.get("objectives"):
+        parts.append(f"Queue-wait objectives, current -> proposed:\n{_objectives_table(current, proposed)}")
+    return "\n\n".join(parts)
+
+
+def _resources_table(current: dict[str, Any], proposed: dict[str, Any]) -> str:
+    before = {row["compute_resource"]: row for row in current.get("resources", [])}
+    after = {row["compute_resource"]: row for row in proposed.get("resources", [])}
+    rows = []
+    for name in sorted(set(before) | set(after)):
+        old, new = before.get(name, {}), after.get(name, {})
+        rows.append(
+            [
+                name,
+                f"{old.get('jobs_started', 0)} -> {new.get('jobs_started', 0)}",
+                _change(old.get("wait_p50_seconds"), new.get("wait_p50_seconds")),
+                _change(old.get("wait_p95_seconds"), new.get("wait_p95_seconds")),
+                _change(old.get("wait_p99_seconds"), new.get("wait_p99_seconds")),
+            ]
+        )
+    return table(["compute resource", "started", "wait p50", "wait p95", "wait p99"], rows)
+
+
+def _objectives_table(current: dict[str, Any], proposed: dict[str, Any]) -> str:
+    """Each objective's attainment before and after (its percentile's share of jobs within target), MISSED
+    where the draft would break an objective the current setup keeps."""
+    after = {row["objective"]: row for row in proposed.get("objectives", [])}
+    rows = []
+    for old in current.get("objectives", []):
+        new = after.get(old["objective"], {})
+        verdict = _share(old.get("attainment")) + " -> " + _share(new.get("attainment"))
+        if old.get("met") and new.get("met") is False:
+            verdict += " MISSED"
+        elif old.get("met") is False and new.get("met"):
+            verdict += " met"
+        rows.append(
+            [
+                old["objective"],
+                f"p{old['percentile']:g} within {duration(old['target_seconds'])}",
+                _change(old.get("value_seconds"), new.get("value_seconds")),
+                verdict,
+            ]
+        )
+    return table(["objective", "promise", "value", "attainment"], rows)
 
 
 def _teams_table(current: dict[str, Any], proposed: dict[str, Any]) -> str:

@@ -170,9 +170,12 @@ def _report(document: dict[str, Any]) -> Report:
     )
 
 
-def draft_simulate(*, days: int | None, trace: str | None, interval: float) -> Comparison:
-    """Replay recent history (or a trace) against the provisioned configuration and the draft."""
-    draft = _parse_draft(draft_get().document)
+def draft_simulate(
+    *, days: int | None, trace: str | None, interval: float, document: Any = None
+) -> Comparison:
+    """Replay recent history (or a trace) against the provisioned configuration and the draft (or
+    `document`, a draft not saved: what an editor shows)."""
+    draft = _parse_draft(draft_get().document if document is None else document)
     jobs = jobs_from_csv(trace) if trace else jobs_from_history(days or 7)
     return compare(draft=draft, jobs=jobs, interval=interval)
 

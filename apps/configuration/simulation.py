@@ -5,6 +5,10 @@ The work is the tenant's own recent history (tasks that ran: their submit time, 
 ran) or a CSV trace (`timestamp,duration,num_gpus,compute_resource`). Compute resources are matched by
 name, so a job whose compute resource the draft removes counts as refused there. Every pool counts as
 online: the question is what the configuration would do, not whether today's agents are up.
+
+Each side reports the whole, each policy (team) and each compute resource, and how each of the tenant's
+queue-wait objectives would have fared: the share of its jobs that started within its target, over the
+whole replay (a replay is one window), against its percentile.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from django.utils import timezone
 from apps.core.errors import InvalidInput
 from apps.resources.models import MIG_METHODS, ComputeResource, Pool, ResourcePolicy, ResourceProfile
 from apps.scheduling import engine
-from apps.scheduling.engine.simulate import Job, Outcome, Setup, replay
-from apps.scheduling.models import Task
+from apps.scheduling.engine.simulate import Job, Outcome, Setup, percentile, replay
+from apps.scheduling.models import Task, WaitObjective
 
 MAX_TRACE_ROWS = 200_000
 
@@ -148,17 +152,62 @@ def jobs_from_csv(text: str) -> list[Job]:
 
 
 @dataclass(frozen=True)
+class Objective:
+    """A queue-wait objective as a replay judges it: which jobs it covers, and its promise."""
+
+    name: str
+    policy: str | None
+    compute_resource: str | None
+    percentile: float
+    target_seconds: float
+    min_units: int | None = None
+    max_units: int | None = None
+
+    def covers(self, job: Job) -> bool:
+        in_scope = job.group == self.policy if self.policy is not None else job.queue == self.compute_resource
+        return (
+            in_scope
+            and (self.min_units is None or job.size >= self.min_units)
+            and (self.max_units is None or job.size <= self.max_units)
+        )
+
+
+def objectives_of_tenant() -> list[Objective]:
+    return [
+        Objective(
+            row.name,
+            row.policy.name if row.policy else None,
+            row.compute_resource.name if row.compute_resource else None,
+            row.percentile,
+            row.target_seconds,
+            row.min_units,
+            row.max_units,
+        )
+        for row in WaitObjective.objects.select_related("policy", "compute_resource")
+    ]
+
+
+@dataclass(frozen=True)
 class Comparison:
     jobs: int
     current: Outcome
     proposed: Outcome
     reservations: dict[str, int]  # policy -> units, as provisioned: every team is judged by the same
+    replayed: tuple[Job, ...] = ()
+    objectives: tuple[Objective, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "jobs": self.jobs,
-            "current": outcome_dict(self.current, self.reservations),
-            "proposed": outcome_dict(self.proposed, self.reservations),
+            "current": self.side(self.current),
+            "proposed": self.side(self.proposed),
+        }
+
+    def side(self, outcome: Outcome) -> dict[str, Any]:
+        return {
+            **outcome_dict(outcome, self.reservations),
+            "resources": resources_list(outcome, self.replayed),
+            "objectives": [objective_dict(outcome, each, self.replayed) for each in self.objectives],
         }
 
 
@@ -177,7 +226,53 @@ def compare(*, draft: dict[str, Any], jobs: list[Job], interval: float = 60.0) -
         replay(current, jobs, interval=interval, entitlements=entitlements),
         replay(proposed, jobs, interval=interval, entitlements=entitlements),
         entitlements,
+        tuple(jobs),
+        tuple(objectives_of_tenant()),
     )
+
+
+def _waits(outcome: Outcome, jobs: list[Job]) -> list[float]:
+    return [outcome.job_waits[job.id] for job in jobs if job.id in outcome.job_waits]
+
+
+def resources_list(outcome: Outcome, jobs: tuple[Job, ...]) -> list[dict[str, Any]]:
+    """Each compute resource's jobs in a replay: how many were submitted and started, and their waits."""
+    by_queue: dict[str, list[Job]] = {}
+    for job in jobs:
+        by_queue.setdefault(job.queue, []).append(job)
+    rows = []
+    for queue in sorted(by_queue):
+        waits = _waits(outcome, by_queue[queue])
+        rows.append(
+            {
+                "compute_resource": queue,
+                "jobs": len(by_queue[queue]),
+                "jobs_started": len(waits),
+                "wait_p50_seconds": percentile(waits, 0.5),
+                "wait_p95_seconds": percentile(waits, 0.95),
+                "wait_p99_seconds": percentile(waits, 0.99),
+            }
+        )
+    return rows
+
+
+def objective_dict(outcome: Outcome, objective: Objective, jobs: tuple[Job, ...]) -> dict[str, Any]:
+    """How an objective would have fared in a replay: its jobs that started, the share within target
+    (attainment), the value at its percentile, and whether that meets it."""
+    waits = _waits(outcome, [job for job in jobs if objective.covers(job)])
+    within = sum(1 for wait in waits if wait <= objective.target_seconds)
+    attainment = within / len(waits) if waits else None
+    return {
+        "objective": objective.name,
+        "policy": objective.policy,
+        "compute_resource": objective.compute_resource,
+        "percentile": objective.percentile,
+        "target_seconds": objective.target_seconds,
+        "jobs_started": len(waits),
+        "value_seconds": percentile(waits, objective.percentile / 100),
+        "attainment": None if attainment is None else round(attainment, 4),
+        "met": None if attainment is None else attainment >= objective.percentile / 100,
+    }
 
 
 def team_dict(outcome: Outcome, team: str, reservation: int) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The portal's resource configuration: the draft as forms (a pool, a profile or a policy at a time) and as
-one JSON document, both saved through the same draft service; validate shows the report inline, and
-provision makes the draft the configuration.
+one JSON document, both saved through the same draft service; validate shows the report inline, "what
+if" replays the tenant's last days against the draft and the configuration in force (per team, compute
+resource and queue-wait objective, side by side), and provision makes the draft the configuration.
 
 A form changes only the fields it shows: what else an item holds (a compute resource's batch templates, a
 profile's pool priorities) is kept. A form that does not make a well-formed draft saves nothing and says
@@ -18,11 +19,17 @@ from django.shortcuts import render
 from django.views.decorators.http import require_POST
 
 from apps.accounts.models import Group, User
-from apps.configuration.services import draft_get, draft_provision, draft_save, draft_validate
+from apps.configuration.services import (
+    draft_get,
+    draft_provision,
+    draft_save,
+    draft_simulate,
+    draft_validate,
+)
 from apps.core.errors import InvalidInput, KliqueError, error_lines
 from apps.portal.views import admin_only
 from apps.resources.models import Environment, ResourcePolicy, SharingMethod, TaskSharing
-from apps.scheduling.engine import describe
+from apps.scheduling.engine import describe, describe_seconds
 
 SIZE_FIELDS = ("gpus", "nodes", "gpus_per_node", "min_gpus", "max_gpus", "mig_profile")
 NOUN = {"pools": "pool", "profiles": "profile", "policies": "policy"}
@@ -265,3 +272,112 @@ def provision(request: HttpRequest) -> HttpResponse:
         context["error"] = error.message
     context["policies_in_force"] = _policies()
     return render(request, "portal/_provisioned.html", context)
+
+
+# -- what if -------------------------------------------------------------------------------------------
+
+WHAT_IF_DAYS = (1, 90)
+
+
+def _wait(seconds: float | None) -> str:
+    return "-" if seconds is None else describe_seconds(seconds)
+
+
+def _compared(old: float | None, new: float | None) -> dict[str, Any]:
+    """A wait now and under the draft, and whether it grows (by more than a tenth and a minute) or
+    shrinks as much: the page marks both, as `klique simulate` does."""
+    worse = old is not None and new is not None and new > old * 1.1 + 60
+    better = old is not None and new is not None and new < old * 0.9 - 60
+    return {"current": _wait(old), "proposed": _wait(new), "worse": worse, "better": better}
+
+
+def _side_by_side(
+    rows: list[dict[str, Any]], proposed: list[dict[str, Any]], key: str
+) -> list[tuple[Any, ...]]:
+    after = {row[key]: row for row in proposed}
+    before = {row[key]: row for row in rows}
+    return [(name, before.get(name, {}), after.get(name, {})) for name in sorted(set(before) | set(after))]
+
+
+def what_if_figures(result: dict[str, Any]) -> dict[str, Any]:
+    """The replay's result as the page shows it: each team's and compute resource's waits, and each
+    objective's attainment, current beside draft, with what gets worse marked."""
+    current, proposed = result["current"], result["proposed"]
+    teams = [
+        {
+            "name": name,
+            "waits": [
+                _compared(old.get(f"wait_{p}_seconds"), new.get(f"wait_{p}_seconds"))
+                for p in ("p50", "p95", "p99")
+            ],
+            "reservation_use": [_percent(old.get("reservation_use")), _percent(new.get("reservation_use"))],
+            "borrowed": [old.get("borrowed_gpu_hours", 0), new.get("borrowed_gpu_hours", 0)],
+            "preempted": [old.get("preemptions_suffered", 0), new.get("preemptions_suffered", 0)],
+        }
+        for name, old, new in _side_by_side(current["teams"], proposed["teams"], "policy")
+    ]
+    resources = [
+        {
+            "name": name,
+            "started": [old.get("jobs_started", 0), new.get("jobs_started", 0)],
+            "waits": [
+                _compared(old.get(f"wait_{p}_seconds"), new.get(f"wait_{p}_seconds"))
+                for p in ("p50", "p95", "p99")
+            ],
+        }
+        for name, old, new in _side_by_side(current["resources"], proposed["resources"], "compute_resource")
+    ]
+    objectives = [
+        {
+            "name": name,
+            "promise": f"p{old['percentile']:g} within {describe_seconds(old['target_seconds'])}",
+            "value": _compared(old.get("value_seconds"), new.get("value_seconds")),
+            "attainment": [_percent(old.get("attainment")), _percent(new.get("attainment"))],
+            "met": [old.get("met"), new.get("met")],
+            "missed": bool(old.get("met")) and new.get("met") is False,
+        }
+        for name, old, new in _side_by_side(current["objectives"], proposed["objectives"], "objective")
+        if old
+    ]
+    overall = [
+        ("Jobs finished", current["finished"], proposed["finished"]),
+        ("Refused (no compute resource or too large)", current["refused"], proposed["refused"]),
+        ("GPU utilization", _percent(current["gpu_utilization"]), _percent(proposed["gpu_utilization"])),
+        ("Queue wait p50", _wait(current["wait_p50_seconds"]), _wait(proposed["wait_p50_seconds"])),
+        ("Queue wait p95", _wait(current["wait_p95_seconds"]), _wait(proposed["wait_p95_seconds"])),
+        ("Preemptions", current["preemptions"], proposed["preemptions"]),
+    ]
+    return {"jobs": result["jobs"], "overall": overall, "teams": teams, "resources": resources,
+            "objectives": objectives}  # fmt: skip
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+@admin_only
+@require_POST
+def what_if(request: HttpRequest) -> HttpResponse:
+    """Replay the tenant's last N days against the draft as the page shows it (saved or not: nothing is
+    saved) and against the configuration in force (HTMX): the figures side by side, before anything is
+    provisioned."""
+    low, high = WHAT_IF_DAYS
+    days = request.POST.get("days", "").strip()
+    if not days.isdigit() or not low <= int(days) <= high:
+        return _refused_what_if(
+            request, f"Days of history is a whole number from {low} to {high}; {days!r} was given."
+        )
+    try:
+        document = json.loads(request.POST.get("document", ""))
+    except json.JSONDecodeError as error:
+        where_ = f"line {error.lineno}, column {error.colno}"
+        return _refused_what_if(request, f"The draft is not JSON: {error.msg} at {where_}.")
+    try:
+        result = draft_simulate(days=int(days), trace=None, interval=60.0, document=document).as_dict()
+    except KliqueError as error:
+        return _refused_what_if(request, error.message)
+    return render(request, "portal/_what_if.html", {"days": int(days), **what_if_figures(result)})
+
+
+def _refused_what_if(request: HttpRequest, message: str) -> HttpResponse:
+    return render(request, "portal/_what_if.html", {"error": message})

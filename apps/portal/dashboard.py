@@ -17,6 +17,7 @@ from apps.metering.selectors import instance_hours_text, instance_time, usd_text
 from apps.resources.models import Pool
 from apps.scheduling.engine import UNITS_PER_GPU
 from apps.scheduling.models import ACTIVE_STATES, Task
+from apps.scheduling.selectors import objectives_standing
 
 IDLE_BELOW = 80.0  # percent: a running task's GPUs averaging less than this over the last hour are idle
 
@@ -137,6 +138,14 @@ def dashboard_figures(now: Any, span: str = "24h") -> dict[str, Any]:
         "groups": sorted((group, round(units / UNITS_PER_GPU, 3)) for group, units in by_group.items()),
         "instances": cloud_instance_rows(now),
     }
+
+
+def objective_figures() -> list[dict[str, Any]]:
+    """Every queue-wait objective as it stands, with its last week's trend for a chart each."""
+    return [
+        {**row, "chart_id": f"objective-trend-{index}"}
+        for index, row in enumerate(objectives_standing(trend=True))
+    ]
 
 
 def cloud_instance_rows(now: Any) -> list[dict[str, Any]]:

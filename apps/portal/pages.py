@@ -43,7 +43,13 @@ def _queues(user: User) -> list[dict[str, Any]]:
 @signed_in
 def queues(request: HttpRequest) -> HttpResponse:
     user = _user(request)
-    context = {"access": selectors.policies_for(user), "queues": _queues(user), "page": "queues"}
+    access = selectors.policies_for(user)
+    context = {
+        "access": access,
+        "has_objectives": any(row["objectives"] for row in access),
+        "queues": _queues(user),
+        "page": "queues",
+    }
     return render(request, "portal/queues.html", context)
 
 

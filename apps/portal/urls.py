@@ -15,6 +15,7 @@ urlpatterns = [
     path("portal/tasks/<uuid:task_id>/cancel/", views.task_cancel, name="portal-task-cancel"),
     path("portal/dashboard/", views.dashboard, name="portal-dashboard"),
     path("portal/dashboard/live/", views.dashboard_live, name="portal-dashboard-live"),
+    path("portal/dashboard/objectives/", views.dashboard_objectives, name="portal-dashboard-objectives"),
     path("portal/queues/", pages.queues, name="portal-queues"),
     path("portal/queues/table/", pages.queues_table, name="portal-queues-table"),
     path("portal/tokens/", pages.tokens, name="portal-tokens"),
@@ -32,6 +33,7 @@ urlpatterns = [
     path("portal/configuration/", configuration.configuration, name="portal-configuration"),
     path("portal/configuration/validate/", configuration.validate, name="portal-configuration-validate"),
     path("portal/configuration/provision/", configuration.provision, name="portal-configuration-provision"),
+    path("portal/configuration/what-if/", configuration.what_if, name="portal-configuration-what-if"),
     path("portal/configuration/<slug:section>/", configuration.item_save, name="portal-configuration-item"),
     path(
         "portal/configuration/<slug:section>/remove/",

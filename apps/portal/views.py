@@ -20,7 +20,7 @@ from apps.core.errors import KliqueError
 from apps.fleet.selectors import task_outputs
 from apps.metering.ledger import gpu_hours, usd
 from apps.metering.selectors import task_gpu_usage
-from apps.portal.dashboard import dashboard_figures
+from apps.portal.dashboard import dashboard_figures, objective_figures
 from apps.scheduling import services as scheduling
 from apps.scheduling.models import ENDED_STATES, TaskEvent, TaskState
 from apps.scheduling.selectors import (
@@ -217,6 +217,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
     15 seconds, and its charts redraw from them."""
 
     context = dashboard_figures(timezone.now(), request.GET.get("range", "24h"))
+    context["objectives"] = objective_figures()
     context["events"] = TaskEvent.objects.select_related("task").order_by("-at")[:20]
     context["page"] = "dashboard"
     return render(request, "portal/dashboard.html", context)
@@ -229,6 +230,12 @@ def dashboard_live(request: HttpRequest) -> HttpResponse:
         "portal/_dashboard_live.html",
         dashboard_figures(timezone.now(), request.GET.get("range", "24h")),
     )
+
+
+@signed_in
+def dashboard_objectives(request: HttpRequest) -> HttpResponse:
+    """The queue-wait objectives' part of the dashboard, reloaded every minute (they are measured so)."""
+    return render(request, "portal/_objectives.html", {"objectives": objective_figures()})
 
 
 def admin_only(view: View) -> View:

@@ -275,9 +275,21 @@ class WaitObjectiveListView(TenantAPIView):
 
 
 class WaitObjectiveDetailView(TenantAPIView):
-    @extend_schema(responses=WaitObjectiveIn, summary="One objective and how it stands, with why tasks wait")
+    @extend_schema(
+        responses=WaitObjectiveIn,
+        summary="One objective and how it stands, with why tasks wait and its hourly trend over its window "
+        "(?hours= for fewer)",
+    )
     def get(self, request: Request, objective_id: str) -> Response:
-        return Response(_objective_out(get_object_or_404(WaitObjective, pk=objective_id)))
+        objective = get_object_or_404(WaitObjective, pk=objective_id)
+        window_hours = max(1, objective.window_seconds // 3600)
+        hours = request.query_params.get("hours")
+        if hours is not None and not (hours.isdigit() and 1 <= int(hours) <= window_hours):
+            raise serializers.ValidationError(
+                {"hours": [f"hours is a whole number from 1 to the window's {window_hours}."]}
+            )
+        trend = objectives.trend(objective, hours=int(hours) if hours else window_hours)
+        return Response({**_objective_out(objective), "trend": trend})
 
     @extend_schema(request=WaitObjectiveIn, responses=WaitObjectiveIn, summary="Change an objective")
     def put(self, request: Request, objective_id: str) -> Response:

@@ -199,6 +199,26 @@ class WaitObjective(models.Model):
         return self.name
 
 
+class WaitObjectiveSample(models.Model):
+    """How an objective stood in one hour (its last measurement of that hour), for its trend; kept as long
+    as the longest window an objective may have."""
+
+    objective = models.ForeignKey(WaitObjective, on_delete=models.CASCADE, related_name="samples")
+    hour = models.DateTimeField()
+    value_seconds = models.FloatField(null=True)
+    target_seconds = models.PositiveIntegerField()  # as set then: a changed target leaves the past alone
+    attainment = models.FloatField(null=True)
+    error_budget_left = models.FloatField(null=True)
+    state = models.CharField(max_length=10, choices=WaitObjective.State.choices)
+
+    class Meta:
+        ordering = ["hour"]
+        constraints = [models.UniqueConstraint(fields=["objective", "hour"], name="one_sample_an_hour")]
+
+    def __str__(self) -> str:
+        return f"{self.objective_id} at {self.hour:%Y-%m-%d %H:00}"
+
+
 class EventWebhook(models.Model):
     """A tenant's HTTPS endpoint that is sent announcements (queue-wait objectives' changes of state),
     signed with a vault secret's value (HMAC-SHA256), retried until it answers."""

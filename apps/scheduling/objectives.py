@@ -23,7 +23,7 @@ from apps.core.errors import InvalidInput
 from apps.core.events import publish_event
 from apps.resources.models import ComputeResource, ResourcePolicy
 from apps.scheduling import webhooks
-from apps.scheduling.models import TaskState, WaitObjective
+from apps.scheduling.models import TaskState, WaitObjective, WaitObjectiveSample
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -33,6 +33,7 @@ MAX_WINDOW_SECONDS = 90 * 86_400
 AT_RISK_BURN = 2.0
 BURN_WINDOW = timedelta(hours=1)
 TOP_WAITING = 10
+TREND_KEPT = timedelta(seconds=MAX_WINDOW_SECONDS) + timedelta(days=1)
 
 
 @dataclass(frozen=True)
@@ -160,11 +161,11 @@ def status(objective: WaitObjective, *, now: datetime | None = None, explain: bo
         state = WaitObjective.State.AT_RISK
     if not explain:
         return replace(partial, state=state)
-    waiting, reasons = _why(objective, now)
+    waiting, reasons = why_waiting(objective, now)
     return Status(objective, window, hour, state, waiting, reasons)
 
 
-def _why(objective: WaitObjective, now: datetime) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def why_waiting(objective: WaitObjective, now: datetime) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The tasks queued now for longer than the target (longest first), and their waiting summed by the
     reason the scheduler gives (over limit, reserved for another, no pool of the size, budget exhausted,
     pool offline, starvation hold...)."""
@@ -265,9 +266,10 @@ def objectives_evaluate(*, tenant: Tenant, now: datetime | None = None) -> list[
     changed = []
     for objective in WaitObjective.objects.select_for_update(skip_locked=True):
         current = status(objective, now=now, explain=False)
+        _sample(current, now)
         if current.state == objective.state:
             continue
-        waiting, reasons = _why(objective, now)
+        waiting, reasons = why_waiting(objective, now)
         current = replace(current, waiting=waiting, reasons=reasons)
         kind = "slo.recovered" if current.state == WaitObjective.State.OK else f"slo.{current.state}"
         data = {"objective": objective.name, **current.as_dict()}
@@ -275,4 +277,59 @@ def objectives_evaluate(*, tenant: Tenant, now: datetime | None = None) -> list[
         webhooks.announce(kind, data)  # and to the tenant's webhooks, sent after this commits
         WaitObjective.objects.filter(pk=objective.pk).update(state=current.state, state_since=now)
         changed.append(current)
+    WaitObjectiveSample.objects.filter(hour__lt=now - TREND_KEPT).delete()
     return changed
+
+
+# -- the trend -----------------------------------------------------------------------------------------
+
+
+def _sample(current: Status, now: datetime) -> None:
+    """Keep the measurement as its hour's sample: the hour's last measurement stands for it."""
+    WaitObjectiveSample.objects.update_or_create(
+        objective=current.objective,
+        hour=now.replace(minute=0, second=0, microsecond=0),
+        defaults={
+            "value_seconds": current.window.value_seconds,
+            "target_seconds": current.objective.target_seconds,
+            "attainment": current.window.fraction(),
+            "error_budget_left": current.budget_left,
+            "state": current.state,
+        },
+    )
+
+
+def trend(
+    objective: WaitObjective, *, now: datetime | None = None, hours: int | None = None
+) -> dict[str, Any]:
+    """The objective's hourly samples over its window (or the last `hours`), oldest first, as a chart's
+    series: the measured percentile and the target (in minutes), attainment and the budget left (in %).
+    An hour without a sample (no measurement ran) is a gap (None), not a guess."""
+    now = now or timezone.now()
+    count = hours or max(1, objective.window_seconds // 3600)
+    last = now.replace(minute=0, second=0, microsecond=0)
+    first = last - timedelta(hours=count - 1)
+    samples = {
+        sample.hour: sample
+        for sample in WaitObjectiveSample.objects.filter(objective=objective, hour__gte=first, hour__lte=last)
+    }
+    hours_ = [first + timedelta(hours=offset) for offset in range(count)]
+
+    def series(read: Any) -> list[float | None]:
+        return [None if (sample := samples.get(hour)) is None else read(sample) for hour in hours_]
+
+    return {
+        "hours": [hour.isoformat() for hour in hours_],
+        "labels": [f"{hour:%b %d %H:00}" for hour in hours_],
+        "value_minutes": series(
+            lambda s: None if s.value_seconds is None else round(s.value_seconds / 60, 1)
+        ),
+        "target_minutes": series(lambda s: round(s.target_seconds / 60, 1)),
+        "attainment_percent": series(
+            lambda s: None if s.attainment is None else round(100 * s.attainment, 2)
+        ),
+        "error_budget_left_percent": series(
+            lambda s: None if s.error_budget_left is None else round(100 * s.error_budget_left, 1)
+        ),
+        "states": series(lambda s: s.state),
+    }

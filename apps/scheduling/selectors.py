@@ -12,8 +12,9 @@ from django.utils import timezone
 
 from apps.accounts.models import ProjectMembership, Role, User
 from apps.resources.models import ComputeResource, ResourcePolicy
-from apps.scheduling.engine import describe
-from apps.scheduling.models import ACTIVE_STATES, Task, TaskState
+from apps.scheduling import objectives
+from apps.scheduling.engine import describe, describe_seconds
+from apps.scheduling.models import ACTIVE_STATES, Task, TaskState, WaitObjective
 
 
 def compute_resources() -> QuerySet[ComputeResource]:
@@ -44,9 +45,75 @@ def policies_for(user: User) -> list[dict[str, Any]]:
                 "in_use": describe(in_use.aggregate(units=Sum("size_units"))["units"] or 0),
                 "yours": describe(yours.aggregate(units=Sum("size_units"))["units"] or 0),
                 "resources": sorted(resource.name for resource in policy.compute_resources.all()),
+                "objectives": objectives_standing(
+                    WaitObjective.objects.filter(
+                        Q(policy=policy) | Q(compute_resource__policy=policy)
+                    ).select_related("policy", "compute_resource")
+                ),
             }
         )
     return rows
+
+
+TREND_HOURS = 7 * 24  # the dashboard's chart: the last week, hour by hour (or the window, if shorter)
+
+
+def _window_text(seconds: int) -> str:
+    return f"{seconds // 86_400} d" if seconds % 86_400 == 0 else describe_seconds(seconds)
+
+
+def objectives_standing(
+    rows: QuerySet[WaitObjective] | None = None, *, trend: bool = False
+) -> list[dict[str, Any]]:
+    """How each queue-wait objective stands now, as people read it: what it promises ("p95 within 1 h
+    over 7 d"), for whom, the value measured, attainment, the error budget left, the last hour's burn and
+    its state; with `trend`, its hourly samples over its window too (the dashboard's chart)."""
+    if rows is None:
+        rows = WaitObjective.objects.select_related("policy", "compute_resource")
+    standing = []
+    for objective in rows:
+        current = objectives.status(objective, explain=False)
+        sizes = ""
+        if objective.min_units is not None or objective.max_units is not None:
+            low = describe(objective.min_units) if objective.min_units is not None else "any"
+            high = describe(objective.max_units) if objective.max_units is not None else "any"
+            sizes = f", tasks of {low} to {high}"
+        percentile = f"{objective.percentile:g}"
+        figures = current.as_dict()
+        value = figures["value_seconds"]
+        budget = figures["error_budget_left"]
+        row: dict[str, Any] = {
+            "id": str(objective.pk),
+            "name": objective.name,
+            "scope": f"policy {objective.policy.name}"
+            if objective.policy
+            else f"compute resource {objective.compute_resource.name}"
+            if objective.compute_resource
+            else "-",
+            "promise": f"p{percentile} within {describe_seconds(objective.target_seconds)} "
+            f"over {_window_text(objective.window_seconds)}{sizes}",
+            "value": "-" if value is None else describe_seconds(value),
+            "target": describe_seconds(objective.target_seconds),
+            "attainment": "-" if figures["attainment"] is None else f"{100 * figures['attainment']:.1f}%",
+            "goal": f"{percentile}%",
+            "error_budget_left": "-" if budget is None else f"{100 * budget:.0f}%",
+            "burn_rate": "-"
+            if figures["burn_rate_last_hour"] is None
+            else f"{figures['burn_rate_last_hour']:.1f}",
+            "state": current.state,
+            "figures": figures,
+        }
+        if current.state != WaitObjective.State.OK:  # what keeps its tasks waiting, for whoever reads it
+            _, reasons = objectives.why_waiting(objective, timezone.now())
+            row["why"] = [
+                {**reason, "waited": describe_seconds(reason["wait_seconds"])} for reason in reasons
+            ]
+        if trend:
+            row["trend"] = objectives.trend(
+                objective, hours=min(TREND_HOURS, objective.window_seconds // 3600)
+            )
+        standing.append(row)
+    return standing
 
 
 def tasks_visible_to(user: User) -> QuerySet[Task]:

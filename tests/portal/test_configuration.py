@@ -170,3 +170,82 @@ def test_a_policy_form_keeps_a_group_and_a_profile_the_lists_do_not_have() -> No
     )
     assert "<option selected>not-made-yet</option>" in html
     assert "<option selected>gone</option>" in html
+
+
+def seed_a_day_of_research() -> None:
+    """Ten 4-GPU tasks of Research that ran two hours each, ten minutes apart, over the last day."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from apps.accounts.models import User
+    from apps.resources.models import ComputeResource, Pool
+    from apps.scheduling.models import Task
+
+    resource = ComputeResource.objects.get(name="Research: 4 GPUs")
+    start = timezone.now() - timedelta(days=1)
+    for index in range(10):
+        submitted = start + timedelta(minutes=10 * index)
+        Task.objects.create(
+            compute_resource=resource, compute_resource_name=resource.name,
+            submitter=User.objects.get(username="pat"), size_units=4 * 840, state="completed",
+            submitted_at=submitted, queued_at=submitted, started_at=submitted,
+            ended_at=submitted + timedelta(hours=2), pool=Pool.objects.first(),
+        )  # fmt: skip
+
+
+def test_what_if_replays_the_last_days_against_the_draft_before_provisioning(
+    page: Any, portal: Portal
+) -> None:
+    portal.run(seed_a_day_of_research)
+
+    def draft_pools() -> list[int]:
+        from apps.configuration.services import draft_get
+
+        return [pool["capacity_gpus"] for pool in draft_get().document["pools"]]
+
+    sign_in(page, portal)
+    page.get_by_role("link", name="Configuration").click()
+    document = json.loads(page.get_by_label("Draft configuration (JSON)").input_value())
+    for pool in document["pools"]:
+        pool["capacity_gpus"] = 4  # every pool halves: Research's waits grow
+    page.get_by_label("Draft configuration (JSON)").fill(json.dumps(document, indent=2))
+    saved = portal.run(draft_pools)
+
+    days = page.get_by_label("Before provisioning: replay the last days of work against the draft")
+    days.fill("0")
+    assert days.evaluate("element => element.validity.valid") is False  # the browser says so first
+    days.evaluate("element => { element.removeAttribute('min'); element.removeAttribute('max'); }")
+    for wrong in ("0", "91"):  # and the server, to a request that did not come through the form's checks
+        days.fill(wrong)
+        page.get_by_role("button", name="What if?").click()
+        alert = page.locator("#what-if").get_by_role("alert").filter(has_text=f"'{wrong}' was given")
+        alert.wait_for()
+        assert alert.inner_text() == f"Days of history is a whole number from 1 to 90; '{wrong}' was given."
+
+    days.fill("2")
+    page.get_by_role("button", name="What if?").click()
+    page.locator("#what-if-teams").wait_for()
+    assert (
+        "Replayed 10 tasks of the last 2 days" in page.locator("#what-if").get_by_role("status").inner_text()
+    )
+    research = page.locator("#what-if-teams tr[data-team='research']")
+    assert "(worse)" in research.inner_text()
+    assert research.locator("td.worse").count() >= 1
+    resource = page.locator("#what-if-resources tr[data-resource='Research: 4 GPUs']").locator("td")
+    assert resource.first.inner_text() == "10 → 10"
+
+    assert portal.run(draft_pools) == saved  # what the page showed was replayed, and nothing saved
+    screenshot(page, "configuration-what-if")
+
+    page.get_by_label("Draft configuration (JSON)").fill('{"pools": [')
+    page.get_by_role("button", name="What if?").click()
+    alert = page.locator("#what-if").get_by_role("alert").filter(has_text="not JSON")
+    alert.wait_for()
+    assert alert.inner_text().startswith("The draft is not JSON: ")
+    page.get_by_label("Draft configuration (JSON)").fill('{"pools": [{"name": "x"}]}')
+    page.get_by_role("button", name="What if?").click()
+    alert = page.locator("#what-if").get_by_role("alert").filter(has_text="malformed")
+    alert.wait_for()
+    assert "pools[0]" in alert.inner_text()
+    assert portal.errors == []

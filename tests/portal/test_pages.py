@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.portal.conftest import Portal, screenshot, sign_in
+from tests.portal.conftest import Portal, screenshot, sign_in, wait_for
 from tests.portal.test_portal import UNLABELLED
 
 pytestmark = pytest.mark.django_db
@@ -187,4 +187,59 @@ def test_the_agents_acting_for_a_person_show_what_they_spent_and_are_revoked(
     page.get_by_role("status").filter(has_text="Revoked agent helper").wait_for()
     assert "revoked" in page.locator("tr[data-agent='helper']").inner_text()
     assert portal.run(lambda: ApiToken.objects.get(name="helper-token").revoked_at) is not None
+    assert portal.errors == []
+
+
+def seed_an_objective_with_a_week_of_samples() -> str:
+    """research-p95 (p95 within an hour over 7 days), measured in three past hours and now: one hour with
+    nothing measured in between (a gap), and a task waiting past the target."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from apps.scheduling.models import WaitObjective, WaitObjectiveSample
+    from apps.scheduling.objectives import objective_save
+
+    WaitObjective.objects.filter(name="research-p95").delete()
+    objective = objective_save(
+        name="research-p95", policy="research", percentile=95, target_seconds=3600, window_seconds=7 * 86_400
+    )
+    hour = timezone.now().replace(minute=0, second=0, microsecond=0)
+    for back, value, attained in ((4, 1200.0, 1.0), (3, 2400.0, 0.97), (1, 4800.0, 0.9)):
+        WaitObjectiveSample.objects.create(
+            objective=objective, hour=hour - timedelta(hours=back), value_seconds=value, target_seconds=3600,
+            attainment=attained, error_budget_left=max(0.0, 1 - (1 - attained) / 0.05), state="ok",
+        )  # fmt: skip
+    return str(objective.pk)
+
+
+def test_the_dashboard_shows_each_objective_with_its_trend(page: Any, portal: Portal) -> None:
+    portal.run(seed_an_objective_with_a_week_of_samples)
+    sign_in(page, portal)
+    page.get_by_role("link", name="Dashboard").click()
+    row = page.locator("tr[data-objective='research-p95']")
+    assert "p95 within 1 h over 7 d" in row.inner_text()
+    assert "policy research" in row.inner_text()
+    assert "(target 1 h)" in row.locator(".value").inner_text()
+    assert "(goal 95%)" in row.locator(".attainment").inner_text()
+    canvas = "document.querySelector('canvas[data-trend]')"
+    wait_for(page, f"{canvas} && {canvas}.chart !== undefined")
+    measured = page.evaluate(f"{canvas}.chart.data.datasets[0].data")
+    target = page.evaluate(f"{canvas}.chart.data.datasets[1].data")
+    assert len(measured) == 7 * 24
+    assert measured[-5:-1] == [20.0, 40.0, None, 80.0]  # minutes, with the unmeasured hour a gap
+    assert target[-5] == 60.0
+    screenshot(page, "dashboard-objectives")
+    assert portal.errors == []
+
+
+def test_the_queues_page_shows_what_each_policy_promises(page: Any, portal: Portal) -> None:
+    portal.run(seed_an_objective_with_a_week_of_samples)
+    visit(page, portal, "Queues")
+    row = page.locator("tr[data-policy-objective='research/research-p95']")
+    cells = row.locator("td").all_inner_texts()
+    assert cells[0] == "research"
+    assert "p95 within 1 h over 7 d" in cells[1]
+    assert "(target 1 h)" in cells[3]
+    assert cells[6] in ("ok", "at_risk", "breached")
     assert portal.errors == []

@@ -197,3 +197,116 @@ def test_everyone_sees_how_an_objective_stands(api: Callable[..., APIClient], wo
     assert shown["policy"] == "research"
     assert (shown["percentile"], shown["target_seconds"], shown["goal"]) == (95.0, 3600, 0.95)
     assert {"state", "attainment", "error_budget_left", "burn_rate_last_hour", "why_waiting"} <= set(shown)
+
+
+def test_each_hour_keeps_its_last_measurement_for_the_trend(acme: None, world: World) -> None:
+    now = timezone.now().replace(minute=10, second=0, microsecond=0)
+    record([600.0] * 40, now=now)
+    objectives.objectives_evaluate(tenant=world.tenant_a, now=now - timedelta(hours=2))
+    objectives.objectives_evaluate(tenant=world.tenant_a, now=now)
+    record([2 * HOUR] * 10, ago=60, now=now)  # ten misses placed this hour: breached
+    objectives.objectives_evaluate(tenant=world.tenant_a, now=now + timedelta(minutes=30))
+    samples = list(p95().samples.order_by("hour"))
+    assert [sample.hour for sample in samples] == [
+        now.replace(minute=0) - timedelta(hours=2),
+        now.replace(minute=0),
+    ]
+    latest = samples[-1]  # the hour's last measurement replaced its first
+    assert (latest.state, latest.target_seconds) == ("breached", 3600)
+    assert latest.attainment == pytest.approx(40 / 50)
+    assert latest.error_budget_left == 0.0
+    assert latest.value_seconds == pytest.approx(percentile_cont([600.0] * 40 + [2 * HOUR] * 10, 0.95))
+    trend = objectives.trend(p95(), now=now + timedelta(minutes=30), hours=4)
+    assert len(trend["hours"]) == 4
+    assert trend["states"] == [None, "ok", None, "breached"]  # an hour without a measurement is a gap
+    assert trend["attainment_percent"] == [None, 100.0, None, 80.0]
+    assert trend["target_minutes"] == [None, 60.0, None, 60.0]
+    assert trend["value_minutes"][1] == 10.0
+
+
+def test_a_changed_target_leaves_the_past_samples_as_they_were(acme: None, world: World) -> None:
+    now = timezone.now()
+    record([600.0] * 20, now=now)
+    objectives.objectives_evaluate(tenant=world.tenant_a, now=now - timedelta(hours=1))
+    WaitObjective.objects.filter(name="research-p95").update(target_seconds=300)
+    objectives.objectives_evaluate(tenant=world.tenant_a, now=now)
+    trend = objectives.trend(p95(), now=now, hours=2)
+    assert trend["target_minutes"] == [60.0, 5.0]
+    assert trend["attainment_percent"] == [100.0, 0.0]
+
+
+def test_samples_older_than_the_longest_window_are_let_go(acme: None, world: World) -> None:
+    now = timezone.now()
+    objectives.objectives_evaluate(tenant=world.tenant_a, now=now - timedelta(days=92))
+    objectives.objectives_evaluate(tenant=world.tenant_a, now=now - timedelta(days=30))
+    assert p95().samples.count() == 2
+    objectives.objectives_evaluate(tenant=world.tenant_a, now=now)
+    assert sorted(sample.hour.date() for sample in p95().samples.all()) == [
+        (now - timedelta(days=30)).date(),
+        now.date(),
+    ]
+
+
+def test_the_api_gives_the_trend_over_the_window_or_fewer_hours(
+    api: Callable[..., APIClient], world: World
+) -> None:
+    with schema_context("acme"):
+        objectives.objectives_evaluate(tenant=world.tenant_a)
+    client = api("dave")  # a viewer: everyone sees the objectives
+    shown = client.get(f"/api/v1/wait-objectives/{world.objective_a}/").json()
+    assert len(shown["trend"]["hours"]) == 7 * 24
+    assert shown["trend"]["states"][-1] == shown["state"]
+    assert (
+        len(client.get(f"/api/v1/wait-objectives/{world.objective_a}/?hours=6").json()["trend"]["labels"])
+        == 6
+    )
+    for wrong in ("0", "-1", "169", "six", "1.5"):
+        answer = client.get(f"/api/v1/wait-objectives/{world.objective_a}/?hours={wrong}")
+        assert answer.status_code == 400, wrong
+        assert "hours is a whole number from 1 to the window's 168" in str(answer.json())
+
+
+def test_a_person_sees_the_objectives_of_their_policies_only(acme: None, world: World) -> None:
+    from apps.accounts.models import User
+    from apps.scheduling import selectors
+
+    now = timezone.now()
+    record([600.0] * 19 + [2 * HOUR], now=now)
+    objectives.objective_save(
+        name="burst-resource", compute_resource="Research: 4 GPUs", percentile=50, target_seconds=900,
+        window_seconds=2 * 86_400,
+    )  # fmt: skip
+    rows = {row["policy"]: row for row in selectors.policies_for(User.objects.get(username="bob"))}
+    shown = {objective["name"]: objective for objective in rows["research"]["objectives"]}
+    assert set(shown) == {"research-p95", "burst-resource"}
+    assert shown["research-p95"]["promise"] == "p95 within 1 h over 7 d"
+    assert shown["research-p95"]["scope"] == "policy research"
+    assert shown["research-p95"]["attainment"] == "95.0%"
+    assert shown["research-p95"]["error_budget_left"] == "0%"  # one miss in 20 at p95: all of it spent
+    assert shown["burst-resource"]["scope"] == "compute resource Research: 4 GPUs"
+    assert shown["burst-resource"]["value"] == "10 min"
+    for policy, row in rows.items():
+        if policy != "research":
+            assert row["objectives"] == [], policy
+
+
+def test_an_objective_not_ok_shows_why_its_tasks_wait(acme: None) -> None:
+    from apps.scheduling import selectors
+
+    now = timezone.now()
+    record([600.0] * 10, now=now)
+    waiting([2 * HOUR, 3 * HOUR], now=now, reason="policy_limit")
+    waiting([4 * HOUR], now=now, reason="no_capacity")
+    waiting([60.0], now=now, reason="no_capacity")  # within target: not a reason the objective misses
+    (row,) = selectors.objectives_standing(WaitObjective.objects.filter(name="research-p95"))
+    assert row["state"] == "breached"
+    assert [(why["reason_code"], why["tasks"], why["waited"]) for why in row["why"]] == [
+        ("policy_limit", 2, "5 h"),  # the most waiting first
+        ("no_capacity", 1, "4 h"),
+    ]
+    assert row["why"][0]["example"] == "because policy_limit"
+    record([600.0] * 200, now=now)
+    Task.objects.filter(state=TaskState.QUEUED).delete()
+    (row,) = selectors.objectives_standing(WaitObjective.objects.filter(name="research-p95"))
+    assert row["state"] == "ok"
+    assert "why" not in row

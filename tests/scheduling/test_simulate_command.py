@@ -129,3 +129,72 @@ def test_each_team_is_shown_before_and_after_with_what_got_worse(
     assert run(parse_args(["simulate", "--days", "2", "--json"]), client) == 0
     printed = json.loads(capsys.readouterr().out)
     assert {team["policy"] for team in printed["current"]["teams"]} >= {"research"}
+
+
+def test_each_compute_resource_and_objective_is_judged_on_waits_known_in_advance() -> None:
+    """Two pools. Four 8-GPU jobs of an hour arrive together on `big` (a pool of 8 GPUs): they run one
+    after another, so they wait 0, 1, 2 and 3 hours. Two 1-GPU jobs of an hour arrive together on
+    `small` (a pool of 1 GPU): they wait 0 and 1 hour. The figures are read off those waits."""
+    from apps.configuration.simulation import Objective, objective_dict, resources_list
+    from apps.scheduling.engine import Policy, Profile, Queue, units
+    from apps.scheduling.engine import Pool as EnginePool
+    from apps.scheduling.engine.simulate import Job, Setup, replay
+
+    hour = 3600.0
+    setup = Setup(
+        "two pools",
+        (EnginePool("p", units(8)), EnginePool("s", units(1))),
+        (Profile("whole", ("p",)), Profile("tiny", ("s",))),
+        (Policy("team", units(9), units(9)),),
+        (Queue("big", "team", "whole"), Queue("small", "team", "tiny")),
+    )
+    jobs = tuple(
+        [Job(f"big-{i}", "big", 0.0, hour, units(8), "team") for i in range(4)]
+        + [Job(f"small-{i}", "small", 0.0, hour, units(1), "team") for i in range(2)]
+    )
+    outcome = replay(setup, jobs, interval=60.0)
+    assert sorted(round(wait / hour) for wait in outcome.job_waits.values()) == [0, 0, 1, 1, 2, 3]
+    rows = {row["compute_resource"]: row for row in resources_list(outcome, jobs)}
+    assert (rows["big"]["jobs"], rows["big"]["jobs_started"]) == (4, 4)
+    assert rows["big"]["wait_p50_seconds"] == pytest.approx(2 * hour, abs=60)  # the rank at or above half
+    assert rows["big"]["wait_p99_seconds"] == pytest.approx(3 * hour, abs=60)
+    assert rows["small"]["wait_p95_seconds"] == pytest.approx(hour, abs=60)
+
+    p75 = objective_dict(outcome, Objective("big-p75", None, "big", 75, 1.5 * hour), jobs)
+    assert (p75["jobs_started"], p75["attainment"], p75["met"]) == (4, 0.5, False)
+    assert p75["value_seconds"] == pytest.approx(3 * hour, abs=60)
+    team = objective_dict(outcome, Objective("team-p60", "team", None, 60, 1.5 * hour), jobs)
+    assert (team["jobs_started"], team["attainment"], team["met"]) == (6, 0.6667, True)  # 4 of 6
+    sized = objective_dict(
+        outcome, Objective("small-ones", "team", None, 90, 1.5 * hour, None, units(2)), jobs
+    )
+    assert (sized["jobs_started"], sized["attainment"], sized["met"]) == (2, 1.0, True)
+    nobody = objective_dict(outcome, Objective("none", "other", None, 90, hour), jobs)
+    assert (nobody["jobs_started"], nobody["attainment"], nobody["met"]) == (0, None, None)
+
+
+def test_the_replay_reports_each_compute_resource_and_the_tenant_s_objectives(
+    api: Callable[..., APIClient], world: World, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    make_history(world)
+    smaller = acme_document()
+    smaller["pools"][1]["capacity_gpus"] = 4
+    api("alice").put("/api/v1/configuration/draft/", {"document": smaller}, format="json")
+    body = api("alice").post("/api/v1/configuration/draft/simulate/", {"days": 2}, format="json").json()
+    for side in ("current", "proposed"):
+        resources = {row["compute_resource"]: row for row in body[side]["resources"]}
+        assert resources["Research: 4 GPUs"]["jobs"] == 10
+        (objective,) = body[side]["objectives"]  # research-p95 of tests/world.py
+        assert (objective["objective"], objective["policy"], objective["jobs_started"]) == (
+            "research-p95", "research", 10,
+        )  # fmt: skip
+        team = next(team for team in body[side]["teams"] if team["policy"] == "research")
+        assert objective["value_seconds"] == team["wait_p95_seconds"]
+    assert body["proposed"]["objectives"][0]["attainment"] <= body["current"]["objectives"][0]["attainment"]
+
+    client = Client("http://acme.klique.test", world.tokens["alice"], transport=DjangoTransport())
+    assert run(parse_args(["simulate", "--days", "2"]), client) == 0
+    out = capsys.readouterr().out
+    assert "Per compute resource, current -> proposed" in out
+    assert "Queue-wait objectives, current -> proposed" in out
+    assert next(line for line in out.splitlines() if line.startswith("research-p95"))

@@ -66,6 +66,7 @@ class Outcome:
     group_preemptions: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # suffered
     group_gpu_unit_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     group_borrowed_unit_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    job_waits: dict[str, float] = field(default_factory=dict)  # job id -> its wait, for jobs that started
 
     def mean_wait_at_least(self, size: int) -> float:
         """The mean queue wait of jobs of at least `size` units."""
@@ -73,8 +74,7 @@ class Outcome:
         return statistics.fmean(waits) if waits else 0.0
 
     def group_wait_percentile(self, group: str, fraction: float) -> float | None:
-        waits = sorted(self.group_waits.get(group, []))
-        return waits[min(len(waits) - 1, int(fraction * len(waits)))] if waits else None
+        return percentile(self.group_waits.get(group, []), fraction)
 
     @property
     def utilization(self) -> float:
@@ -83,14 +83,19 @@ class Outcome:
         return self.gpu_unit_seconds / (self.capacity_units * self.span_seconds)
 
     def wait_percentile(self, fraction: float) -> float:
-        if not self.waits:
-            return 0.0
-        ordered = sorted(self.waits)
-        return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+        return percentile(self.waits, fraction) or 0.0
 
     @property
     def mean_completion_time(self) -> float:
         return statistics.fmean(self.completion_times) if self.completion_times else 0.0
+
+
+def percentile(values: Sequence[float], fraction: float) -> float | None:
+    """The value at `fraction` of `values` in order (the nearest rank at or above it); None for none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 @dataclass
@@ -217,6 +222,7 @@ class _Replay:
                 outcome.waits.append(now - state.job.submit)
                 outcome.sized_waits.append((state.job.size, now - state.job.submit))
                 outcome.group_waits[self.group_of(state.job)].append(now - state.job.submit)
+                outcome.job_waits[state.job.id] = now - state.job.submit
             limit = state.job.time_limit
             ends_at = None if limit is None else now + limit
             self.running[task.id] = Allocation(task.id, task.queue, placement.pool, task.size, now, ends_at)

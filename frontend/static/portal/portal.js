@@ -3,6 +3,8 @@
 // - [data-follow]: a task's output, appended as it comes, until the task ends.
 // - #gpu-chart, #utilization-chart: the dashboard's charts, drawn with Chart.js from the JSON the page
 //   carries, and redrawn from the new JSON each time the dashboard's figures (#live) reload in place.
+// - canvas[data-trend]: a queue-wait objective's trend (measured wait and target, hour by hour), drawn
+//   from the JSON element it names, again each time the objectives (#objectives) reload.
 "use strict";
 
 // A refusal (403) carries a sentence saying why: show it where the answer would have gone.
@@ -129,6 +131,25 @@ function redraw() {
   }
 }
 
+function drawTrend(canvas) {
+  const data = dataOf(canvas.dataset.trend);
+  canvas.chart = new window.Chart(canvas, {
+    type: "line",
+    data: {
+      labels: data.labels,
+      datasets: [
+        { label: "Measured wait (min)", data: data.value_minutes, borderColor: "#2563eb", fill: false, spanGaps: false, pointRadius: 0 },
+        { label: "Target (min)", data: data.target_minutes, borderColor: "#b91c1c", borderDash: [6, 4], fill: false, spanGaps: true, pointRadius: 0 },
+      ],
+    },
+    options: { animation: false, aspectRatio: 4, scales: { y: { beginAtZero: true }, x: { ticks: { maxTicksLimit: 8 } } } },
+  });
+}
+
+function drawTrends(root) {
+  root.querySelectorAll("canvas[data-trend]").forEach(drawTrend);
+}
+
 function drawUsage(canvas) {
   const data = JSON.parse(document.getElementById("usage-data").textContent);
   const colors = ["#2563eb", "#16a34a", "#d97706", "#9333ea", "#dc2626", "#0891b2"];
@@ -153,7 +174,9 @@ document.addEventListener("DOMContentLoaded", () => {
   if (utilization) drawUtilization(utilization);
   const usage = document.getElementById("usage-chart");
   if (usage) drawUsage(usage);
+  drawTrends(document);
   document.body.addEventListener("htmx:afterSettle", (event) => {
     if (event.detail.target && event.detail.target.id === "live") redraw();
+    if (event.detail.target && event.detail.target.id === "objectives") drawTrends(event.detail.target);
   });
 });
