@@ -25,6 +25,8 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool
 
+from tenants import due
+
 log = logging.getLogger("klique.gateway")
 
 USAGE_OUTBOX = "kq:gw:usage-outbox"
@@ -175,6 +177,10 @@ class UsageWriter:
                 await connection.execute(
                     insert_sql(schema, len(rows)), [value for row in rows for value in row.values()]
                 )
+        try:  # the calls' tenants have metering due (tenants/due.py); the walk finds a mark lost here
+            await self.redis.sadd(due.key("gateway_calls"), *by_schema)
+        except Exception:
+            log.warning("could not mark gateway calls to meter", exc_info=True)
 
     async def _outbox(self, batch: list[tuple[str, UsageRow, asyncio.Future[None]]]) -> None:
         try:

@@ -9,7 +9,7 @@ from decimal import Decimal
 from typing import Any
 
 from django.db import transaction
-from django.db.models import F
+from django.db.models import F, QuerySet
 from django_tenants.utils import schema_context
 
 from apps.accounts.models import ApiToken, Project, ProjectMembership, Role, User
@@ -334,16 +334,24 @@ def audit(schema: str, **event: str) -> None:
         record(**event, reason=reason)
 
 
+def _unmetered() -> QuerySet[Usage]:
+    return (
+        Usage.objects.exclude(status=Usage.Status.FAILED)
+        .exclude(request_id__in=LedgerEvent.objects.filter(kind=Kind.TOKENS).values("event_id"))
+        .exclude(request_id__in=Rejection.objects.values("event_id"))
+    )
+
+
+def calls_to_meter() -> bool:
+    """Whether some gateway call is not in the ledger yet (periodic work due)."""
+    return _unmetered().exists()
+
+
 def meter_calls() -> Report:
     """Move the gateway's calls into the ledger (each call's request id is its event id), up to
     5,000 a run; the ones already there, or refused before, are skipped."""
 
-    pending = (
-        Usage.objects.exclude(status=Usage.Status.FAILED)
-        .exclude(request_id__in=LedgerEvent.objects.filter(kind=Kind.TOKENS).values("event_id"))
-        .exclude(request_id__in=Rejection.objects.values("event_id"))
-        .order_by("at")[:5000]
-    )
+    pending = _unmetered().order_by("at")[:5000]
     events = [
         Event(
             event_id=row.request_id,

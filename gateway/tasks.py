@@ -11,6 +11,7 @@ from django_tenants.utils import get_public_schema_name, schema_context
 
 from gateway import budgets, services
 from gateway.cache import USAGE_OUTBOX, UsageRow, insert_sql, sync_redis
+from tenants import due
 from tenants.models import Tenant
 from tenants.tenancy import tenant_task
 
@@ -24,10 +25,13 @@ def drain_usage_outbox() -> int:
     redis = sync_redis()
     written = 0
     while raw := redis.lrange(USAGE_OUTBOX, 0, DRAIN_BATCH - 1):
+        schemas = set()
         with connection.cursor() as cursor:
             for text in raw:
                 schema, row = UsageRow.from_json(text.decode())
                 cursor.execute(insert_sql(schema, 1).as_string(cursor.connection), row.values())
+                schemas.add(schema)
+        due.mark(schemas, "gateway_calls")
         redis.ltrim(USAGE_OUTBOX, len(raw), -1)
         written += len(raw)
     return written
@@ -49,7 +53,10 @@ def sweep_holds() -> int:
     return released
 
 
-@tenant_task("metering.gateway_calls")
+due.predicate("gateway_calls")(services.calls_to_meter)
+
+
+@tenant_task("metering.gateway_calls", settles="gateway_calls")
 def meter_calls(tenant: Tenant) -> int:
     """The gateway's calls since the last run, into the ledger; how many were new."""
     return services.meter_calls().accepted

@@ -11,6 +11,7 @@ from celery import shared_task
 from django_tenants.utils import tenant_context
 
 from apps.core.logging import tenant_var
+from tenants import due
 from tenants.models import Tenant
 
 logger = logging.getLogger(__name__)
@@ -18,11 +19,15 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def tenant_task(name: str, **options: Any) -> Callable[[Callable[..., R]], Any]:
+def tenant_task(
+    name: str, *, settles: str | None = None, **options: Any
+) -> Callable[[Callable[..., R]], Any]:
     """Make a Celery task that takes a schema name first and runs `fn(tenant, ...)` inside that schema.
 
     Nothing is inherited from the connection a worker last used: the schema travels in the message. A
-    tenant deleted after the task was sent is logged and skipped, so the task stays safe to retry.
+    tenant deleted after the task was sent is logged and skipped, so the task stays safe to retry. With
+    `settles`, the task is that kind of periodic work (tenants/due.py): the tenant's mark is taken away
+    before it runs and set again after if work of the kind is still due.
     """
 
     def decorate(fn: Callable[..., R]) -> Any:
@@ -36,7 +41,9 @@ def tenant_task(name: str, **options: Any) -> Callable[[Callable[..., R]], Any]:
             marker = tenant_var.set(tenant.slug)
             try:
                 with tenant_context(tenant):
-                    return fn(tenant, *args, **kwargs)
+                    if settles is None:
+                        return fn(tenant, *args, **kwargs)
+                    return due.settle(schema_name, settles, lambda: fn(tenant, *args, **kwargs))  # type: ignore[return-value]
             finally:
                 tenant_var.reset(marker)
 

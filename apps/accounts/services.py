@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import QuerySet
 from django.utils import timezone
 
 from apps.accounts.models import ApiToken, Group, Project, ProjectMembership, Role, SignInFailure, User
@@ -136,11 +137,23 @@ def token_authenticate(*, tenant: Tenant, presented: str) -> tuple[User, ApiToke
     return token.user, token
 
 
-@transaction.atomic
-def token_purge_expired(*, older_than: timedelta = timedelta(days=30)) -> int:
-    """Delete tokens that expired or were revoked more than `older_than` ago; returns how many."""
+PURGE_AFTER = timedelta(days=30)
+
+
+def _purgeable(older_than: timedelta) -> QuerySet[ApiToken]:
     cutoff = timezone.now() - older_than
-    stale = ApiToken.objects.filter(expires_at__lt=cutoff) | ApiToken.objects.filter(revoked_at__lt=cutoff)
+    return ApiToken.objects.filter(expires_at__lt=cutoff) | ApiToken.objects.filter(revoked_at__lt=cutoff)
+
+
+def tokens_to_purge() -> bool:
+    """Whether some token expired or was revoked long enough ago to be purged (periodic work due)."""
+    return _purgeable(PURGE_AFTER).exists()
+
+
+@transaction.atomic
+def token_purge_expired(*, older_than: timedelta = PURGE_AFTER) -> int:
+    """Delete tokens that expired or were revoked more than `older_than` ago; returns how many."""
+    stale = _purgeable(older_than)
     prefixes = list(stale.values_list("prefix", flat=True))
     token_route_forget(prefixes=prefixes)
     ApiToken.objects.filter(prefix__in=prefixes).delete()

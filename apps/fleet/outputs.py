@@ -24,6 +24,7 @@ from apps.fleet.models import OutputDestination, TaskOutput
 from apps.metering.ledger import Event, Report, ingest
 from apps.metering.models import Kind
 from apps.scheduling.models import Task
+from tenants import due
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -103,7 +104,13 @@ def output_store(*, tenant: Tenant, task: Task, name: str, content: Readable, sh
         name=name,
         defaults={"size": size, "sha256": digest, "stored": stored, "at": timezone.now()},
     )
+    due.mark_on_commit(tenant.schema_name, "storage")  # its hours are metered from now on
     return output
+
+
+def outputs_to_meter() -> bool:
+    """Whether the plane keeps some output of the tenant's (its storage is metered every hour)."""
+    return TaskOutput.objects.filter(destination__isnull=True).exists()
 
 
 def output_ticket(*, task: Task, name: str, claim: protocol_outputs.Claim) -> protocol_outputs.Ticket:

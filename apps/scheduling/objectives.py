@@ -24,6 +24,7 @@ from apps.core.events import publish_event
 from apps.resources.models import ComputeResource, ResourcePolicy
 from apps.scheduling import webhooks
 from apps.scheduling.models import TaskState, WaitObjective, WaitObjectiveSample
+from tenants import due
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -252,7 +253,19 @@ def objective_save(
     if WaitObjective.objects.filter(name=name).exclude(pk=row.pk).exists():
         raise InvalidInput(f"An objective named {name!r} exists already.", field="name")
     row.save()
+    due.mark_on_commit(connection.schema_name, "objectives")  # type: ignore[attr-defined]
     return row
+
+
+def measure_due(now: datetime | None = None) -> bool:
+    """Whether the tenant's objectives are to be measured (periodic work due) beside every minute its tasks
+    are in play: one not ok (its window slides it back), or one without a sample this last hour."""
+    now = now or timezone.now()
+    rows = WaitObjective.objects.all()
+    if not rows.exists():
+        return False
+    hour = now.replace(minute=0, second=0, microsecond=0)
+    return rows.exclude(state=WaitObjective.State.OK).exists() or rows.exclude(samples__hour=hour).exists()
 
 
 # -- announcing ----------------------------------------------------------------------------------------

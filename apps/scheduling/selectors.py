@@ -116,6 +116,12 @@ def objectives_standing(
     return standing
 
 
+def tasks_in_play() -> bool:
+    """Whether the tenant has tasks queued or under way: its cycles are due (leases, time limits, lost
+    agents and waiting work are all watched by the cycle)."""
+    return Task.objects.filter(state__in=(TaskState.QUEUED, *ACTIVE_STATES)).exists()
+
+
 def tasks_visible_to(user: User) -> QuerySet[Task]:
     """Everyone in a tenant may read its tasks (viewers included): their state, size, queue and reason.
     What a task wrote (output, metrics, files) is narrower: see may_read_output. Writes are checked per

@@ -9,14 +9,20 @@ from django.conf import settings
 
 from apps.scheduling import meter, objectives, webhooks
 from apps.scheduling.cycle import run_cycle
+from apps.scheduling.selectors import tasks_in_play
 from apps.scheduling.wake import CYCLE_TASK, send_cycle
+from tenants import due
 from tenants.tenancy import tenant_task
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
 
 
-@tenant_task(CYCLE_TASK, autoretry_for=(ConnectionError,), max_retries=3, retry_backoff=True)
+due.predicate("cycle")(tasks_in_play)
+due.predicate("objectives")(objectives.measure_due)
+
+
+@tenant_task(CYCLE_TASK, settles="cycle", autoretry_for=(ConnectionError,), max_retries=3, retry_backoff=True)
 def scheduling_cycle(tenant: Tenant) -> dict[str, object]:
     """One cycle for the tenant. Idempotent: a second run on the same state decides nothing new. When
     another worker holds the tenant's cycle, ask for one more afterwards so no event is lost."""
@@ -31,7 +37,7 @@ def scheduling_cycle(tenant: Tenant) -> dict[str, object]:
     }
 
 
-@tenant_task("scheduling.objectives")
+@tenant_task("scheduling.objectives", settles="objectives")
 def evaluate_objectives(tenant: Tenant) -> int:
     """Measure the tenant's queue-wait objectives and announce each change of state; then send what is due
     to the tenant's webhooks (new announcements, and retries). How many objectives changed."""

@@ -15,6 +15,7 @@ from django.conf import settings
 from django.db import transaction
 
 from apps.core.events import send_to_group
+from tenants import due
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -44,7 +45,11 @@ def request_cycle(tenant: Tenant) -> None:
     def send() -> None:
         key = f"klique:cycle-requested:{tenant.schema_name}"
         try:
-            if not _client().set(key, 1, nx=True, px=int(delay * 1000)):
+            pipe = _client().pipeline(transaction=False)
+            pipe.sadd(due.key("cycle"), tenant.schema_name)  # beat's safety net visits it while work is due
+            pipe.set(key, 1, nx=True, px=int(delay * 1000))
+            _, requested = pipe.execute()
+            if not requested:
                 return  # a cycle is already on its way and will see this change
             send_cycle(tenant.schema_name, countdown=delay)
         except Exception:

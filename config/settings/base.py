@@ -41,6 +41,9 @@ KLIQUE_TOKEN_MAX_DAYS = env.integer("KLIQUE_TOKEN_MAX_DAYS", default=365, minimu
 # Events within this many seconds share one scheduling cycle; beat runs one per tenant every so often anyway.
 KLIQUE_CYCLE_DEBOUNCE_SECONDS = env.integer("KLIQUE_CYCLE_DEBOUNCE_MS", default=500, minimum=0) / 1000
 KLIQUE_CYCLE_SAFETY_NET_SECONDS = env.integer("KLIQUE_CYCLE_SAFETY_NET_SECONDS", default=30, minimum=1)
+# The walk (tenants/due.py): this many tenants visited every so many seconds; 10,000 tenants in 50 minutes.
+KLIQUE_DUE_WALK_PAGE = env.integer("KLIQUE_DUE_WALK_PAGE", default=200, minimum=1)
+KLIQUE_DUE_WALK_SECONDS = env.integer("KLIQUE_DUE_WALK_SECONDS", default=60, minimum=1)
 
 SHARED_APPS = [
     "django_tenants",
@@ -182,39 +185,45 @@ CELERY_WORKER_ENABLE_REMOTE_CONTROL = False
 # Workers log through Django's LOGGING, so their lines are JSON with the tenant a task runs for.
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BEAT_SCHEDULE_FILENAME = str(KLIQUE_DATA_DIR / "celerybeat-schedule")
+# Periodic work goes only to the tenants marked as having it due (tenants/due.py): a tenant at rest costs
+# one Redis read per entry and a visit of the walk per sweep, not a task per tick.
 CELERY_BEAT_SCHEDULE = {
-    "scheduling-safety-net": {
-        "task": "tenants.for_each_tenant",
+    "scheduling-safety-net": {  # tenants with tasks queued or running: leases, limits, lost agents
+        "task": "tenants.for_marked_tenants",
         "schedule": float(KLIQUE_CYCLE_SAFETY_NET_SECONDS),
-        "args": ("scheduling.run_cycle",),
+        "args": ("scheduling.run_cycle", ["cycle"]),
     },
     "purge-expired-tokens": {
-        "task": "tenants.for_each_tenant",
-        "schedule": 3600.0,
-        "args": ("accounts.token_purge_expired",),
+        "task": "tenants.for_marked_tenants",
+        "schedule": 600.0,
+        "args": ("accounts.token_purge_expired", ["token_purge"]),
     },
     "gateway-usage-outbox": {"task": "gateway.drain_usage_outbox", "schedule": 30.0},
     "metering-gateway-calls": {
-        "task": "tenants.for_each_tenant",
+        "task": "tenants.for_marked_tenants",
         "schedule": 15.0,
-        "args": ("metering.gateway_calls",),
+        "args": ("metering.gateway_calls", ["gateway_calls"]),
     },
     "billing-push-pending": {"task": "billing.push_pending", "schedule": 300.0},
     "metering-running-gpus": {  # each hour's GPU time of running tasks, a few minutes after the hour
-        "task": "tenants.for_each_tenant",
+        "task": "tenants.for_marked_tenants",
         "schedule": 300.0,
-        "args": ("metering.running_gpus",),
+        "args": ("metering.running_gpus", ["cycle"]),
     },
     "metering-storage": {
-        "task": "tenants.for_each_tenant",
+        "task": "tenants.for_marked_tenants",
         "schedule": 3600.0,
-        "args": ("metering.storage",),
+        "args": ("metering.storage", ["storage"]),
     },
     "gateway-sweep-holds": {"task": "gateway.sweep_holds", "schedule": 600.0},
     "queue-wait-objectives": {  # SLO attainment; slo.at_risk / slo.breached / slo.recovered on changes
-        "task": "tenants.for_each_tenant",
+        "task": "tenants.for_marked_tenants",
         "schedule": 60.0,
-        "args": ("scheduling.objectives",),
+        "args": ("scheduling.objectives", ["cycle", "objectives"]),
+    },
+    "due-walk": {  # the slow safety net: a page of tenants a tick, marking the work each has due
+        "task": "tenants.walk_due",
+        "schedule": float(KLIQUE_DUE_WALK_SECONDS),
     },
 }
 
