@@ -10,10 +10,17 @@ from apps.core.schema import GpusField
 from apps.scheduling.engine import SizeError, to_gpus_text, units
 
 
-class UserOut(serializers.ModelSerializer[User]):
-    class Meta:
-        model = User
-        fields = ["id", "username", "email", "role", "kind", "is_active", "date_joined"]
+class UserOut(serializers.Serializer[User]):
+    """A person. Its fields are declared, not read off the model: a ModelSerializer introspects the model
+    on every use, which costs more than the rest of a `GET /api/v1/me/` (bench/request_path.py)."""
+
+    id = serializers.UUIDField(read_only=True)
+    username = serializers.CharField(read_only=True)
+    email = serializers.EmailField(read_only=True)
+    role = serializers.ChoiceField(choices=Role.choices, read_only=True)
+    kind = serializers.ChoiceField(choices=User.Kind.choices, read_only=True)
+    is_active = serializers.BooleanField(read_only=True)
+    date_joined = serializers.DateTimeField(read_only=True)
 
 
 class UserIn(serializers.Serializer[User]):
