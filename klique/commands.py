@@ -433,12 +433,18 @@ def _simulate(args: argparse.Namespace, client: Client) -> str:
     return "\n\n".join(parts)
 
 
+def _paired(
+    current: dict[str, Any], proposed: dict[str, Any], part: str, key: str
+) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(name, before, after) for each row of `part` on either side, by its `key`; {} where it is absent."""
+    before = {row[key]: row for row in current.get(part, [])}
+    after = {row[key]: row for row in proposed.get(part, [])}
+    return [(name, before.get(name, {}), after.get(name, {})) for name in sorted(set(before) | set(after))]
+
+
 def _resources_table(current: dict[str, Any], proposed: dict[str, Any]) -> str:
-    before = {row["compute_resource"]: row for row in current.get("resources", [])}
-    after = {row["compute_resource"]: row for row in proposed.get("resources", [])}
     rows = []
-    for name in sorted(set(before) | set(after)):
-        old, new = before.get(name, {}), after.get(name, {})
+    for name, old, new in _paired(current, proposed, "resources", "compute_resource"):
         rows.append(
             [
                 name,
@@ -477,11 +483,8 @@ def _objectives_table(current: dict[str, Any], proposed: dict[str, Any]) -> str:
 def _teams_table(current: dict[str, Any], proposed: dict[str, Any]) -> str:
     """Each policy's waits, reservation use, borrowing and preemptions suffered, before and after, with
     what got worse marked: an average that improves can hide one team's p95 that doubles."""
-    before = {team["policy"]: team for team in current.get("teams", [])}
-    after = {team["policy"]: team for team in proposed.get("teams", [])}
     rows = []
-    for name in sorted(set(before) | set(after)):
-        old, new = before.get(name, {}), after.get(name, {})
+    for name, old, new in _paired(current, proposed, "teams", "policy"):
         rows.append(
             [
                 name,
