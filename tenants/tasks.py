@@ -35,9 +35,9 @@ def for_marked_tenants(task_name: str, kinds: Iterable[str]) -> int:
     active = set(
         tenant_list().filter(status="active", schema_name__in=names).values_list("schema_name", flat=True)
     )
-    for gone in names - active:
+    if gone := names - active:
         for kind in kinds:
-            due.client().srem(due.key(kind), gone)
+            due.client().srem(due.key(kind), *gone)
     for schema_name in sorted(active):
         current_app.send_task(task_name, args=(schema_name,))
     return len(active)

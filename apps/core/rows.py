@@ -6,6 +6,7 @@ what callers get is the same objects. Only for models whose fields need no conve
 
 from __future__ import annotations
 
+import functools
 from typing import Any, TypeVar
 
 from django.db import DEFAULT_DB_ALIAS, models
@@ -18,11 +19,15 @@ def columns(model: type[models.Model], alias: str) -> str:
     return ", ".join(f'{alias}."{field.column}"' for field in model._meta.concrete_fields)
 
 
+@functools.cache
+def _attnames(model: type[models.Model]) -> list[str]:
+    return [field.attname for field in model._meta.concrete_fields]
+
+
 def width(model: type[models.Model]) -> int:
-    return len(model._meta.concrete_fields)
+    return len(_attnames(model))
 
 
 def build(model: type[M], values: tuple[Any, ...] | list[Any]) -> M:
     """The model instance for one row's values of `columns(model, ...)`."""
-    names = [field.attname for field in model._meta.concrete_fields]
-    return model.from_db(DEFAULT_DB_ALIAS, names, list(values))
+    return model.from_db(DEFAULT_DB_ALIAS, _attnames(model), list(values))

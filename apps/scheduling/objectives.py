@@ -260,11 +260,8 @@ def objective_save(
 def measure_due(now: datetime | None = None) -> bool:
     """Whether the tenant's objectives are to be measured (periodic work due) beside every minute its tasks
     are in play: one not ok (its window slides it back), or one without a sample this last hour."""
-    now = now or timezone.now()
+    hour = (now or timezone.now()).replace(minute=0, second=0, microsecond=0)
     rows = WaitObjective.objects.all()
-    if not rows.exists():
-        return False
-    hour = now.replace(minute=0, second=0, microsecond=0)
     return rows.exclude(state=WaitObjective.State.OK).exists() or rows.exclude(samples__hour=hour).exists()
 
 
@@ -276,10 +273,10 @@ def objectives_evaluate(*, tenant: Tenant, now: datetime | None = None) -> list[
     """Measure every objective; announce each change of state once (slo.at_risk, slo.breached,
     slo.recovered on the tenant's events and webhooks), with the tasks over target and why they wait."""
     now = now or timezone.now()
-    changed = []
+    changed, samples = [], []
     for objective in WaitObjective.objects.select_for_update(skip_locked=True):
         current = status(objective, now=now, explain=False)
-        _sample(current, now)
+        samples.append(_sample(current, now))
         if current.state == objective.state:
             continue
         waiting, reasons = why_waiting(objective, now)
@@ -290,6 +287,13 @@ def objectives_evaluate(*, tenant: Tenant, now: datetime | None = None) -> list[
         webhooks.announce(kind, data)  # and to the tenant's webhooks, sent after this commits
         WaitObjective.objects.filter(pk=objective.pk).update(state=current.state, state_since=now)
         changed.append(current)
+    # The hour's last measurement stands for it: every objective's sample in one statement.
+    WaitObjectiveSample.objects.bulk_create(
+        samples,
+        update_conflicts=True,
+        unique_fields=["objective", "hour"],
+        update_fields=["value_seconds", "target_seconds", "attainment", "error_budget_left", "state"],
+    )
     WaitObjectiveSample.objects.filter(hour__lt=now - TREND_KEPT).delete()
     return changed
 
@@ -297,18 +301,16 @@ def objectives_evaluate(*, tenant: Tenant, now: datetime | None = None) -> list[
 # -- the trend -----------------------------------------------------------------------------------------
 
 
-def _sample(current: Status, now: datetime) -> None:
-    """Keep the measurement as its hour's sample: the hour's last measurement stands for it."""
-    WaitObjectiveSample.objects.update_or_create(
+def _sample(current: Status, now: datetime) -> WaitObjectiveSample:
+    """The measurement as its hour's sample."""
+    return WaitObjectiveSample(
         objective=current.objective,
         hour=now.replace(minute=0, second=0, microsecond=0),
-        defaults={
-            "value_seconds": current.window.value_seconds,
-            "target_seconds": current.objective.target_seconds,
-            "attainment": current.window.fraction(),
-            "error_budget_left": current.budget_left,
-            "state": current.state,
-        },
+        value_seconds=current.window.value_seconds,
+        target_seconds=current.objective.target_seconds,
+        attainment=current.window.fraction(),
+        error_budget_left=current.budget_left,
+        state=current.state,
     )
 
 
