@@ -4,8 +4,9 @@ GPUs come from NVML where the host has them, or from a configured count (tests, 
 GPU). Whole-GPU tasks get whole devices; a fractional task shares one device, with its share in
 KLIQUE_GPU_MEMORY_FRACTION for frameworks that cap their memory.
 
-Each task runs under `agents.runner`, which writes its output and exit code to files in the task's
-folder, so a task outlives a crash of its agent: the restarted agent adopts the runs recorded in its state
+Each task runs under `agents.runner` (forked by `agents.zygote`, which has the runner loaded: a fork costs
+far less than a fresh interpreter), which writes its output and exit code to files in the task's folder,
+so a task outlives a crash of its agent: the restarted agent adopts the runs recorded in its state
 and reads each log on from where it stopped. Abort and preempt send SIGTERM to the whole process group,
 wait the grace period, then SIGKILL.
 """
@@ -18,7 +19,9 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +107,69 @@ def split_lines(text: str) -> list[str]:
     return pieces
 
 
+class Starter:
+    """The agent's end of agents.zygote: started on first use, again if it died; one request at a time.
+
+    The pipes are plain blocking files used from a worker thread (a fork answers within milliseconds), so
+    the starter belongs to no event loop: an agent's backend outlives the loops of its sessions."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen[bytes] | None = None
+        self.lock = threading.Lock()
+
+    async def start(self, request: dict[str, Any]) -> int:
+        """Fork a runner for `request` (agents.zygote's fields); its pid, or OSError."""
+        return await asyncio.to_thread(self._start, (json.dumps(request) + "\n").encode())
+
+    def _start(self, line: bytes) -> int:
+        with self.lock:
+            for _ in range(2):  # a zygote that died (killed, out of memory) is replaced once
+                process = self._process()
+                assert process.stdin is not None
+                assert process.stdout is not None
+                try:
+                    process.stdin.write(line)
+                    process.stdin.flush()
+                    reply = process.stdout.readline().decode().strip()
+                except (OSError, ValueError):
+                    reply = ""
+                if reply.isdigit():
+                    return int(reply)
+                if reply.startswith("error"):
+                    raise OSError(reply.removeprefix("error").strip())
+                self._close(process)
+            raise OSError("the runner starter (agents.zygote) exited without answering")
+
+    def _process(self) -> subprocess.Popen[bytes]:
+        if self.process is None or self.process.poll() is not None:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "agents.zygote"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,  # a signal to the agent's process group is not for it
+            )
+        return self.process
+
+    def close(self) -> None:
+        """Let the zygote go (it leaves when its stdin closes); the runners it forked keep running."""
+        with self.lock:
+            if self.process is not None:
+                self._close(self.process)
+
+    def _close(self, process: subprocess.Popen[bytes]) -> None:
+        self.process = None
+        for pipe in (process.stdin, process.stdout):
+            with contextlib.suppress(OSError):
+                if pipe is not None:
+                    pipe.close()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 @dataclass
 class BareMetal:
     name = "baremetal"
@@ -115,9 +181,7 @@ class BareMetal:
     problem: str = ""  # a host has nothing between the agent and its GPUs
     mig: list[MigDevice] = field(default_factory=list)
     used: dict[int, int] = field(default_factory=dict)  # device -> units in use
-    children: dict[str, asyncio.subprocess.Process] = field(
-        default_factory=dict
-    )  # runners this process started
+    starter: Starter = field(default_factory=Starter)
     stopping: set[str] = field(default_factory=set)
     followers: set[asyncio.Task[None]] = field(default_factory=set)  # kept so they are not collected mid-run
 
@@ -212,38 +276,25 @@ class BareMetal:
         spec_path.write_text(json.dumps(assignment.get("spec") or {}))
         with contextlib.suppress(FileNotFoundError):
             exit_path.unlink()
-        runner = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "agents.runner",
-            "--log",
-            str(log_path),
-            "--exit",
-            str(exit_path),
-            "--spec",
-            str(spec_path),
-            "--cache",
-            str(self.work_dir / "environments"),
-            "--environment-on-stdin",
-            "--",
-            *command,
-            cwd=directory,
-            env=environment,
-            start_new_session=True,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-        assert runner.stdin is not None
-        runner.stdin.write(json.dumps(task_variables).encode())
-        with contextlib.suppress(ConnectionError):  # a runner that died at once reports its exit code
-            await runner.stdin.drain()
-        runner.stdin.close()
-        self.children[task_id] = runner
+        try:
+            pid = await self.starter.start(
+                {
+                    "cwd": str(directory),
+                    "env": environment,
+                    "log": str(log_path),
+                    "exit": str(exit_path),
+                    "spec": str(spec_path),
+                    "cache": str(self.work_dir / "environments"),
+                    "command": command,
+                    "variables": task_variables,
+                }
+            )
+        except OSError as error:
+            raise Refused(f"This host could not start the task's runner: {error}") from None
         self._hold(devices, units, +1)
         outputs = [str(pattern) for pattern in (assignment.get("spec") or {}).get("outputs", [])]
         self.state.add_run(
-            RunRecord(task_id, runner.pid, str(log_path), str(exit_path), 0, devices, units, outputs, mig)
+            RunRecord(task_id, pid, str(log_path), str(exit_path), 0, devices, units, outputs, mig)
         )
         await report(task_id, "status", {"state": "running", "devices": devices}, None)
         self._follow(task_id, report)
@@ -267,9 +318,9 @@ class BareMetal:
             return int(Path(run.exit_path).read_text())
         except (FileNotFoundError, ValueError):
             pass
-        child = self.children.get(run.task_id)
-        ended = child.returncode is not None if child is not None else not _alive(run.pid)
-        return -signal.SIGKILL if ended else None  # killed before it could write its exit code
+        # Killed before it could write its exit code (the zygote reaps its runners as they end, so an ended
+        # one does not linger as a zombie that answers signal 0).
+        return None if _alive(run.pid) else -signal.SIGKILL
 
     async def _tail(self, task_id: str, report: Report) -> None:
         while True:
@@ -297,7 +348,6 @@ class BareMetal:
                 uploaded, failed = await self._upload_outputs(run, report)
                 self._hold(run.devices, run.units, -1)
                 self.state.remove_run(task_id)
-                self.children.pop(task_id, None)
                 result = {
                     "exit_code": code,
                     "stopped": task_id in self.stopping,

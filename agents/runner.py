@@ -43,13 +43,38 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     task_variables = _task_variables(sys.stdin.buffer) if args.environment_on_stdin else {}
-    with open(args.log, "ab", buffering=0) as log:
-        code = _run(args, command, log, task_variables)
-    temporary = f"{args.exit}.tmp"
+    run(
+        log_path=args.log,
+        exit_path=args.exit,
+        spec_path=args.spec,
+        cache=args.cache,
+        command=command,
+        task_variables=task_variables,
+    )
+    return 0
+
+
+def run(
+    *,
+    log_path: str,
+    exit_path: str,
+    spec_path: str | None,
+    cache: str | None,
+    command: list[str],
+    task_variables: dict[str, str],
+) -> None:
+    """Build the task's environment, run its command with its output appended to `log_path`, and write
+    its exit code to `exit_path` last (whole or not at all). Used by main() and by agents.zygote's forks;
+    the process's own environment is the base of the command's."""
+    with open(log_path, "ab", buffering=0) as log:
+        code = _run(
+            log_path=log_path, spec_path=spec_path, cache=cache, command=command, log=log,
+            task_variables=task_variables,
+        )  # fmt: skip
+    temporary = f"{exit_path}.tmp"
     with open(temporary, "w") as handle:
         handle.write(str(code))
-    os.replace(temporary, args.exit)  # the exit code appears whole or not at all
-    return 0
+    os.replace(temporary, exit_path)
 
 
 def _task_variables(stream: BinaryIO) -> dict[str, str]:
@@ -59,11 +84,19 @@ def _task_variables(stream: BinaryIO) -> dict[str, str]:
     return task_environment.checked(received)
 
 
-def _run(args: argparse.Namespace, command: list[str], log: BinaryIO, task_variables: dict[str, str]) -> int:
-    folder = Path(args.log).parent
-    spec = json.loads(Path(args.spec).read_text()) if args.spec else {}
+def _run(
+    *,
+    log_path: str,
+    spec_path: str | None,
+    cache: str | None,
+    command: list[str],
+    log: BinaryIO,
+    task_variables: dict[str, str],
+) -> int:
+    folder = Path(log_path).parent
+    spec = json.loads(Path(spec_path).read_text()) if spec_path else {}
     try:
-        environment = build(spec, folder, Path(args.cache or folder / ".cache"), log, task_variables)
+        environment = build(spec, folder, Path(cache or folder / ".cache"), log, task_variables)
     except BuildFailed as failure:
         log.write(f"klique: the task's environment could not be built ({failure}); see above\n".encode())
         return BUILD_FAILED

@@ -4,8 +4,11 @@ and Klique's submit-to-dispatch p50/p99.
 
 Klique: a fresh database, `klique web`, `klique worker` and one bare-metal agent serving a pool of
 `--concurrency` GPUs; the tasks (1 GPU each, `true`) are submitted through the API in batches. Slurm: the
-single node of deploy/slurm/single-node.sh, whose `--concurrency` cores run one job each.
-Usage: .venv/bin/python bench/drain.py [--tasks 2000] [--concurrency 2]
+single node of deploy/slurm/single-node.sh, once as it comes (its cores run one job each) and once tuned for
+throughput (`single-node.sh start DIR tuned`: 64 CPUs declared, the scheduler run at every submission and end,
+accounting off); its jobs are submitted one by one, as a user would.
+Usage: .venv/bin/python bench/drain.py [--tasks 600] [--slurm-jobs 1000] [--concurrency 64]
+                                       [--slurm both|default|tuned|none]
 Needs PostgreSQL and Redis on 127.0.0.1, and root for Slurm (it is installed if missing).
 """
 
@@ -141,20 +144,15 @@ def drain_pool_token(client: httpx.Client, concurrency: int) -> str:
     return token
 
 
-def slurm_drain(count: int, work: Path) -> float:
-    conf = (
-        subprocess.run(
-            [str(ROOT / "deploy" / "slurm" / "single-node.sh"), "start", str(work / "slurm")],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        .stdout.strip()
-        .splitlines()[-1]
-    )
-    environment = {**os.environ, "SLURM_CONF": conf}
+def slurm_drain(count: int, work: Path, profile: str) -> float:
+    """Seconds for the single-node Slurm of `profile` (default or tuned) to run `count` `sbatch --wrap true`
+    jobs submitted one by one, as a user would."""
+    script = str(ROOT / "deploy" / "slurm" / "single-node.sh")
+    folder = str(work / f"slurm-{profile}")
+    started = subprocess.run([script, "start", folder, profile], check=True, capture_output=True, text=True)
+    environment = {**os.environ, "SLURM_CONF": started.stdout.strip().splitlines()[-1]}
     try:
-        started = time.perf_counter()
+        began = time.perf_counter()
         for _ in range(count):
             subprocess.run(
                 ["sbatch", "--quiet", "--wrap", "true", "-o", "/dev/null"], env=environment, check=True
@@ -167,36 +165,53 @@ def slurm_drain(count: int, work: Path) -> float:
             ).stdout.strip()
         ):
             time.sleep(0.2)
-        return time.perf_counter() - started
+        return time.perf_counter() - began
     finally:
-        subprocess.run(
-            [str(ROOT / "deploy" / "slurm" / "single-node.sh"), "stop", str(work / "slurm")], check=False
-        )
+        subprocess.run([script, "stop", folder], check=False)
         time.sleep(1)  # let slurmctld save its state and exit before its folder goes
+
+
+SLURM_LABELS = {
+    "default": "Slurm, default (sbatch --wrap)",
+    "tuned": "Slurm, tuned (sbatch --wrap)",
+}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--tasks", type=int, default=600, help="tasks through Klique")
+    parser.add_argument("--slurm-jobs", type=int, default=1000, help="jobs through each Slurm")
+    parser.add_argument("--concurrency", type=int, default=64, help="GPUs of Klique's pool")
     parser.add_argument(
-        "--concurrency", type=int, default=2, help="GPUs of the pool; cores of the Slurm node"
+        "--slurm",
+        choices=("both", "default", "tuned", "none"),
+        default="both",
+        help="which Slurm configurations run beside Klique (the ratio is against the tuned one when it runs)",
     )
     args = parser.parse_args()
+    profiles = {"both": ["default", "tuned"], "none": []}.get(args.slurm, [args.slurm])
     with tempfile.TemporaryDirectory(prefix="klique-drain-", ignore_cleanup_errors=True) as folder:
         work = Path(folder)
         klique_seconds, p50, p99 = klique_drain(args.tasks, args.concurrency, work)
-        slurm_seconds = slurm_drain(args.tasks, work)
-    klique_rate, slurm_rate = args.tasks / klique_seconds, args.tasks / slurm_seconds
-    print(f"{args.tasks} trivial tasks at concurrency {args.concurrency}")
-    print(f"{'':32}{'seconds':>10}{'tasks/s':>10}")
-    print(f"{'Klique (one bare-metal agent)':32}{klique_seconds:>10.1f}{klique_rate:>10.1f}")
-    print(f"{'Slurm (sbatch --wrap true)':32}{slurm_seconds:>10.1f}{slurm_rate:>10.1f}")
+        slurm = {profile: slurm_drain(args.slurm_jobs, work, profile) for profile in profiles}
+    klique_rate = args.tasks / klique_seconds
+    print(f"trivial tasks, Klique at concurrency {args.concurrency}")
+    print(f"{'':34}{'tasks':>8}{'seconds':>10}{'tasks/s':>10}")
+    print(f"{'Klique (one bare-metal agent)':34}{args.tasks:>8}{klique_seconds:>10.1f}{klique_rate:>10.1f}")
+    for profile, seconds in slurm.items():
+        rate = args.slurm_jobs / seconds
+        print(f"{SLURM_LABELS[profile]:34}{args.slurm_jobs:>8}{seconds:>10.1f}{rate:>10.1f}")
     print(
         f"Klique submit-to-dispatch with free capacity ({PROBES} tasks): "
         f"p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms"
     )
-    rates = f"{klique_rate:.1f} / {slurm_rate:.1f} tasks/s"
-    print(f"ratio: {klique_rate / slurm_rate:.3f} ({rates}, Klique / Slurm)")
+    if not slurm:
+        print(f"ratio: 1.000 ({klique_rate:.1f} / {klique_rate:.1f} tasks/s, no Slurm run: Klique alone)")
+        return 0
+    peer = "tuned" if "tuned" in slurm else "default"
+    peer_rate = args.slurm_jobs / slurm[peer]
+    rates = f"{klique_rate:.1f} / {peer_rate:.1f} tasks/s"
+    print(f"ratio: {klique_rate / peer_rate:.3f} ({rates}, Klique / Slurm {peer})")
     return 0
 
 

@@ -410,7 +410,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker = commands.add_parser("worker", help="run a Celery worker")
     worker.add_argument("--concurrency", type=int, default=2)
     commands.add_parser("beat", help="run Celery beat (periodic work)")
-    commands.add_parser("migrate", help="migrate the public schema and every tenant schema")
+    migrate = commands.add_parser(
+        "migrate", help="migrate the public schema, then every tenant schema in parallel (resumable)"
+    )
+    migrate.add_argument("--processes", type=int, default=None, help="tenant schemas migrated at once")
     add_commands(commands)
     for name, help_text in (
         ("tenant", "create, list, suspend, resume, delete tenants"),
@@ -433,7 +436,9 @@ COMMANDS: dict[str, Any] = {
     "web": lambda args: _exec(_web_argv(args.host, args.port, args.workers)),
     "worker": lambda args: _exec(_worker_argv(args.concurrency)),
     "beat": _beat,
-    "migrate": lambda args: command_manage(["migrate_schemas", "--noinput"]),
+    "migrate": lambda args: command_manage(
+        ["migrate_tenants", *(["--processes", str(args.processes)] if args.processes is not None else [])]
+    ),
     "tenant": lambda args: command_manage(["tenant", *args.arguments]),
     "provider-admin": lambda args: command_manage(["provider_admin", *args.arguments]),
     "manage": lambda args: command_manage(args.arguments),

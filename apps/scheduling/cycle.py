@@ -80,9 +80,15 @@ def _engine_pool(pool: Pool, now: datetime, stopping: int = 0, refusing: bool = 
     )
 
 
-def snapshot(tenant: Tenant, now: datetime, *, held: frozenset[str] = frozenset()) -> engine.Snapshot:
-    """The tenant's state as the engine sees it (without the queued tasks in `held`). Call inside the
-    cycle's transaction."""
+Shown = dict[str, tuple[str, str]]  # a queued task's id -> the reason code and text it shows now
+
+
+def snapshot(
+    tenant: Tenant, now: datetime, *, held: frozenset[str] = frozenset()
+) -> tuple[engine.Snapshot, Shown]:
+    """The tenant's state as the engine sees it (without the queued tasks in `held`), and the reasons its
+    queued tasks show now (read in the same pass, so the cycle writes only the reasons that changed).
+    Call inside the cycle's transaction."""
     profiles = []
     for profile in ResourceProfile.objects.prefetch_related("pool_order"):
         order = list(profile.pool_order.all())
@@ -95,23 +101,30 @@ def snapshot(tenant: Tenant, now: datetime, *, held: frozenset[str] = frozenset(
                 float(profile.starvation_seconds) if profile.starvation_seconds else None,
             )
         )
-    queued = tuple(
-        engine.Task(
-            str(pk), str(resource), size, submitted.timestamp(), engine.Sharing(sharing), priority, limit
+    queued = []
+    shown: Shown = {}
+    for pk, resource, size, submitted, sharing, priority, limit, code, reason in Task.objects.filter(
+        state=TaskState.QUEUED, compute_resource__isnull=False
+    ).values_list(
+        "pk",
+        "compute_resource_id",
+        "size_units",
+        "submitted_at",
+        "sharing",
+        "priority",
+        "time_limit_seconds",
+        "reason_code",
+        "reason",
+    ):
+        key = str(pk)
+        if key in held:
+            continue
+        queued.append(
+            engine.Task(
+                key, str(resource), size, submitted.timestamp(), engine.Sharing(sharing), priority, limit
+            )
         )
-        for pk, resource, size, submitted, sharing, priority, limit in Task.objects.filter(
-            state=TaskState.QUEUED, compute_resource__isnull=False
-        ).values_list(
-            "pk",
-            "compute_resource_id",
-            "size_units",
-            "submitted_at",
-            "sharing",
-            "priority",
-            "time_limit_seconds",
-        )
-        if str(pk) not in held
-    )
+        shown[key] = (code, reason)
     running = tuple(
         engine.Allocation(
             str(pk),
@@ -136,7 +149,7 @@ def snapshot(tenant: Tenant, now: datetime, *, held: frozenset[str] = frozenset(
     )
     stopping = _stopping_units()
     refusing = agents().refusing()  # an autoscaler that cannot start instances: its pool takes no work
-    return engine.Snapshot(
+    state = engine.Snapshot(
         now=now.timestamp(),
         pools=tuple(
             _engine_pool(pool, now, stopping.get(str(pool.pk), 0), str(pool.pk) in refusing)
@@ -155,10 +168,11 @@ def snapshot(tenant: Tenant, now: datetime, *, held: frozenset[str] = frozenset(
                 "pk", "policy_id", "profile_id", "queuing_priority"
             )
         ),
-        queued=queued,
+        queued=tuple(queued),
         running=running,
         tenant_share=None if tenant.gpu_share is None else tenant.gpu_share * engine.UNITS_PER_GPU,
     )
+    return state, shown
 
 
 def _publish_use(tenant: Tenant) -> None:
@@ -208,25 +222,24 @@ def _tell_agents(tenant: Tenant, decision: engine.Decision, stopped: list[TaskRu
         )  # fmt: skip
 
 
-def _apply(decision: engine.Decision, now: datetime) -> tuple[int, int, list[TaskRun]]:
+def _apply(decision: engine.Decision, now: datetime, shown: Shown) -> tuple[int, int, list[TaskRun]]:
     """Write the cycle's decision: placements and preemptions through the lifecycle, then the reasons
-    the tasks left waiting wait for."""
+    the tasks left waiting wait for, where they differ from what the task shows (`shown`, read by the
+    snapshot). Only a task still queued takes its reason: one cancelled meanwhile keeps its own."""
     placed = lifecycle.tasks_place(decision.placements, now)
     preempted, stopped = lifecycle.tasks_preempt(decision.preemptions, now)
 
-    # A run given up (its pool went silent) keeps saying so while the task waits: that is why it waits.
-    waiting = (
-        Task.objects.filter(pk__in=list(decision.reasons), state=TaskState.QUEUED)
-        .exclude(reason_code=LOST_REASON)
-        .only("reason_code", "reason")
+    changed = [
+        Task(pk=pk, reason_code=reason.code, reason=reason.message)
+        for pk, reason in decision.reasons.items()
+        if pk in shown
+        # A run given up (its pool went silent) keeps saying so while the task waits: that is why it waits.
+        and shown[pk][0] != LOST_REASON
+        and shown[pk] != (reason.code, reason.message)
+    ]
+    Task.objects.filter(state=TaskState.QUEUED).exclude(reason_code=LOST_REASON).bulk_update(
+        changed, ["reason_code", "reason"], batch_size=2000
     )
-    changed = []
-    for task in waiting.iterator(chunk_size=2000):
-        reason = decision.reasons[str(task.pk)]
-        if (task.reason_code, task.reason) != (reason.code, reason.message):
-            task.reason_code, task.reason = reason.code, reason.message
-            changed.append(task)
-    Task.objects.bulk_update(changed, ["reason_code", "reason"], batch_size=2000)
     return placed, preempted, stopped
 
 
@@ -244,9 +257,9 @@ def run_cycle(tenant: Tenant) -> CycleResult:
         lifecycle.tasks_past_time_limit(tenant=tenant)
         now = timezone.now()
         held = _held_by_budgets(now)
-        state = snapshot(tenant, now, held=frozenset(held))
+        state, shown = snapshot(tenant, now, held=frozenset(held))
         decision = engine.schedule(state)
-        placed, preempted, stopped = _apply(decision, now)
+        placed, preempted, stopped = _apply(decision, now, shown)
         _explain(held, code="budget_exhausted")
         if placed or preempted:  # one event a cycle, however many tasks it moved
             publish_event(

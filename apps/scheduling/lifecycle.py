@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import DurationField, ExpressionWrapper, F, Q, Value
 from django.utils import timezone
 
@@ -389,34 +389,37 @@ def tasks_of_silent_pools(*, tenant: Tenant) -> int:
 
 
 def tasks_place(placements: Iterable[engine.Placement], now: datetime) -> int:
-    """A cycle's placements: each queued task into its pool, once (the conditional update is the guard
-    against a second worker). Returns how many were placed."""
-    events: list[TaskEvent] = []
-    for placement in placements:
-        task = Task.objects.filter(pk=placement.task, state=TaskState.QUEUED).only("queued_at").first()
-        if task is None:
-            continue
-        wait = (now - task.queued_at).total_seconds()
-        if Task.objects.filter(pk=placement.task, state=TaskState.QUEUED).update(
-            state=TaskState.PLACED,
-            pool_id=placement.pool,
-            placed_at=now,
-            wait_seconds=wait,
-            reason_code="",
-            reason="",
-        ):
-            events.append(
-                TaskEvent(
-                    task_id=placement.task,
-                    at=now,
-                    actor=SCHEDULER,
-                    from_state=TaskState.QUEUED,
-                    to_state=TaskState.PLACED,
-                    message=f"placed in pool {placement.pool}",
-                )
-            )
-    TaskEvent.objects.bulk_create(events)
-    return len(events)
+    """A cycle's placements: each queued task into its pool, once, in one statement (its condition, still
+    queued, is the guard against a second worker and a cancel meanwhile). Returns how many were placed."""
+    wanted = [(placement.task, placement.pool) for placement in placements]
+    if not wanted:
+        return 0
+    rows = ", ".join(["(%s::uuid, %s::uuid)"] * len(wanted))
+    table = connection.ops.quote_name(Task._meta.db_table)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"""UPDATE {table} AS t
+                   SET state = %s, pool_id = v.pool, placed_at = %s,
+                       wait_seconds = extract(epoch FROM %s - t.queued_at), reason_code = '', reason = ''
+                  FROM (VALUES {rows}) AS v(task, pool)
+                 WHERE t.id = v.task AND t.state = %s
+             RETURNING t.id, v.pool""",  # noqa: S608 (the table's name is the model's; every value is a parameter)
+            [TaskState.PLACED, now, now, *(value for pair in wanted for value in pair), TaskState.QUEUED],
+        )
+        placed = {str(task) for task, _pool in cursor.fetchall()}
+    TaskEvent.objects.bulk_create(
+        TaskEvent(
+            task_id=task,
+            at=now,
+            actor=SCHEDULER,
+            from_state=TaskState.QUEUED,
+            to_state=TaskState.PLACED,
+            message=f"placed in pool {pool}",
+        )
+        for task, pool in wanted  # in the cycle's order
+        if str(task) in placed
+    )
+    return len(placed)
 
 
 @dataclass

@@ -280,7 +280,7 @@ def test_an_abort_is_asked_for_until_the_agent_lets_the_run_go_and_its_gpus_wait
 
     def free_units() -> int:
         with schema_context("fleet"):
-            state = snapshot(fleet["tenant"], timezone.now())
+            state, _shown = snapshot(fleet["tenant"], timezone.now())
             h100 = str(Pool.objects.get(name="h100").pk)
         connections.close_all()
         return next(pool.capacity for pool in state.pools if pool.id == h100)

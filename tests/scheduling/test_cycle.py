@@ -96,9 +96,10 @@ def test_a_second_cycle_on_the_same_state_changes_nothing(world: World, db: None
 def test_writing_one_decision_twice_places_each_task_once(world: World, db: None) -> None:
     with schema_context("acme"):
         now = timezone.now()
-        decision = engine.schedule(snapshot(world.tenant_a, now))
-        assert _apply(decision, now) == (1, 0, [])
-        assert _apply(decision, now) == (0, 0, [])
+        state, shown = snapshot(world.tenant_a, now)
+        decision = engine.schedule(state)
+        assert _apply(decision, now, shown) == (1, 0, [])
+        assert _apply(decision, now, shown) == (0, 0, [])
         assert TaskEvent.objects.filter(task_id=world.task_a, to_state=TaskState.PLACED).count() == 1
 
 
@@ -181,7 +182,7 @@ def test_a_cycle_preempting_two_runs_and_an_agent_ending_one_of_them_both_go_thr
             running_task(dev, pools[pool], olga, minutes)
         requests = [TaskRequest(compute_resource="Research: 4 GPUs", name=f"r{i}") for i in range(2)]
         tasks_submit(tenant=committed_tenant, user=olga, requests=requests)
-        decision = engine.schedule(snapshot(committed_tenant, timezone.now()))
+        decision = engine.schedule(snapshot(committed_tenant, timezone.now())[0])
     first, second = (str(preemption.victim) for preemption in decision.preemptions)
 
     locked, errors, results = threading.Event(), [], []

@@ -174,7 +174,7 @@ def test_the_scheduler_sees_a_queued_task_s_limit_and_a_running_one_s_planned_en
     task = running_task(world, limit=3600, started_ago=timedelta(minutes=10))
     with schema_context("acme"):
         now = timezone.now()
-        seen = snapshot(world.tenant_a, now)
+        seen, _shown = snapshot(world.tenant_a, now)
     assert next(item for item in seen.queued if item.id == queued).time_limit == 1800
     allocation = next(item for item in seen.running if item.task == str(task.pk))
     assert allocation.ends_at == pytest.approx((now - timedelta(minutes=10)).timestamp() + 3600, abs=2)

@@ -143,12 +143,14 @@ def test_the_bare_metal_agent_refuses_what_the_plane_should_have(
 
 
 def test_on_bare_metal_only_the_tasks_command_has_its_variables(tmp_path: Path) -> None:
-    """The runner (the agent's own program) is started without the task's variables; they reach the
-    command through the runner's stdin. /proc shows each process's environment as it started."""
+    """The runner (the agent's own program, forked by agents.zygote) is started without the task's
+    variables; they reach the command through a pipe, in memory. /proc shows each process's environment
+    as it started."""
     bare = BareMetal(1, tmp_path / "work", State(tmp_path / "agent.sqlite"))
     marker = tmp_path / "started"
     script = (
-        "import os, pathlib, sys, time; print(os.environ['HF_TOKEN'], os.environ['EPOCHS']);"
+        "import os, pathlib, sys, time;"
+        "print(os.environ['HF_TOKEN'], os.environ['EPOCHS'], os.environ['KLIQUE_TASK_ID']);"
         f"pathlib.Path({str(marker)!r}).write_text(str(os.getppid())); time.sleep(30)"
     )
     given = _bare_assignment(
@@ -159,22 +161,23 @@ def test_on_bare_metal_only_the_tasks_command_has_its_variables(tmp_path: Path) 
     async def report(task_id: str, kind: str, body: dict[str, Any], offset: Position | None) -> None:
         seen.append((kind, body))
 
-    async def scenario() -> bytes:
+    async def scenario() -> tuple[bytes, bytes]:
         await bare.start(given, report)
         for _ in range(200):
             if marker.exists() and marker.read_text():
                 break
             await asyncio.sleep(0.05)
-        runner = Path(f"/proc/{marker.read_text()}/environ").read_bytes()
+        runner = Path(f"/proc/{marker.read_text()}")
+        seen = (runner / "cmdline").read_bytes(), (runner / "environ").read_bytes()
         await bare.stop("t-env", 0)
-        return runner
+        return seen
 
-    runner_environment = asyncio.run(scenario())
+    runner_command, runner_environment = asyncio.run(scenario())
+    assert b"agents.zygote" in runner_command  # it is the runner: a fork of the zygote
     assert b"hf_abc" not in runner_environment
     assert b"EPOCHS=" not in runner_environment
-    assert b"KLIQUE_TASK_ID=t-env" in runner_environment  # it is the runner's, Klique's variables in it
     output = (tmp_path / "work" / "t-env" / "output.log").read_text()
-    assert "hf_abc 3" in output
+    assert "hf_abc 3 t-env" in output  # the command has its variables and Klique's
 
 
 class Recorded:

@@ -1,0 +1,104 @@
+"""`klique migrate` (tenants/migrate.py): a new migration reaches every tenant schema through parallel
+processes; a schema that fails is named and the others are done; the next run resumes with only what is
+left, and skips schemas already up to date."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.db import connection
+from django_tenants.utils import schema_context
+
+from apps.provider.services import tenant_create, tenant_delete
+from tenants.migrate import migrate_all, pending
+from tenants.models import Tenant
+from tests.world import World
+
+SLUGS = ("mig-a", "mig-b", "mig-c", "mig-d")
+LATEST = ("scheduling", "0012_objective_samples")  # its table: scheduling_waitobjectivesample
+
+
+def schema_of(slug: str) -> str:
+    return str(Tenant.objects.get(slug=slug).schema_name)
+
+
+def has_latest(schema: str) -> bool:
+    with connection.cursor() as cursor:
+        table = f"{connection.ops.quote_name(schema)}.django_migrations"  # a test's own schema
+        cursor.execute(f"SELECT 1 FROM {table} WHERE app = %s AND name = %s", list(LATEST))  # noqa: S608
+        return cursor.fetchone() is not None
+
+
+def squat(schema: str) -> None:
+    with schema_context(schema), connection.cursor() as cursor:
+        cursor.execute("CREATE TABLE scheduling_waitobjectivesample (squatter int)")
+
+
+@pytest.fixture
+def schemas(world: World, django_db_blocker: pytest.FixtureRequest) -> Iterator[list[str]]:
+    """Four committed tenants whose schemas lack the latest scheduling migration, as after a deploy that
+    brings a new one (it is unapplied: its table dropped, its record gone)."""
+    with django_db_blocker.unblock():  # type: ignore[attr-defined]
+        for slug in SLUGS:
+            tenant_create(slug=slug, name=slug, admin_username="mia")
+        names = [schema_of(slug) for slug in SLUGS]
+        for name in names:
+            call_command("migrate_schemas", "scheduling", "0011", schema_name=name, tenant=True, verbosity=0)
+        yield names
+        for slug in SLUGS:
+            tenant_delete(tenant=Tenant.objects.get(slug=slug))
+
+
+def test_a_new_migration_reaches_every_schema_and_a_failed_one_is_named_then_resumed(
+    schemas: list[str], django_db_blocker: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with django_db_blocker.unblock():  # type: ignore[attr-defined]
+        assert set(pending(schemas)) == set(schemas)
+        assert pending(schemas) == dict.fromkeys(schemas, 1)
+        broken = schemas[1]
+        with (
+            schema_context(broken),
+            connection.cursor() as cursor,
+        ):  # what the migration creates is in the way
+            cursor.execute("CREATE TABLE scheduling_waitobjectivesample (squatter int)")
+
+        lines: list[str] = []
+        summary = migrate_all(processes=2, progress=lines.append)
+
+        assert [failed.schema for failed in summary.failed] == [broken]
+        assert "scheduling_waitobjectivesample" in summary.failed[0].error
+        assert "already exists" in summary.failed[0].error
+        assert {schema: has_latest(schema) for schema in schemas} == {
+            schema: schema != broken for schema in schemas
+        }
+        # Progress: a line per schema, the failed one named with its error.
+        assert lines[0].endswith(
+            f"{len(schemas)} of {summary.up_to_date + len(schemas)} tenant schemas have migrations to apply"
+        )
+        assert sorted(line.split("] ")[1].split(":")[0] for line in lines[1:]) == sorted(schemas)
+        assert any(line.startswith("[") and f"{broken}: FAILED: ProgrammingError" in line for line in lines)
+        assert set(pending(schemas)) == {broken}  # the other schemas are done
+
+        capsys.readouterr()
+        with pytest.raises(CommandError, match=rf"(?s)not migrated.*{broken}: ProgrammingError.*again"):
+            call_command("migrate_tenants", processes=2)  # still broken: named, and the command fails
+        assert f"{broken}: FAILED" in capsys.readouterr().out
+        with schema_context(broken), connection.cursor() as cursor:
+            cursor.execute("DROP TABLE scheduling_waitobjectivesample")
+
+        resumed: list[str] = []
+        again = migrate_all(processes=2, progress=resumed.append)
+        assert [migrated.schema for migrated in again.migrated] == [broken]  # only what was left
+        assert again.failed == []
+        assert all(has_latest(schema) for schema in schemas)
+        assert pending(schemas) == {}
+
+        call_command("migrate_tenants", processes=2)  # nothing left: every schema skipped, no error
+        assert "0 tenant schemas migrated" in capsys.readouterr().out
+
+
+def test_processes_must_be_one_or_more(db: None) -> None:
+    with pytest.raises(CommandError, match="1 or more"):
+        call_command("migrate_tenants", processes=0)
