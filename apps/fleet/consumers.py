@@ -143,16 +143,14 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         elif self.agent_id is None:
             raise errors.AgentRejected("Say hello first.")
         elif isinstance(message, messages.Heartbeat):
-            stops = await database_sync_to_async(self._in_schema)(
-                session.agent_heartbeat,
-                tenant=self.tenant,
-                token=token,
-                agent_id=self.agent_id,
-                heartbeat=message,
+            # One trip to the database thread (one connection drawn from the pool) for both.
+            stops, assigned = await database_sync_to_async(self._in_schema)(
+                self._heartbeat, token=token, heartbeat=message
             )
             for stop in stops:
                 await self.send_json(stop.as_json())
-            await self._dispatch()
+            for assignment in assigned:
+                await self.send_json(assignment)
         elif isinstance(message, messages.Accepted):
             await database_sync_to_async(self._in_schema)(
                 dispatch.lease_accepted, tenant=self.tenant, pool=token.pool, agent_id=self.agent_id,
@@ -189,16 +187,27 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         await self.send_json(welcome.as_json())
         await self._dispatch()
 
-    async def _dispatch(self) -> None:
-        token = self.token
-        assert token is not None
-        assigned = await database_sync_to_async(self._in_schema)(
-            dispatch.dispatch,
+    def _heartbeat(
+        self, *, token: AgentToken, heartbeat: messages.Heartbeat
+    ) -> tuple[list[messages.Stop], list[dict[str, Any]]]:
+        """In the database thread: record the heartbeat (its own transaction), then hand out placed work."""
+        stops = session.agent_heartbeat(
+            tenant=self.tenant, token=token, agent_id=self.agent_id or "", heartbeat=heartbeat
+        )
+        return stops, self._assignments(token)
+
+    def _assignments(self, token: AgentToken) -> list[dict[str, Any]]:
+        return dispatch.dispatch(
             pool=token.pool,
-            schema_name=self.schema_name,
+            schema_name=self.schema_name or "",
             agent_id=self.agent_id or "",
             instance=token.instance_of_id is not None,
         )
+
+    async def _dispatch(self) -> None:
+        token = self.token
+        assert token is not None
+        assigned = await database_sync_to_async(self._in_schema)(self._assignments, token=token)
         for message in assigned:
             await self.send_json(message)
 
