@@ -34,9 +34,8 @@ from multiprocessing.synchronize import Event
 from typing import Any
 
 import httpx
-import psycopg
 import websockets
-from scratch import KLIQUE, ROOT, scratch_klique
+from scratch import KLIQUE, ROOT, dispatch_latency, scratch_klique
 
 sys.path.insert(0, str(ROOT))
 from protocol import messages
@@ -164,18 +163,7 @@ def latency(client: httpx.Client, database_url: str, prefix: str) -> tuple[float
                 late.append(f"{seen['state']}: {seen.get('reason') or ''}")
                 break
             time.sleep(0.05)
-    with psycopg.connect(database_url) as connection:
-        row = connection.execute(
-            """SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM d.at - q.at)),
-                      percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM d.at - q.at))
-                 FROM demo.scheduling_task t
-                 JOIN demo.scheduling_taskevent q ON q.task_id = t.id AND q.to_state = 'queued'
-                 JOIN demo.scheduling_taskevent d ON d.task_id = t.id AND d.to_state = 'dispatching'
-                WHERE t.name LIKE %s""",
-            [f"{prefix}-%"],
-        ).fetchone()
-    assert row is not None
-    return float(row[0] or "nan"), float(row[1] or "nan"), late
+    return (*dispatch_latency(database_url, f"{prefix}-%"), late)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -7,8 +7,8 @@ Klique: a fresh database, `klique web`, `klique worker` and one bare-metal agent
 single node of deploy/slurm/single-node.sh, once as it comes (its cores run one job each) and once tuned for
 throughput (`single-node.sh start DIR tuned`: 64 CPUs declared, the scheduler run at every submission and end,
 accounting off); its jobs are submitted one by one, as a user would.
-Usage: .venv/bin/python bench/drain.py [--tasks 600] [--slurm-jobs 1000] [--concurrency 64]
-                                       [--slurm both|default|tuned|none]
+Usage: .venv/bin/python bench/drain.py [--tasks 600] [--slurm-jobs 1000] [--default-slurm-jobs 100]
+                                       [--concurrency 64] [--slurm both|default|tuned|none]
 Needs PostgreSQL and Redis on 127.0.0.1, and root for Slurm (it is installed if missing).
 """
 
@@ -23,8 +23,7 @@ import time
 from pathlib import Path
 
 import httpx
-import psycopg
-from scratch import KLIQUE, ROOT, scratch_klique
+from scratch import KLIQUE, ROOT, dispatch_latency, scratch_klique
 
 
 def free_port() -> int:
@@ -53,18 +52,7 @@ def free_capacity_latency(client: httpx.Client, database_url: str) -> tuple[floa
         ).json()
         while client.get(f"/api/v1/tasks/{task['id']}/").json()["state"] != "completed":
             time.sleep(0.05)
-    with psycopg.connect(database_url) as connection:
-        row = connection.execute(
-            """SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM d.at - q.at)),
-                      percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM d.at - q.at))
-                 FROM demo.scheduling_task t
-                 JOIN demo.scheduling_taskevent q ON q.task_id = t.id AND q.to_state = 'queued'
-                 JOIN demo.scheduling_taskevent d ON d.task_id = t.id AND d.to_state = 'dispatching'
-                WHERE t.name LIKE 'probe-%%'"""
-        ).fetchone()
-    assert row is not None
-    p50, p99 = row
-    return float(p50), float(p99)
+    return dispatch_latency(database_url, "probe-%")
 
 
 def klique_drain(count: int, concurrency: int, work: Path) -> tuple[float, float, float]:
@@ -180,7 +168,13 @@ SLURM_LABELS = {
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=600, help="tasks through Klique")
-    parser.add_argument("--slurm-jobs", type=int, default=1000, help="jobs through each Slurm")
+    parser.add_argument("--slurm-jobs", type=int, default=1000, help="jobs through the tuned Slurm")
+    parser.add_argument(
+        "--default-slurm-jobs",
+        type=int,
+        default=100,
+        help="jobs through the default Slurm (it starts about one a second: 1,000 would take a quarter hour)",
+    )
     parser.add_argument("--concurrency", type=int, default=64, help="GPUs of Klique's pool")
     parser.add_argument(
         "--slurm",
@@ -193,14 +187,19 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="klique-drain-", ignore_cleanup_errors=True) as folder:
         work = Path(folder)
         klique_seconds, p50, p99 = klique_drain(args.tasks, args.concurrency, work)
-        slurm = {profile: slurm_drain(args.slurm_jobs, work, profile) for profile in profiles}
+        jobs = {"tuned": args.slurm_jobs, "default": args.default_slurm_jobs}
+        print(
+            f"Klique: {args.tasks} tasks in {klique_seconds:.1f} s; Slurm: {', '.join(profiles) or 'none'}",
+            flush=True,
+        )
+        slurm = {profile: slurm_drain(jobs[profile], work, profile) for profile in profiles}
     klique_rate = args.tasks / klique_seconds
     print(f"trivial tasks, Klique at concurrency {args.concurrency}")
     print(f"{'':34}{'tasks':>8}{'seconds':>10}{'tasks/s':>10}")
     print(f"{'Klique (one bare-metal agent)':34}{args.tasks:>8}{klique_seconds:>10.1f}{klique_rate:>10.1f}")
     for profile, seconds in slurm.items():
-        rate = args.slurm_jobs / seconds
-        print(f"{SLURM_LABELS[profile]:34}{args.slurm_jobs:>8}{seconds:>10.1f}{rate:>10.1f}")
+        rate = jobs[profile] / seconds
+        print(f"{SLURM_LABELS[profile]:34}{jobs[profile]:>8}{seconds:>10.1f}{rate:>10.1f}")
     print(
         f"Klique submit-to-dispatch with free capacity ({PROBES} tasks): "
         f"p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms"
@@ -209,7 +208,7 @@ def main() -> int:
         print(f"ratio: 1.000 ({klique_rate:.1f} / {klique_rate:.1f} tasks/s, no Slurm run: Klique alone)")
         return 0
     peer = "tuned" if "tuned" in slurm else "default"
-    peer_rate = args.slurm_jobs / slurm[peer]
+    peer_rate = jobs[peer] / slurm[peer]
     rates = f"{klique_rate:.1f} / {peer_rate:.1f} tasks/s"
     print(f"ratio: {klique_rate / peer_rate:.3f} ({rates}, Klique / Slurm {peer})")
     return 0

@@ -91,3 +91,20 @@ def klique_web(environment: dict[str, str], port: int) -> Iterator[str]:
     finally:
         web.terminate()
         web.wait(timeout=30)
+
+
+def dispatch_latency(database_url: str, name_pattern: str) -> tuple[float, float]:
+    """Submit-to-dispatch p50 and p99, in seconds, of the demo tenant's tasks whose names are LIKE
+    `name_pattern`: from each task's own events (queued, then dispatching). NaN where none was dispatched."""
+    with psycopg.connect(database_url) as connection:
+        row = connection.execute(
+            """SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM d.at - q.at)),
+                      percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM d.at - q.at))
+                 FROM demo.scheduling_task t
+                 JOIN demo.scheduling_taskevent q ON q.task_id = t.id AND q.to_state = 'queued'
+                 JOIN demo.scheduling_taskevent d ON d.task_id = t.id AND d.to_state = 'dispatching'
+                WHERE t.name LIKE %s""",
+            [name_pattern],
+        ).fetchone()
+    assert row is not None
+    return float(row[0] if row[0] is not None else "nan"), float(row[1] if row[1] is not None else "nan")
