@@ -42,7 +42,9 @@ bench: install
 	$(BIN)/python bench/kubernetes_dispatch.py
 	$(BIN)/python bench/mcp_calls.py
 	$(BIN)/python bench/autoscale.py
-	$(BIN)/python bench/drain.py --tasks 300  # 2,000 (its default) takes the local Slurm most of an hour
+	$(BIN)/python bench/drain.py
+	$(BIN)/python bench/agents_connected.py
+	$(BIN)/python bench/tenants_at_rest.py
 
 lock:
 	{ echo '# Pinned versions of everything Klique installs; `make lock` regenerates this from the virtual environment.'; \
