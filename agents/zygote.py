@@ -33,6 +33,8 @@ from typing import Any, BinaryIO
 from agents import runner
 from protocol import environment as task_environment
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)
+
 
 def _reap(_signal: int, _frame: Any) -> None:
     while True:
@@ -49,6 +51,10 @@ def _runner(request: dict[str, Any]) -> None:
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the runner waits for its own command
+        # The signals a task is stopped or interrupted by reach its command as they would a fresh process,
+        # even where the agent was started with them ignored (as a shell's background job is).
+        for number in STOP_SIGNALS:
+            signal.signal(number, signal.SIG_DFL)
         os.setsid()
         devnull = os.open(os.devnull, os.O_RDWR)
         for descriptor in (0, 1, 2):  # the zygote's pipes are the agent's, not the task's

@@ -13,6 +13,7 @@ from typing import Any
 
 from agents.baremetal import BareMetal, Starter, _alive
 from agents.state import Position, State
+from agents.zygote import STOP_SIGNALS
 
 
 def request(folder: Path, command: list[str], **extra: Any) -> dict[str, Any]:
@@ -41,7 +42,8 @@ def test_a_forked_runner_runs_the_command_with_its_environment_and_writes_its_ex
     tmp_path: Path,
 ) -> None:
     """The base environment is the request's whole environment; the task's variables reach only the command;
-    no signal is left ignored for it; its folder is its working directory."""
+    the signals that stop a task are not ignored by it, even where the agent ignores them (as a shell's
+    background job does); its folder is its working directory."""
     script = (
         "import os; print(os.environ['KLIQUE_TASK_ID'], os.environ['EPOCHS'], os.getcwd());"
         "print('KLIQUE_AGENT_ONLY' in os.environ);"
@@ -50,6 +52,7 @@ def test_a_forked_runner_runs_the_command_with_its_environment_and_writes_its_ex
     # The shell says which signals it started with ignored, then becomes the Python script.
     shell = ["sh", "-c", 'grep ^SigIgn: /proc/$$/status | cut -f2; exec "$0" -c "$1"']
     os.environ["KLIQUE_AGENT_ONLY"] = "1"
+    ignoring = {number: signal.signal(number, signal.SIG_IGN) for number in STOP_SIGNALS}
     try:
 
         async def scenario() -> int:
@@ -63,12 +66,15 @@ def test_a_forked_runner_runs_the_command_with_its_environment_and_writes_its_ex
         pid = asyncio.run(scenario())
     finally:
         del os.environ["KLIQUE_AGENT_ONLY"]
+        for number, handler in ignoring.items():
+            signal.signal(number, handler)
     wait_for((tmp_path / "t1" / "exit-code").exists)
     assert (tmp_path / "t1" / "exit-code").read_text() == "7"
     ignored, first, inherited = (tmp_path / "t1" / "output.log").read_text().split("\n")[:3]
     assert first == f"t1 3 {tmp_path / 't1'}"
     assert inherited == "False"  # the agent's own variables are not the task's
-    assert int(ignored, 16) == 0  # SIGTERM and SIGINT reach the command as they would a fresh process
+    for number in STOP_SIGNALS:  # the agent (this test) ignored them; the command does not
+        assert not int(ignored, 16) & (1 << (number - 1)), signal.Signals(number).name
     assert os.getpgid(pid) == pid  # a session and process group of its own: the agent signals the group
 
 
