@@ -4,15 +4,17 @@ a file.
     python -m agents.runner --log out.log --exit exit-code [--spec spec.json --cache DIR]
                             [--environment-on-stdin] -- program ...
 
-The agent starts this in a session of its own and follows the files, so an agent that crashes and comes
+The bare-metal agent has agents.zygote fork it (run() below) in a session of its own; the command line is
+the same runner as a program of its own. The agent follows the files, so an agent that crashes and comes
 back finds the task still running (or finished) and picks up where it stopped reading. The runner builds
 the task's environment first (agents.environment), then runs the command. It ignores SIGTERM and SIGINT
 once the command runs: those are for the command (the agent signals the whole process group); the runner
 waits for it and writes its exit code (a negative number for a signal) last.
 
-The task's own environment (its spec's variables and its secrets) comes as one JSON object on stdin,
-never in the runner's environment or on disk: only the task's command gets it, not the runner, not the
-steps that build the task's environment (git, pip, the container engine's pull).
+The task's own environment (its spec's variables and its secrets) comes as one JSON object on stdin (from
+the zygote, in the fork's request), never in the runner's environment or on disk: only the task's command
+gets it, not the runner, not the steps that build the task's environment (git, pip, the container engine's
+pull).
 """
 
 from __future__ import annotations
