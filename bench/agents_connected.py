@@ -35,21 +35,13 @@ from typing import Any
 
 import httpx
 import websockets
-from scratch import KLIQUE, ROOT, dispatch_latency, scratch_klique
+from scratch import KLIQUE, ROOT, dispatch_latency, free_port, scratch_klique
 
 sys.path.insert(0, str(ROOT))
 from protocol import messages
 
 HZ = os.sysconf("SC_CLK_TCK")
 PROBES = 30
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 # The clients -----------------------------------------------------------------------------------------

@@ -23,16 +23,7 @@ import time
 from pathlib import Path
 
 import httpx
-from scratch import KLIQUE, ROOT, dispatch_latency, scratch_klique
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
+from scratch import KLIQUE, ROOT, dispatch_latency, free_port, scratch_klique
 
 PROBES = 30  # tasks submitted one at a time into an idle pool, for submit-to-dispatch latency
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-from scratch import KLIQUE, ROOT, scratch_klique
+from scratch import KLIQUE, ROOT, free_port, scratch_klique
 
 LITELLM_VERSION = "1.108.7"
 PROXY_VENV = ROOT / ".klique" / "bench" / "litellm-proxy"
@@ -45,12 +44,6 @@ BODY = {
     "messages": [{"role": "user", "content": "how fast is the gateway"}],
     "max_tokens": 16,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def wait_for(url: str, process: subprocess.Popen[bytes], headers: dict[str, str] | None = None) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 import psycopg
-from scratch import KLIQUE, ROOT, scratch_klique
+from scratch import KLIQUE, ROOT, free_port, scratch_klique
 
 sys.path.insert(0, str(ROOT))
 
@@ -31,14 +31,6 @@ from tests.agents.kube import Cluster  # the emulator and the one-node cluster l
 from tests.e2e.kubelet import LocalNode
 
 GPUS = 8
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class TimedNode(LocalNode):

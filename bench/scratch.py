@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,13 @@ from cryptography.fernet import Fernet
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 KLIQUE = [sys.executable, "-m", "klique.cli"]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 @contextmanager
