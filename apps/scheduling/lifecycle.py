@@ -403,10 +403,10 @@ def tasks_place(placements: Iterable[engine.Placement], now: datetime) -> int:
                        wait_seconds = extract(epoch FROM %s - t.queued_at), reason_code = '', reason = ''
                   FROM (VALUES {rows}) AS v(task, pool)
                  WHERE t.id = v.task AND t.state = %s
-             RETURNING t.id, v.pool""",  # noqa: S608 (the table's name is the model's; every value is a parameter)
+             RETURNING t.id""",  # noqa: S608 (the table's name is the model's; every value is a parameter)
             [TaskState.PLACED, now, now, *(value for pair in wanted for value in pair), TaskState.QUEUED],
         )
-        placed = {str(task) for task, _pool in cursor.fetchall()}
+        placed = {str(task) for (task,) in cursor.fetchall()}
     TaskEvent.objects.bulk_create(
         TaskEvent(
             task_id=task,
