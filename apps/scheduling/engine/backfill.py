@@ -36,8 +36,9 @@ class Backfilling(CycleState):
         free = {pool_id: self.pools[pool_id].capacity - self.pool_used[pool_id] for pool_id in pools}
         # What frees when, from the work with a time limit: (when, pool, size for the pool, for the policy).
         events: list[tuple[float, str, int, int]] = []
-        for pool_id, allocations in self.in_pool.items():
-            for item in allocations:
+        # Only the pools it could go to and those its policy has work in hold what frees for it.
+        for pool_id in sorted(free.keys() | self.policy_pools[policy.id]):
+            for item in self.in_pool[pool_id]:
                 if item.ends_at is None or item.task in self.preempted:
                     continue
                 ours = self.queue_policy.get(item.queue) == policy.id

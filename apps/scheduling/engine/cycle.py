@@ -281,6 +281,7 @@ class _Cycle(Backfilling, Preempting, Explaining):
         allocation = Allocation(task.id, task.queue, pool, task.size, self.now, ends_at)
         self._book(task, policy, pool, ends_at)
         self.in_pool[pool].append(allocation)
+        self.policy_pools[policy.id].add(pool)
         self.placed_in_queue[task.queue].append(allocation)
         self.pool_used[pool] += task.size
         self.policy_used[policy.id] += task.size

@@ -106,11 +106,15 @@ class CycleState:
         self.policy_used: dict[str, int] = defaultdict(int)
         self.total_used = 0
         self.in_pool: dict[str, list[Allocation]] = defaultdict(list)
+        # The pools each policy has work in (running or placed this cycle; a superset once work leaves),
+        # so that planning a head reads its policy's work without walking every pool.
+        self.policy_pools: dict[str, set[str]] = defaultdict(set)
         for allocation in snapshot.running:
             self.pool_used[allocation.pool] += allocation.size
             policy_id = self.queue_policy.get(allocation.queue)
             if policy_id is not None:
                 self.policy_used[policy_id] += allocation.size
+                self.policy_pools[policy_id].add(allocation.pool)
             self.total_used += allocation.size
             self.in_pool[allocation.pool].append(allocation)
 
