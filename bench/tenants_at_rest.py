@@ -1,18 +1,18 @@
 """What periodic work costs when most tenants are at rest: beat's entries sent only to tenants marked as
 having work due (tenants/due.py), beside the fan-out of one task per tenant per tick it replaced.
 
-On a scratch Klique (Django in this process), it makes tenants: a few through `tenant_create` (every
-migration run on a new schema), some as copies of a template tenant's schema by django-tenants'
-`clone_schema`, and the rest by replaying the template schema's dump under a new name (pg_dump), reporting
-each way's creation p50. 1% of them are active: each simulated minute an
+On a scratch Klique (Django in this process), it makes tenants: a few through `tenant_create` with every
+migration run on the new schema, some as copies of one of those schemas by django-tenants' `clone_schema`,
+and the rest through `tenant_create` as it is, replaying the schema template (tenants/template.py),
+reporting each way's creation p50. 1% of them are active: each simulated minute an
 event marks them (as a submission would) and their work runs. Then one simulated minute of beat, both
 ways, with every task it sends run at once in this process (the worker's share), for the whole set and
 for 100 tenants: CPU seconds per minute. Periods above a minute count pro rata (an hourly entry is 1/60).
 
 Prints a table and `ratio: <marked CPU s/min> / <fan-out CPU s/min>` at the larger size.
 Usage: .venv/bin/python bench/tenants_at_rest.py [--tenants 500] [--small 100] [--active-share 0.01]
-(a tenant takes about 0.3 s to make by replay on a machine of this kind, and the fan-out about 0.1 s of
-CPU per tenant and minute: --tenants 10000 runs for about an hour.)
+(a tenant takes about 0.3 s to make from the template on a machine of this kind, and the fan-out about
+0.1 s of CPU per tenant and minute: --tenants 10000 runs for about an hour.)
 Needs PostgreSQL and Redis on 127.0.0.1 (as `make test` does).
 """
 
@@ -41,59 +41,52 @@ WALK_PERIOD = 60.0
 
 
 def make_tenants(count: int, migrated: int, cloned: int) -> tuple[list[str], dict[str, float]]:
-    """`migrated` tenants through tenant_create, `cloned` more with django-tenants' clone_schema, and the
-    rest by replaying the template's dump (pg_dump of its schema, renamed); each way's creation p50 (s).
+    """`migrated` tenants through `tenant_create` with the schema template off (every migration run on the
+    new schema), `cloned` more as copies of the first one's schema by django-tenants' clone_schema, and the
+    rest through `tenant_create` as it is: the schema replayed from the template (tenants/template.py, built
+    once, before the timing starts). Each way's creation p50 (s).
 
     clone_schema asks PostgreSQL's catalog about every relation as it copies, and slows as the catalog
-    grows (seconds a schema past a few hundred tenants): the replay is what makes large sets possible."""
-    import os
-    import subprocess
-
-    import psycopg
+    grows (seconds a schema past a few hundred tenants)."""
     from django.conf import settings
     from django.db import connection
     from django_tenants.clone import CloneSchema
     from django_tenants.utils import get_public_schema_name, schema_context
 
     from apps.provider.services import tenant_create
+    from tenants import template
     from tenants.models import Domain, Tenant
 
     names: list[str] = []
-    took: dict[str, list[float]] = {"migrated": [], "clone_schema": [], "dump replay": []}
+    took: dict[str, list[float]] = {"migrated": [], "clone_schema": [], "template": []}
+    settings.KLIQUE_SCHEMA_TEMPLATE = False
     for index in range(migrated):
         started = time.perf_counter()
         tenant_create(slug=f"rest-m{index:05d}", name="at rest", admin_username="admin")
         took["migrated"].append(time.perf_counter() - started)
         names.append(f"rest_m{index:05d}")
-    template = names[0]
-    url = os.environ["DATABASE_URL"]
-    dump = subprocess.run(
-        ["pg_dump", "--schema", template, "--no-owner", "--no-privileges", "--inserts", url],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    # psql's meta-commands (pg_dump's \restrict guard) are not SQL: left out
-    dump = "\n".join(line for line in dump.splitlines() if not line.startswith("\\"))
+    settings.KLIQUE_SCHEMA_TEMPLATE = True
+    if not template.ensure():
+        raise SystemExit("the schema template cannot be built here (is pg_dump installed?)")
     cloner = CloneSchema()
-    with schema_context(get_public_schema_name()), psycopg.connect(url, autocommit=True) as replay:
-        for index in range(count - migrated):
-            way = "clone_schema" if index < cloned else "dump replay"
-            slug = f"rest-c{index:05d}"
-            started = time.perf_counter()
-            tenant = Tenant(schema_name=slug.replace("-", "_"), slug=slug, name="at rest")
-            tenant.auto_create_schema = False
-            tenant.save(verbosity=0)
-            Domain.objects.create(
-                domain=f"{slug}.{settings.KLIQUE_BASE_DOMAIN}", tenant=tenant, is_primary=True
-            )
-            if way == "clone_schema":
-                cloner.clone_schema(template, tenant.schema_name, set_connection=False)
+    for index in range(count - migrated):
+        slug = f"rest-c{index:05d}"
+        started = time.perf_counter()
+        if index < cloned:
+            with schema_context(get_public_schema_name()):
+                tenant = Tenant(schema_name=slug.replace("-", "_"), slug=slug, name="at rest")
+                tenant.auto_create_schema = False
+                tenant.save(verbosity=0)
+                Domain.objects.create(
+                    domain=f"{slug}.{settings.KLIQUE_BASE_DOMAIN}", tenant=tenant, is_primary=True
+                )
+                cloner.clone_schema(names[0], tenant.schema_name, set_connection=False)
                 connection.set_schema_to_public()  # type: ignore[attr-defined]
-            else:
-                replay.execute(dump.replace(template, tenant.schema_name))
-            took[way].append(time.perf_counter() - started)
-            names.append(tenant.schema_name)
+            took["clone_schema"].append(time.perf_counter() - started)
+        else:
+            tenant_create(slug=slug, name="at rest", admin_username="admin")
+            took["template"].append(time.perf_counter() - started)
+        names.append(slug.replace("-", "_"))
     return names, {way: statistics.median(spans) for way, spans in took.items() if spans}
 
 
@@ -178,7 +171,7 @@ def main() -> int:
         client.delete(*[due.key(kind) for kind in due.KINDS], due.CURSOR)
         print(
             f"making {args.tenants} tenants ({args.migrated} migrated, {args.cloned} by clone_schema, "
-            "the rest by replay)...",
+            "the rest from the schema template)...",
             file=sys.stderr,
         )
         made = time.perf_counter()

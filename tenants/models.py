@@ -76,3 +76,17 @@ class TenantUsageDay(Totals):
 
     def __str__(self) -> str:
         return f"{self.tenant_id} {self.day} {self.kind}"
+
+
+class SchemaTemplate(models.Model):
+    """A new tenant's schema as SQL: the tables, indexes and recorded migrations that migrating an empty
+    schema makes, dumped once per set of migrations (its fingerprint) and replayed under each new tenant's
+    name (tenants/template.py)."""
+
+    fingerprint = models.CharField(max_length=64, unique=True)
+    sql = models.TextField()
+    migrations = models.PositiveIntegerField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.fingerprint[:12]

@@ -2,7 +2,8 @@
 
 Tenant creation is all or nothing: the row, its schema and tables, its domain, its first admin and that
 admin's token are made in one PostgreSQL transaction (DDL is transactional there), so a failure at any
-step leaves no trace.
+step leaves no trace. The schema is replayed from the template of the migrations on disk
+(tenants/template.py), or migrated where no template can be had.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from django_tenants.utils import get_public_schema_name, schema_context
 from apps.accounts import services as accounts
 from apps.accounts.models import Role
 from apps.core.errors import Conflict, InvalidInput
+from tenants import template
 from tenants.models import Domain, Tenant
 
 SLUG_RE = re.compile(r"[a-z][a-z0-9-]{1,38}[a-z0-9]")
@@ -70,11 +72,15 @@ def tenant_create(
     with schema_context(get_public_schema_name()):
         if Tenant.objects.filter(slug=slug).exists() or Domain.objects.filter(domain=address).exists():
             raise Conflict(f"A tenant named {slug!r} already exists.", field="slug")
+        schema_name = slug.replace("-", "_")
+        sql = template.schema_sql(schema_name)  # None: migrate the new schema instead
         with transaction.atomic():
-            tenant = Tenant(
-                schema_name=slug.replace("-", "_"), slug=slug, name=name or slug, gpu_share=gpu_share
-            )
+            tenant = Tenant(schema_name=schema_name, slug=slug, name=name or slug, gpu_share=gpu_share)
+            tenant.auto_create_schema = sql is None
             tenant.save(verbosity=0)
+            if sql is not None:
+                with connection.cursor() as cursor:
+                    cursor.execute(sql)
             Domain.objects.create(domain=address, tenant=tenant, is_primary=True)
             with schema_context(tenant.schema_name):
                 admin = accounts.user_create(

@@ -35,6 +35,9 @@ LOGIN_REDIRECT_URL = "/portal/"  # after single sign-on, unless the sign-in name
 LOGOUT_REDIRECT_URL = "/"
 OIDC_CALLBACK_CLASS = "apps.sso.views.Callback"
 OIDC_AUTHENTICATION_CALLBACK_URL = "oidc_authentication_callback"
+# New tenant schemas are replayed from a template dumped once per set of migrations (tenants/template.py);
+# off, or where pg_dump is missing, each new schema runs every migration.
+KLIQUE_SCHEMA_TEMPLATE = env.flag("KLIQUE_SCHEMA_TEMPLATE", default=True)
 # Lifetime of a new API token when the request names none, and the longest one may ask for.
 KLIQUE_TOKEN_DEFAULT_DAYS = env.integer("KLIQUE_TOKEN_DEFAULT_DAYS", default=90, minimum=1)
 KLIQUE_TOKEN_MAX_DAYS = env.integer("KLIQUE_TOKEN_MAX_DAYS", default=365, minimum=1)

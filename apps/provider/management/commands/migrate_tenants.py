@@ -8,6 +8,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
+from tenants import template
 from tenants.migrate import default_processes, migrate_all
 
 
@@ -30,6 +31,11 @@ class Command(BaseCommand):
         self.stdout.write(
             f"{migrated} tenant schemas migrated, {summary.up_to_date} already up to date, "
             f"{len(summary.failed)} failed"
+        )
+        # New tenants' schemas come from the template of these migrations: build it now, not at the first one.
+        self.stdout.write(
+            "schema template for new tenants: "
+            + ("ready" if template.ensure() else "not available, new tenants are migrated (the log says why)")
         )
         if summary.failed:
             named = "\n".join(f"  {failed.schema}: {failed.error}" for failed in summary.failed)
