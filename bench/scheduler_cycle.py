@@ -3,7 +3,9 @@
 A tenant with 1,000 pools, 500 policies, 1,000 compute resources and 20,000 running tasks; 1k, 10k and
 100k queued tasks of mixed sizes (whole GPUs, fractions, MIG slices, multi-GPU). For each size it prints
 the median cycle time of a few runs, the time of `sorted()` over the same queued tasks with the engine's
-in-queue order as key, and how each grows. The last line is the ratio at 100k.
+in-queue order as key, and how each grows. The last line is the ratio at 100k. Before it, at 100k queued
+and at rest (full cycles until one places nothing), the incremental cycle (engine/resident.py) after a
+few arrivals and finishes (5 of each), beside a full cycle of the same state.
 With --million, one size instead: 1,000,000 queued and 100,000 running on 5,000 pools.
 Usage: .venv/bin/python bench/scheduler_cycle.py [--repeat 3] [--seed 1] [--million]
 """
@@ -24,6 +26,7 @@ from apps.scheduling.engine import (
     Pool,
     Profile,
     Queue,
+    Resident,
     Sharing,
     Snapshot,
     Task,
@@ -133,11 +136,44 @@ def main() -> int:
     for count, cycle_ms, sort_ms, placed, preempted in rows:
         ratio = cycle_ms / sort_ms
         print(f"{count:>8} {cycle_ms:>10.1f} {sort_ms:>12.1f} {ratio:>7.2f} {placed:>7} {preempted:>10}")
+    full_ms, incremental_ms, decided = incremental(snapshot, args.repeat, random.Random(args.seed))
+    print(
+        f"incremental cycle at {len(snapshot.queued):,} queued, 5 arrivals and 5 finishes: "
+        f"{incremental_ms:.1f} ms ({decided:,.0f} tasks decided again) against a full cycle of the same "
+        f"state {full_ms:.1f} ms: {incremental_ms / full_ms:.1%} (target under 5%)"
+    )
     (small, small_ms, _, _, _), (large, large_ms, large_sort, _, _) = rows[0], rows[-1]
     nlogn = (large * math.log(large)) / (small * math.log(small))
     print(f"growth 1k -> 100k: cycle x{large_ms / small_ms:.0f}, n log n would be x{nlogn:.0f}")
     print(f"ratio: {large_ms / large_sort:.2f} ({large_ms:.1f} ms / {large_sort:.1f} ms at 100k queued)")
     return 0
+
+
+def incremental(snapshot: Snapshot, repeat: int, rng: random.Random) -> tuple[float, float, float]:
+    """Full and incremental cycle times (median ms) at rest, and how many tasks an incremental one decided."""
+    resident = Resident(snapshot, full_every=math.inf)
+    now = snapshot.now
+    for _ in range(10):  # a cycle's preemptions can open room the next one uses: go on until nothing moves
+        now += 1
+        decision = resident.cycle(now, full=True)
+        if not decision.placements and not decision.preemptions:
+            break
+    full_ms = timed(lambda: resident.cycle(now, full=True), repeat)
+    spans, decided = [], []
+    queues = [queue.id for queue in snapshot.queues]
+    for step in range(max(repeat, 5)):
+        now += 1
+        resident.finish(rng.sample(sorted(resident.running), 5))
+        size, sharing = SIZES[2]
+        resident.submit(
+            Task(f"new{step}-{k}", rng.choice(queues), size, now, sharing, rng.randint(0, 2))
+            for k in range(5)
+        )
+        started = time.perf_counter()
+        decision = resident.cycle(now)
+        spans.append((time.perf_counter() - started) * 1000)
+        decided.append(len(decision.reasons) + len(decision.placements))
+    return full_ms, statistics.median(spans), statistics.median(decided)
 
 
 def million(seed: int, repeat: int) -> int:

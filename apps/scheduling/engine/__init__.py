@@ -17,6 +17,7 @@ from .model import (
     Snapshot,
     Task,
 )
+from .resident import Resident
 from .state import task_order
 from .units import SizeError, describe, describe_seconds, gpus, mig_fraction, to_gpus_text, units
 
@@ -31,6 +32,7 @@ __all__ = [
     "Profile",
     "Queue",
     "Reason",
+    "Resident",
     "Sharing",
     "SizeError",
     "Snapshot",

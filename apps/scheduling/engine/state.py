@@ -6,8 +6,8 @@ all work on this state."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 
 from .model import (
     Allocation,
@@ -75,6 +75,67 @@ class Reservation:
         return ends_in_time or task.size <= self.extra
 
 
+@dataclass(frozen=True)
+class Plans:
+    """The holds and planned starts a cycle ends with: pool -> the starving head it is held for, pool and
+    policy -> the blocked head planned to start there."""
+
+    held: dict[str, str]
+    reserved: dict[str, Reservation]
+    policy_reserved: dict[str, Reservation]
+
+
+@dataclass
+class Usage:
+    """What running work holds: per pool, per policy and in all, the allocations in each pool, the pools
+    each policy has work in (a superset once work leaves: planning a head reads its policy's work in those
+    pools, not every pool), and each running task's policy."""
+
+    pool_used: defaultdict[str, int]
+    policy_used: defaultdict[str, int]
+    total_used: int
+    in_pool: defaultdict[str, list[Allocation]]
+    policy_pools: defaultdict[str, set[str]]
+    running_policy: dict[str, str]
+
+    @classmethod
+    def of(cls, running: Iterable[Allocation], queue_policy: Mapping[str, str]) -> Usage:
+        usage = cls(defaultdict(int), defaultdict(int), 0, defaultdict(list), defaultdict(set), {})
+        for allocation in running:
+            usage.add(allocation, queue_policy.get(allocation.queue))
+        return usage
+
+    def add(self, allocation: Allocation, policy_id: str | None) -> None:
+        self.pool_used[allocation.pool] += allocation.size
+        if policy_id is not None:
+            self.policy_used[policy_id] += allocation.size
+            self.policy_pools[policy_id].add(allocation.pool)
+        self.total_used += allocation.size
+        self.in_pool[allocation.pool].append(allocation)
+        self.running_policy[allocation.task] = policy_id or ""
+
+    def remove(self, allocation: Allocation, policy_id: str | None) -> None:
+        self.pool_used[allocation.pool] -= allocation.size
+        if policy_id is not None:
+            self.policy_used[policy_id] -= allocation.size
+        self.total_used -= allocation.size
+        self.in_pool[allocation.pool] = [
+            a for a in self.in_pool[allocation.pool] if a.task != allocation.task
+        ]
+        del self.running_policy[allocation.task]
+
+    def copy(self) -> Usage:
+        """A copy a cycle may change (the running tasks' policies are only read, and shared)."""
+        return Usage(
+            defaultdict(int, self.pool_used),
+            defaultdict(int, self.policy_used),
+            self.total_used,
+            defaultdict(list, {pool: list(items) for pool, items in self.in_pool.items()}),
+            defaultdict(set, {policy: set(pools) for policy, pools in self.policy_pools.items()}),
+            self.running_policy,
+        )
+
+
 @dataclass
 class Memo:
     """What the cycle found at one `version` of its usage and held pools."""
@@ -90,7 +151,10 @@ class CycleState:
     """The state of one cycle, and the questions every part of it asks (where a task could go, how much
     room a profile has, the reason given for a situation)."""
 
-    def __init__(self, snapshot: Snapshot) -> None:
+    def __init__(self, snapshot: Snapshot, usage: Usage | None = None, carried: Plans | None = None) -> None:
+        """`usage`: what `snapshot.running` holds, when the caller keeps it already (copied here, never
+        changed). `carried`: holds and planned starts of heads not in this snapshot's queued tasks, kept
+        from an earlier cycle (an incremental cycle, resident.py)."""
         self.snapshot = snapshot
         self.now = snapshot.now
         self.pools: dict[str, Pool] = {pool.id: pool for pool in snapshot.pools}
@@ -98,25 +162,13 @@ class CycleState:
         self.policies: dict[str, Policy] = {policy.id: policy for policy in snapshot.policies}
         self.queue_priority: dict[str, int] = {queue.id: queue.queuing_priority for queue in snapshot.queues}
         self.queue_policy: dict[str, str] = {queue.id: queue.policy for queue in snapshot.queues}
-        self.running_policy: dict[str, str] = {
-            allocation.task: self.queue_policy.get(allocation.queue, "") for allocation in snapshot.running
-        }
-
-        self.pool_used: dict[str, int] = defaultdict(int)
-        self.policy_used: dict[str, int] = defaultdict(int)
-        self.total_used = 0
-        self.in_pool: dict[str, list[Allocation]] = defaultdict(list)
-        # The pools each policy has work in (running or placed this cycle; a superset once work leaves),
-        # so that planning a head reads its policy's work without walking every pool.
-        self.policy_pools: dict[str, set[str]] = defaultdict(set)
-        for allocation in snapshot.running:
-            self.pool_used[allocation.pool] += allocation.size
-            policy_id = self.queue_policy.get(allocation.queue)
-            if policy_id is not None:
-                self.policy_used[policy_id] += allocation.size
-                self.policy_pools[policy_id].add(allocation.pool)
-            self.total_used += allocation.size
-            self.in_pool[allocation.pool].append(allocation)
+        usage = usage.copy() if usage is not None else Usage.of(snapshot.running, self.queue_policy)
+        self.running_policy = usage.running_policy
+        self.pool_used = usage.pool_used
+        self.policy_used = usage.policy_used
+        self.total_used = usage.total_used
+        self.in_pool = usage.in_pool
+        self.policy_pools = usage.policy_pools
 
         self.placements: dict[str, Placement] = {}
         # Placements of this cycle, which a guaranteed task may still take back from a policy that ends
@@ -127,11 +179,17 @@ class CycleState:
         self.preemptions: list[Preemption] = []
         self.preempted: set[str] = set()
         self.reasons: dict[str, Reason] = {}
-        self.held: dict[str, str] = {}  # pool -> id of the starving head it is held for
-        self.holding: set[str] = set()  # the tasks that pools are held for
-        self.reserved: dict[str, Reservation] = {}  # pool -> the blocked head planned to start there
-        self.policy_reserved: dict[str, Reservation] = {}  # policy -> the blocked head its room is kept for
-        self.planned_heads: set[str] = set()  # the tasks reservations are held for
+        carried = carried or Plans({}, {}, {})
+        self.held: dict[str, str] = dict(carried.held)  # pool -> id of the starving head it is held for
+        self.holding: set[str] = set(self.held.values())  # the tasks that pools are held for
+        # pool -> the blocked head planned to start there; policy -> the blocked head its room is kept for
+        self.reserved: dict[str, Reservation] = {key: replace(r) for key, r in carried.reserved.items()}
+        self.policy_reserved: dict[str, Reservation] = {
+            key: replace(r) for key, r in carried.policy_reserved.items()
+        }
+        self.planned_heads: set[str] = {r.task for r in self.reserved.values()} | {
+            r.task for r in self.policy_reserved.values()
+        }  # the tasks reservations are held for
         self.version = 0  # bumped whenever usage or the held pools change; see _memo
         self._home_cache: dict[tuple[str, Sharing, int], str | None] = {}
         self._memo_entries = Memo(-1)
