@@ -41,6 +41,7 @@ def test_the_image_copies_every_package_the_server_needs() -> None:
         assert package in copied, f"the image does not copy {package}/"
     assert "COPY --from=assets /frontend/node_modules/ frontend/node_modules/" in dockerfile  # htmx, Chart.js
     assert "config.settings.production" in dockerfile
+    assert "install -y -qq --no-install-recommends postgresql-client" in dockerfile  # pg_dump: the template
 
 
 def test_the_slurm_script_is_valid_shell() -> None:
