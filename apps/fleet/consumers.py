@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-from functools import partial
 from typing import Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
-from django.db import DatabaseError, close_old_connections, connections
+from django.db import DatabaseError, close_old_connections
 from django_tenants.utils import schema_context
 
 from apps.core.errors import InvalidInput, NotFound
@@ -27,23 +25,6 @@ logger = logging.getLogger(__name__)
 # speaks another protocol version, 1011 the plane could not serve the message (its database is down):
 # the agent reconnects with backoff, and its outbox keeps what was not acknowledged.
 CLOSE_TOKEN, CLOSE_BOUND, CLOSE_PROTOCOL, CLOSE_UNAVAILABLE = 4401, 4403, 4400, 1011
-# Messages of different runs applied at once on one connection, and how many may wait to be.
-PIPELINE, MAX_IN_FLIGHT = 8, 256
-RUN_MESSAGES = (messages.Accepted, messages.Rejected, messages.Report)
-
-
-def in_a_thread(function: Any) -> Any:
-    """`function` in a thread of the loop's pool, not asgiref's one shared thread, so that the messages
-    of different runs are applied side by side. Its connection is closed after: `klique web` draws
-    connections from a pool, and a thread of the loop's pool must not keep one of its own."""
-
-    def closing(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return function(*args, **kwargs)
-        finally:
-            connections.close_all()
-
-    return database_sync_to_async(closing, thread_sensitive=False)
 
 
 class AgentConsumer(AsyncJsonWebsocketConsumer):
@@ -64,11 +45,6 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
     # later report applied here before the failed one arrives again would put the run's reports (its
     # log lines) out of order.
     failed: bool = False
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._chains: dict[str, asyncio.Future[None]] = {}  # task -> its last message not yet applied
-        self._slots = asyncio.Semaphore(PIPELINE)
 
     async def connect(self) -> None:
         try:
@@ -112,7 +88,6 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             await self.channel_layer.group_discard(
                 wake.pool_group(self.schema_name, self.token.pool_id), self.channel_name
             )
-        await self._settle()  # what the agent sent before it went is applied before it is marked gone
         if self.agent_id:
             with contextlib.suppress(DatabaseError):  # the heartbeat's age says it anyway
                 await database_sync_to_async(self._in_schema)(session.agent_gone, agent_id=self.agent_id)
@@ -127,48 +102,13 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             raise
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
-        """Serve one message. A run's messages (accepted, rejected, its reports) are applied in the order
-        they came, each after the one before it of the same task, while those of other tasks go on beside
-        it (up to PIPELINE at once, each in a thread of its own); any other message (hello, heartbeat)
-        waits until everything that came before it is applied, so it sees what they did."""
         if self.token is None or self.failed:
             return
         kind = str(content.get("type"))[:30] if isinstance(content, dict) else ""
         try:
-            message = messages.parse_from_agent(content)
+            await self._handle(messages.parse_from_agent(content))
         except messages.ProtocolError as error:
             await self.send_json(messages.Error(f"Malformed {kind or 'message'}: {error}", kind).as_json())
-            return
-        if self.agent_id is None or not isinstance(message, RUN_MESSAGES):
-            await self._settle()
-            await self._serve(message, kind)
-            return
-        while len(self._chains) >= MAX_IN_FLIGHT:  # an agent sending faster than they apply waits here
-            await asyncio.wait(list(self._chains.values()), return_when=asyncio.FIRST_COMPLETED)
-        task_id = message.task_id
-        job = asyncio.ensure_future(self._serve_after(self._chains.get(task_id), message, kind))
-        self._chains[task_id] = job
-        job.add_done_callback(partial(self._forget, task_id))
-
-    async def _serve_after(self, before: asyncio.Future[None] | None, message: Any, kind: str) -> None:
-        if before is not None:
-            await asyncio.wait([before])
-        async with self._slots:
-            if not self.failed:  # a message before it failed: the agent sends both again, in order
-                await self._serve(message, kind)
-
-    def _forget(self, task_id: str, job: asyncio.Future[None]) -> None:
-        if self._chains.get(task_id) is job:
-            del self._chains[task_id]
-
-    async def _settle(self) -> None:
-        """Wait until every message received so far is applied."""
-        while self._chains:
-            await asyncio.wait(list(self._chains.values()))
-
-    async def _serve(self, message: Any, kind: str) -> None:
-        try:
-            await self._handle(message)
         except errors.StaleLease as stale:
             await self.send_json(messages.Error(str(stale), kind).as_json())
             if stale.stop is not None:
@@ -212,16 +152,16 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             for assignment in assigned:
                 await self.send_json(assignment)
         elif isinstance(message, messages.Accepted):
-            await in_a_thread(self._in_schema)(
+            await database_sync_to_async(self._in_schema)(
                 dispatch.lease_accepted, tenant=self.tenant, pool=token.pool, agent_id=self.agent_id,
                 accepted=message,
             )  # fmt: skip
         elif isinstance(message, messages.Rejected):
-            await in_a_thread(self._in_schema)(
+            await database_sync_to_async(self._in_schema)(
                 dispatch.lease_rejected, tenant=self.tenant, pool=token.pool, rejected=message
             )
         else:
-            ack = await in_a_thread(self._in_schema)(
+            ack = await database_sync_to_async(self._in_schema)(
                 dispatch.report, tenant=self.tenant, pool=token.pool, agent_id=self.agent_id, message=message
             )
             await self.send_json(ack.as_json())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from typing import Any
 
@@ -67,75 +66,6 @@ def test_a_task_goes_from_assign_to_completed_with_each_report_counted_once(flee
         assert TaskReport.objects.filter(task=task, kind="log").count() == 1
         states = list(task.events.values_list("to_state", flat=True))
     assert states == ["queued", "placed", "dispatching", "running", "completed"]
-    connections.close_all()
-
-
-def test_reports_of_different_runs_are_applied_side_by_side_and_each_run_s_in_order(
-    fleet: dict[str, Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """One connection, two runs: while a slow report of the first is applied, the second's is applied and
-    acknowledged; the first's next report waits for it (a run's reports stay in order), and a heartbeat
-    waits for everything sent before it."""
-    from apps.fleet import dispatch, session
-    from apps.scheduling.services import TaskRequest, tasks_submit
-
-    with schema_context("fleet"):
-        (second,) = tasks_submit(
-            tenant=fleet["tenant"],
-            user=Task.objects.get(pk=fleet["task"]).submitter,
-            requests=[TaskRequest(compute_resource="Research: 4 GPUs", spec={"command": ["true"]})],
-        )
-        run_cycle(fleet["tenant"])
-        assert Task.objects.get(pk=second.pk).state == TaskState.PLACED
-    connections.close_all()
-    first, second_id = fleet["task"], str(second.pk)
-
-    report, heartbeat = dispatch.report, session.agent_heartbeat
-    seen_by_heartbeat: list[list[tuple[uuid.UUID, int]]] = []
-
-    def slow_report(**arguments: Any) -> Any:
-        message = arguments["message"]
-        if (message.task_id, message.seq) == (first, 1):
-            time.sleep(1.5)
-        return report(**arguments)
-
-    def watching_heartbeat(**arguments: Any) -> Any:
-        seen_by_heartbeat.append(sorted(TaskReport.objects.values_list("task_id", "seq").order_by()))
-        return heartbeat(**arguments)
-
-    monkeypatch.setattr(dispatch, "report", slow_report)
-    monkeypatch.setattr(session, "agent_heartbeat", watching_heartbeat)
-
-    async def scenario() -> list[tuple[str, int, str]]:
-        client = agent(fleet["token"].secret)
-        assert (await client.connect())[0]
-        await client.send_json_to(
-            {"type": "hello", "protocol": 2, "agent_id": "rack-1", "backend": "baremetal", "held": []}
-        )
-        assert (await client.receive_json_from(timeout=10))["type"] == "welcome"
-        leases: dict[str, str] = {}
-        while len(leases) < 2:
-            assign = await client.receive_json_from(timeout=10)
-            leases[assign["task_id"]] = assign["lease_id"]
-        for task_id in (first, second_id):
-            await client.send_json_to({"type": "accepted", "task_id": task_id, "lease_id": leases[task_id]})
-        for task_id, seq in ((first, 1), (first, 2), (second_id, 1)):
-            run = {"task_id": task_id, "lease_id": leases[task_id], "seq": seq}
-            await client.send_json_to({"type": "status", **run, "state": "running"} if seq == 1 else
-                                      {"type": "log", **run, "stream": "stdout", "lines": ["x"]})  # fmt: skip
-        await client.send_json_to({"type": "heartbeat", "held": []})
-        acks = [await client.receive_json_from(timeout=20) for _ in range(3)]
-        await client.disconnect()
-        return [(ack["task_id"], ack["seq"], ack["verdict"]) for ack in acks]
-
-    acks = asyncio.run(scenario())
-    assert acks == [(second_id, 1, "applied"), (first, 1, "applied"), (first, 2, "applied")]
-    with schema_context("fleet"):
-        in_order = list(TaskReport.objects.filter(task_id=first).order_by("pk").values_list("seq", flat=True))
-        assert in_order == [1, 2]
-        assert Task.objects.get(pk=second_id).state == TaskState.RUNNING
-    # The heartbeat came after all three reports, and saw them applied.
-    assert seen_by_heartbeat == [sorted([(uuid.UUID(first), 1), (uuid.UUID(first), 2), (second.pk, 1)])]
     connections.close_all()
 
 
