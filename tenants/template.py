@@ -12,7 +12,7 @@ the template afresh.
 
 The build runs once per set of migrations, in a thread of its own so that it commits on its own connection
 whatever transaction the caller is in (pg_dump, a separate process, sees only committed schemas). Where it
-cannot be built (no `pg_dump` on the host, a server newer than it, or `KLIQUE_SCHEMA_TEMPLATE=0`), tenants
+cannot be built (no `pg_dump` here, a server newer than it, or `KLIQUE_SCHEMA_TEMPLATE=0`), tenants
 are created by migrating, as before, and the log says why once.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import re
@@ -174,12 +175,39 @@ def _drop_template() -> None:
         cursor.execute(f"DROP SCHEMA IF EXISTS {TEMPLATE_SCHEMA} CASCADE")
 
 
+def pg_dumps() -> list[str]:
+    """The pg_dump programs to try, newest first: the one of the embedded PostgreSQL (`pgserver`, what
+    `klique up` and `make test` run where no server is configured), then the host's. A pg_dump refuses a
+    server newer than itself, and dumps older ones."""
+    found = []
+    embedded = importlib.util.find_spec("pgserver")
+    if embedded is not None and embedded.origin:
+        bundled = Path(embedded.origin).parent / "pginstall" / "bin" / "pg_dump"
+        if bundled.is_file():
+            found.append(str(bundled))
+    host = shutil.which("pg_dump")
+    if host is not None:
+        found.append(host)
+    return found
+
+
 def dump(schema: str) -> str:
-    """`pg_dump` of one schema as plain SQL with row inserts, read with this connection's settings. The
-    process gets only PATH and the libpq settings (the password among them, never on its command line)."""
-    program = shutil.which("pg_dump")
-    if program is None:
+    """`pg_dump` of one schema as plain SQL with row inserts, read with this connection's settings, by the
+    first of `pg_dumps()` that can. The process gets only PATH and the libpq settings (the password among
+    them, never on its command line)."""
+    programs = pg_dumps()
+    if not programs:
         raise TemplateUnavailable("pg_dump is not installed on this host")
+    failures = []
+    for program in programs:
+        try:
+            return _dump_with(program, schema)
+        except TemplateUnavailable as failure:
+            failures.append(str(failure))
+    raise TemplateUnavailable("; ".join(failures))
+
+
+def _dump_with(program: str, schema: str) -> str:
     database = connection.settings_dict
     options = database.get("OPTIONS") or {}
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
@@ -202,7 +230,7 @@ def dump(schema: str) -> str:
         check=False,
     )
     if done.returncode != 0:
-        raise TemplateUnavailable(f"pg_dump failed: {done.stderr.strip()[-500:]}")
+        raise TemplateUnavailable(f"pg_dump failed ({program}): {done.stderr.strip()[-500:]}")
     return done.stdout
 
 

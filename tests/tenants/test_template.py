@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 from django.db import connection
@@ -113,9 +115,9 @@ def test_without_a_template_tenants_are_migrated(
     monkeypatch.setattr(template, "_warned", set())
     monkeypatch.setattr(template, "fingerprint", lambda: ("e" * 64, count))
     if missing == "no pg_dump":
-        monkeypatch.setattr("tenants.template.shutil.which", lambda program: None)
-    elif missing == "pg_dump fails":
-        monkeypatch.setattr("tenants.template.shutil.which", lambda program: "/bin/false")
+        monkeypatch.setattr(template, "pg_dumps", list)
+    elif missing == "pg_dump fails":  # (as one older than the server does: each is tried, then migrating)
+        monkeypatch.setattr(template, "pg_dumps", lambda: ["/bin/false", "/bin/false"])
     else:
         monkeypatch.setattr("django.conf.settings.KLIQUE_SCHEMA_TEMPLATE", False)
 
@@ -136,6 +138,14 @@ def test_without_a_template_tenants_are_migrated(
         assert ("not installed" if missing == "no pg_dump" else "pg_dump failed") in reason
     client = APIClient(HTTP_HOST=created.address, HTTP_AUTHORIZATION=f"Bearer {created.admin_token}")
     assert client.get("/api/v1/me/").json()["username"] == "otto"
+
+
+def test_the_embedded_pg_dump_comes_before_the_host_s() -> None:
+    """The embedded PostgreSQL's pg_dump (the newer, here) is tried first; the host's after it."""
+    programs = template.pg_dumps()
+    assert Path(programs[0]).parts[-4:] == ("pgserver", "pginstall", "bin", "pg_dump")
+    host = shutil.which("pg_dump")
+    assert programs[1:] == ([host] if host else [])
 
 
 def test_creation_from_the_template_is_all_or_nothing(
