@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from django.conf import settings
@@ -50,6 +51,8 @@ _NAMED = re.compile(rf"(?<!\w){TEMPLATE_SCHEMA}(?!\w)")  # the name anywhere els
 _SKIPPED = re.compile(r"SET [a-z_]+ = .*;|SELECT pg_catalog\.set_config\(.*\);|\\.*|--.*")
 _built: dict[str, str] = {}  # fingerprint -> SQL, once read in this process
 _warned: set[str] = set()
+_failed_at: dict[str, float] = {}  # fingerprint -> when its build last failed in this process
+RETRY_SECONDS = 600.0  # a build that failed is tried again after this long
 
 
 class TemplateUnavailable(Exception):
@@ -90,8 +93,12 @@ def _template_sql() -> str | None:
         with schema_context(get_public_schema_name()):
             sql = SchemaTemplate.objects.filter(fingerprint=key).values_list("sql", flat=True).first()
         if sql is None:
+            failed = _failed_at.get(key)
+            if failed is not None and time.monotonic() - failed < RETRY_SECONDS:
+                return None  # each creation would otherwise migrate the template again, and fail again
             sql = _build_apart(key, count)
         if sql is None:
+            _failed_at[key] = time.monotonic()
             return None
         _built[key] = sql
     return sql

@@ -113,6 +113,7 @@ def test_without_a_template_tenants_are_migrated(
     _, count = template.fingerprint()
     monkeypatch.setattr(template, "_built", {})
     monkeypatch.setattr(template, "_warned", set())
+    monkeypatch.setattr(template, "_failed_at", {})
     monkeypatch.setattr(template, "fingerprint", lambda: ("e" * 64, count))
     if missing == "no pg_dump":
         monkeypatch.setattr(template, "pg_dumps", list)
@@ -138,6 +139,22 @@ def test_without_a_template_tenants_are_migrated(
         assert ("not installed" if missing == "no pg_dump" else "pg_dump failed") in reason
     client = APIClient(HTTP_HOST=created.address, HTTP_AUTHORIZATION=f"Bearer {created.admin_token}")
     assert client.get("/api/v1/me/").json()["username"] == "otto"
+
+    # A failed build is not tried again at each creation (each would migrate the template first), but
+    # after a while.
+    built: list[str] = []
+
+    def build(key: str, count: int) -> str:
+        built.append(key)
+        raise template.TemplateUnavailable("still none")
+
+    monkeypatch.setattr(template, "build", build)
+    assert template.schema_sql("tpl_other") is None
+    assert built == []
+    if missing != "switched off":
+        monkeypatch.setattr(template, "RETRY_SECONDS", 0.0)
+        assert template.schema_sql("tpl_other") is None
+        assert built == ["e" * 64]
 
 
 def test_the_embedded_pg_dump_comes_before_the_host_s() -> None:
