@@ -162,8 +162,7 @@ def build(key: str, count: int) -> str:
                     verbosity=0,
                     executor="standard",
                 )
-                connection.set_schema_to_public()  # type: ignore[attr-defined]
-                sql = replayable(dump(TEMPLATE_SCHEMA))
+                sql = replayable(dump(TEMPLATE_SCHEMA))  # pg_dump reads the connection's settings only
             finally:
                 connection.set_schema_to_public()  # type: ignore[attr-defined]
                 _drop_template()
