@@ -5,12 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from django.conf import settings
-from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django_tenants.utils import get_public_schema_name
 
 from apps.core.logging import tenant_var
-from tenants.selectors import tenant_for_host
+from tenants.selectors import tenant_enter
 
 
 class TenantMiddleware:
@@ -24,10 +23,9 @@ class TenantMiddleware:
         self.get_response = get_response
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        connection.set_schema_to_public()  # type: ignore[attr-defined]  # django-tenants backend method
         # Not request.get_host(): an unknown host should hear about tenants, not about ALLOWED_HOSTS.
         host = request.META.get("HTTP_HOST", request.META.get("SERVER_NAME", "")).split(":")[0].lower()
-        tenant = tenant_for_host(host)
+        tenant = tenant_enter(host)  # and the connection's schema with it
         base = settings.KLIQUE_BASE_DOMAIN
         if tenant is None:
             return JsonResponse(
@@ -47,7 +45,6 @@ class TenantMiddleware:
             )
         request.tenant = tenant  # type: ignore[attr-defined]
         tenant.domain_url = host
-        connection.set_tenant(tenant)  # type: ignore[attr-defined]  # django-tenants backend method
         tenant_var.set(tenant.slug)
         if tenant.schema_name == get_public_schema_name():
             request.urlconf = settings.PUBLIC_SCHEMA_URLCONF

@@ -88,6 +88,9 @@ INSTALLED_APPS = list(SHARED_APPS) + [app for app in TENANT_APPS if app not in S
 TENANT_MODEL = "tenants.Tenant"
 TENANT_DOMAIN_MODEL = "tenants.Domain"
 PUBLIC_SCHEMA_NAME = "public"
+# `SET search_path` only when the connection's schema changes, not before every cursor (a round trip
+# each). django-tenants forgets what it set on a rollback, to a savepoint too, and on a new connection.
+TENANT_LIMIT_SET_CALLS = True
 ROOT_URLCONF = "config.urls"
 PUBLIC_SCHEMA_URLCONF = "config.urls_public"
 AUTH_USER_MODEL = "accounts.User"
