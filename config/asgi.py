@@ -6,14 +6,18 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from django.core.asgi import get_asgi_application
+import django
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings.local")
-
-django_application = get_asgi_application()
+django.setup(set_prefix=False)  # what django.core.asgi.get_asgi_application does first
 
 # Imported after Django is set up: the routing pulls in consumers that touch models.
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+
+from apps.core.handlers import SyncChainASGIHandler  # noqa: E402
+
+# Django's handler, with middleware and view in one thread hop (apps.core.handlers says why).
+django_application = SyncChainASGIHandler()
 
 from apps.mcp.asgi import METADATA_PATHS, McpApp  # noqa: E402
 from apps.mcp.asgi import PATH as MCP_PATH  # noqa: E402
