@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from django.db import IntegrityError, connection, transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from apps.core.errors import InvalidInput, NotFound
@@ -294,12 +294,8 @@ def task_report(
         values = _masked_values(task)
         if values:  # a task that printed its secret: stored, shown and followed as ***
             body = {**body, "lines": mask(body["lines"], values)}
-    try:
-        with transaction.atomic():
-            report = TaskReport.objects.create(
-                task=task, lease_id=task.lease_id, source=source, seq=seq, kind=kind, body=body
-            )
-    except IntegrityError:
+    report = TaskReport(task=task, lease_id=task.lease_id, source=source, seq=seq, kind=kind, body=body)
+    if not report.insert_once():
         return False  # a replay after a reconnect or a retried post
     if kind == TaskReport.Kind.LOG:
         publish_log(

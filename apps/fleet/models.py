@@ -6,11 +6,12 @@ its pool, so an agent cannot pull another pool's work.
 
 from __future__ import annotations
 
+import functools
 import math
 import uuid
 from typing import Any
 
-from django.db import models
+from django.db import connection, models
 from django.utils import timezone
 
 from apps.accounts.models import Project
@@ -212,9 +213,41 @@ class TaskReport(models.Model):
         return f"{self.task_id}#{self.seq} {self.kind}"
 
     def save(self, *args: Any, **kwargs: Any) -> None:
+        self.count_gpu_samples()
+        super().save(*args, **kwargs)
+
+    def count_gpu_samples(self) -> None:
         if self.kind == self.Kind.METRIC:
             self.gpu_samples, self.gpu_percent_sum = gpu_utilization(self.body)
-        super().save(*args, **kwargs)
+
+    def insert_once(self) -> bool:
+        """Insert this report unless its run, source and number are kept already (a replay): one
+        statement, `ON CONFLICT DO NOTHING`, where `save()` inside a savepoint would take three round
+        trips for the same answer. Sets the id; False for a replay, which changes nothing."""
+        self.count_gpu_samples()
+        fields = [field for field in self._meta.concrete_fields if not field.primary_key]
+        values = [field.get_db_prep_save(field.pre_save(self, add=True), connection) for field in fields]
+        with connection.cursor() as cursor:
+            cursor.execute(_insert_once_sql(), values)
+            row = cursor.fetchone()
+        if row is None:
+            return False
+        self.pk = row[0]
+        self._state.adding = False
+        return True
+
+
+@functools.cache
+def _insert_once_sql() -> str:
+    fields = [field for field in TaskReport._meta.concrete_fields if not field.primary_key]
+    quote = connection.ops.quote_name
+    columns = ", ".join(quote(str(field.column)) for field in fields)
+    return (
+        f"INSERT INTO {quote(TaskReport._meta.db_table)} ({columns}) "  # noqa: S608 -- names, not values
+        f"VALUES ({', '.join(['%s'] * len(fields))}) "
+        "ON CONFLICT ON CONSTRAINT one_report_per_run_source_seq DO NOTHING "
+        f"RETURNING {quote(str(TaskReport._meta.pk.column))}"
+    )
 
 
 def gpu_utilization(body: Any) -> tuple[int, float]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
+from django.db.models import Count, DurationField, Exists, ExpressionWrapper, F, OuterRef, Q, Sum
 
 from apps.core.ids import as_uuid
 from apps.fleet.models import Agent, CloudInstance, TaskReport
@@ -68,9 +68,11 @@ def pool_task(task_id: str, pool: Pool) -> Task | None:
     identifier = as_uuid(task_id)
     if identifier is None:
         return None
-    mine = Q(pool=pool) | Q(pool__isnull=True, runs__pool=pool)
-    found = Task.objects.filter(mine, pk=identifier).values_list("pk", flat=True).first()
-    return Task.objects.select_for_update(of=("self",)).filter(pk=found).first() if found else None
+    # One statement (each agent message asks): the runs are asked with EXISTS, not joined, so the row
+    # locked is the task's alone and no join can repeat it.
+    ran_here = Exists(TaskRun.objects.filter(task=OuterRef("pk"), pool=pool))
+    mine = Q(pool=pool) | (Q(pool__isnull=True) & ran_here)
+    return Task.objects.select_for_update(of=("self",)).filter(mine, pk=identifier).first()
 
 
 def run_of(task: Task | None, lease_id: str) -> TaskRun | None:
