@@ -15,8 +15,6 @@ served: Django's sync path runs it with async_to_sync.
 
 from __future__ import annotations
 
-from typing import Any
-
 from asgiref.sync import sync_to_async
 from django.core.handlers.asgi import ASGIHandler
 from django.http import HttpRequest, HttpResponseBase
@@ -27,5 +25,4 @@ class SyncChainASGIHandler(ASGIHandler):
         super().load_middleware(is_async=False)
 
     async def get_response_async(self, request: HttpRequest) -> HttpResponseBase:
-        response: Any = await sync_to_async(self.get_response, thread_sensitive=True)(request)
-        return response  # type: ignore[no-any-return]
+        return await sync_to_async(self.get_response, thread_sensitive=True)(request)

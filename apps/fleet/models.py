@@ -225,8 +225,7 @@ class TaskReport(models.Model):
         statement, `ON CONFLICT DO NOTHING`, where `save()` inside a savepoint would take three round
         trips for the same answer. Sets the id; False for a replay, which changes nothing."""
         self.count_gpu_samples()
-        fields = [field for field in self._meta.concrete_fields if not field.primary_key]
-        values = [field.get_db_prep_save(field.pre_save(self, add=True), connection) for field in fields]
+        values = [field.get_db_prep_save(field.pre_save(self, add=True), connection) for field in _inserted()]
         with connection.cursor() as cursor:
             cursor.execute(_insert_once_sql(), values)
             row = cursor.fetchone()
@@ -238,13 +237,18 @@ class TaskReport(models.Model):
 
 
 @functools.cache
+def _inserted() -> tuple[Any, ...]:
+    """The columns `insert_once` writes: every concrete field but the id, in one order for SQL and values."""
+    return tuple(field for field in TaskReport._meta.concrete_fields if not field.primary_key)
+
+
+@functools.cache
 def _insert_once_sql() -> str:
-    fields = [field for field in TaskReport._meta.concrete_fields if not field.primary_key]
     quote = connection.ops.quote_name
-    columns = ", ".join(quote(str(field.column)) for field in fields)
+    columns = ", ".join(quote(str(field.column)) for field in _inserted())
     return (
         f"INSERT INTO {quote(TaskReport._meta.db_table)} ({columns}) "  # noqa: S608 -- names, not values
-        f"VALUES ({', '.join(['%s'] * len(fields))}) "
+        f"VALUES ({', '.join(['%s'] * len(_inserted()))}) "
         "ON CONFLICT ON CONSTRAINT one_report_per_run_source_seq DO NOTHING "
         f"RETURNING {quote(str(TaskReport._meta.pk.column))}"
     )
