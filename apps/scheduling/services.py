@@ -29,6 +29,7 @@ from apps.scheduling.runs import run_request_stop
 from apps.scheduling.selectors import compute_resources_for
 from apps.vault.services import secrets_check
 from protocol import environment as task_environment
+from protocol import images as task_images
 from protocol import volumes as task_volumes
 
 if TYPE_CHECKING:
@@ -194,12 +195,18 @@ def _time_limit(resource: ComputeResource, asked: int | None) -> int | None:
 
 
 def _check_environment(spec: dict[str, Any]) -> None:
-    """The task's environment follows the rule every agent checks again (protocol.environment); its
-    declared volumes are names (protocol.volumes)."""
+    """The task's environment follows the rule every agent checks again (protocol.environment); its image
+    is an image reference (protocol.images; a path only an HPC pool takes); its declared volumes are names
+    (protocol.volumes)."""
     try:
         task_environment.checked(spec.get("environment"))
     except task_environment.NameRefused as error:
         raise InvalidInput(str(error), field="spec.environment") from None
+    if spec.get("image") not in (None, ""):
+        try:
+            task_images.checked(spec["image"], paths=True)
+        except task_images.ImageRefused as error:
+            raise InvalidInput(str(error), field="spec.image") from None
     try:  # which volumes the pool offers is its agent's to say, when the task is placed there
         task_volumes.wanted(spec.get("volumes"))
     except task_volumes.VolumeRefused as error:
