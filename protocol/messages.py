@@ -20,6 +20,7 @@ from typing import Any, Literal
 PROTOCOL = 2  # hello says which version the agent speaks; the plane refuses an older one with what to do
 
 REPORT_KINDS = ("status", "log", "metric", "result")
+MAX_RESULT_REASON = 500
 APPLIED, DUPLICATE, STALE = "applied", "duplicate", "stale"
 VERDICTS = (APPLIED, DUPLICATE, STALE)
 STOP_KINDS = ("abort", "preempt")
@@ -224,6 +225,12 @@ def _report(kind: str, content: Mapping[str, Any]) -> Report:
         code = body.get("exit_code")
         if code is not None and (not isinstance(code, int) or isinstance(code, bool)):
             raise ProtocolError("A result's exit_code must be a whole number or null.")
+        reason = body.get("reason", "")
+        if not isinstance(reason, str) or len(reason) > MAX_RESULT_REASON:
+            raise ProtocolError(
+                f"A result's reason is text of at most {MAX_RESULT_REASON} characters: why the run failed "
+                "outside its own command (an image missing, a program that could not start)."
+            )
     if kind == "status" and not isinstance(body.get("state"), str):
         raise ProtocolError("A status report names its state.")
     return Report(kind, task_id, lease_id, seq, body)

@@ -347,7 +347,12 @@ def task_report(
         outcome = RunOutcome.COMPLETED if exit_code == 0 else RunOutcome.FAILED
         runs.run_ended(lease, outcome=outcome, exit_code=exit_code, now=timezone.now())
         task = task_finish(
-            tenant=tenant, task=task, succeeded=exit_code == 0, exit_code=exit_code, actor="agent"
+            tenant=tenant,
+            task=task,
+            succeeded=exit_code == 0,
+            exit_code=exit_code,
+            actor="agent",
+            detail=_one_line(body.get("reason")),
         )
         _outputs_not_stored(task, body.get("outputs_failed"))
         if task.state in ENDED_STATES:  # a failed attempt that is retried is not the end of the task
@@ -373,6 +378,13 @@ def _requeued(tenant: Tenant, task: Task, run: TaskRun | None, reason: str) -> N
         reason=f"The agent of pool {pool} gave it back to the queue: {reason[:500]}",
     )
     wake.request_cycle(tenant)
+
+
+def _one_line(text: object) -> str:
+    """An agent's reason as it goes into a task's reason: one line of printable text."""
+    if not isinstance(text, str):
+        return ""
+    return " ".join("".join(c if c.isprintable() else " " for c in text).split())[:500]
 
 
 def _outputs_not_stored(task: Task, failed: object) -> None:

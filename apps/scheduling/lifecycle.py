@@ -105,12 +105,23 @@ def transition(task: Task, *, to_state: str, actor: str, message: str = "", **fi
 
 @transaction.atomic
 def task_finish(
-    *, tenant: Tenant, task: Task, succeeded: bool, exit_code: int | None, actor: str, lost: str = ""
+    *,
+    tenant: Tenant,
+    task: Task,
+    succeeded: bool,
+    exit_code: int | None,
+    actor: str,
+    lost: str = "",
+    detail: str = "",
 ) -> Task:
     """Record a run's end. A failed run is queued again while attempts remain (retry policy). `lost` says
-    why a run that never reported its end was given up (its pool went silent): the task's reason keeps it."""
+    why a run that never reported its end was given up (its pool went silent); `detail` is its agent's word
+    on a failure outside the task's own command (its image is not on the host): the task's reason keeps
+    either."""
     task = Task.objects.select_for_update().get(pk=task.pk)
     how = f"was lost ({lost})" if lost else f"failed with exit code {exit_code}"
+    if detail and not lost:
+        how += f" ({detail.rstrip('.')})"
     if succeeded:
         transition(task, to_state=TaskState.COMPLETED, actor=actor, exit_code=exit_code, pool=task.pool)
     elif task.attempts < task.max_attempts:
