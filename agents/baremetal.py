@@ -9,6 +9,10 @@ far less than a fresh interpreter), which writes its output and exit code to fil
 so a task outlives a crash of its agent: the restarted agent adopts the runs recorded in its state
 and reads each log on from where it stopped. Abort and preempt send SIGTERM to the whole process group,
 wait the grace period, then SIGKILL.
+
+A task whose spec names an `image` runs in a container of the host's engine (agents.containers): the
+runner starts it in the foreground, so everything above holds for it too, and the agent removes the
+container if its runner was killed before the engine could.
 """
 
 from __future__ import annotations
@@ -26,13 +30,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agents import containers
 from agents.backend import Refused, Report, Upload, refuse_declared_volumes, upload_outputs
+from agents.runner import reason_path
 from agents.state import RunRecord, State
 from protocol import environment as task_environment
+from protocol import images
 from protocol.units import UNITS_PER_GPU
 
 MAX_LINE = 64 * 1024  # longer lines go out in pieces of this many characters, never dropped
 POLL_SECONDS = 0.2
+MAX_REASON = 500  # characters of a runner's reason that go into a result
 
 __all__ = ["BareMetal", "MigDevice", "Refused", "Report", "Upload", "detect_gpus", "split_lines"]
 
@@ -97,6 +105,14 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _reason(run: RunRecord) -> str:
+    """What the run's runner said about a failure outside the task's own command, if anything."""
+    try:
+        return Path(reason_path(run.exit_path)).read_text()[:MAX_REASON].strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
 
 
 def split_lines(text: str) -> list[str]:
@@ -177,6 +193,7 @@ class BareMetal:
     work_dir: Path
     state: State
     source: str = "configured"
+    shared_path: str = ""  # the shared file system, mounted at the same path into containers
     upload: Upload | None = None
     problem: str = ""  # a host has nothing between the agent and its GPUs
     mig: list[MigDevice] = field(default_factory=list)
@@ -257,6 +274,11 @@ class BareMetal:
             }
         except task_environment.NameRefused as error:
             raise Refused(f"The task's environment cannot be set: {error}", permanent=True) from None
+        if spec.get("image") not in (None, ""):
+            try:  # the image rule, again: a container engine must read it as an image and nothing else
+                images.engine_reference(spec["image"])
+            except images.ImageRefused as error:
+                raise Refused(f"The task's image cannot be run here: {error}", permanent=True) from None
         # The runner is the agent's own program: its environment is the agent's and Klique's, never one a
         # user influenced. The task's variables (secrets among them) reach only the task's command,
         # through the runner's stdin: in memory, never on disk or on a command line.
@@ -264,8 +286,11 @@ class BareMetal:
             **os.environ,
             "CUDA_VISIBLE_DEVICES": ",".join(mig or [str(device) for device in devices]),
             "KLIQUE_TASK_ID": task_id,
+            "KLIQUE_GPU_SOURCE": self.source,  # a container is given devices only where they are real
             "PYTHONUNBUFFERED": "1",
         }
+        if self.shared_path:
+            environment["KLIQUE_SHARED_PATH"] = self.shared_path
         if units % UNITS_PER_GPU and not mig:
             environment["KLIQUE_GPU_MEMORY_FRACTION"] = f"{units / UNITS_PER_GPU:.4f}"
         log_path, exit_path, spec_path = (
@@ -274,8 +299,9 @@ class BareMetal:
             directory / "spec.json",
         )
         spec_path.write_text(json.dumps(assignment.get("spec") or {}))
-        with contextlib.suppress(FileNotFoundError):
-            exit_path.unlink()
+        for stale in (exit_path, Path(reason_path(str(exit_path)))):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
         try:
             pid = await self.starter.start(
                 {
@@ -345,15 +371,18 @@ class BareMetal:
                     offset + len(complete),
                 )
             if code is not None:
+                await asyncio.to_thread(self._remove_container, run)
                 uploaded, failed = await self._upload_outputs(run, report)
                 self._hold(run.devices, run.units, -1)
                 self.state.remove_run(task_id)
-                result = {
+                result: dict[str, Any] = {
                     "exit_code": code,
                     "stopped": task_id in self.stopping,
                     "outputs": uploaded,
                     "outputs_failed": failed,
                 }
+                if reason := _reason(run):
+                    result["reason"] = reason
                 await report(task_id, "result", result, None)
                 self.stopping.discard(task_id)
                 return
@@ -378,6 +407,17 @@ class BareMetal:
             await asyncio.sleep(POLL_SECONDS / 2)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(run.pid, signal.SIGKILL)
+        await asyncio.to_thread(self._remove_container, run)  # its engine's client went with the runner
+
+    def _remove_container(self, run: RunRecord) -> None:
+        """A task run in a container: make sure the container is gone with its runner (a runner killed with
+        SIGKILL leaves a container its engine still runs)."""
+        try:
+            spec = json.loads((Path(run.log_path).parent / "spec.json").read_text())
+        except (OSError, ValueError):
+            return
+        if isinstance(spec, dict) and spec.get("image") and (engine := containers.engine()) is not None:
+            containers.remove(engine, run.task_id)
 
     async def stop_all(self, grace_seconds: float) -> None:
         await asyncio.gather(*(self.stop(task_id, grace_seconds) for task_id in self.running()))

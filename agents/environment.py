@@ -6,7 +6,7 @@ of the agent). The spec may name:
     "requirements": ["package==1.0", ...] and/or "requirements_file": "requirements.txt" (in the code):
                     installed into a virtual environment cached by their hash, shared by the tasks that
                     ask for the same set
-    "image":        a container image; run through docker or podman where an engine answers
+    "image":        a container image the host holds: the command runs in it (agents.containers)
 
 Every step writes its output to the task's log, so a task whose environment cannot be built fails with
 the build log attached.
@@ -23,6 +23,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from agents import containers
+from protocol import images
 
 BUILD_FAILED = 97  # the exit code of a task whose environment could not be built
 
@@ -44,17 +47,6 @@ def _run(argv: list[str], log: IO[bytes], *, cwd: Path | None = None, what: str)
     code = subprocess.call(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
     if code != 0:
         raise BuildFailed(f"{what} failed with exit code {code}")
-
-
-def container_engine() -> str | None:
-    for engine in ("docker", "podman"):
-        path = shutil.which(engine)
-        if (
-            path
-            and subprocess.call([path, "info"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) == 0
-        ):
-            return path
-    return None
 
 
 def build(
@@ -125,27 +117,48 @@ def build(
         }
 
     if spec.get("image"):
-        engine = container_engine()
-        if engine is None:
-            log.write(
-                b"klique: the task asks for a container image and no docker or podman engine runs here\n"
-            )
-            raise BuildFailed("no container engine")
-        environment.prefix = [
-            engine,
-            "run",
-            "--rm",
-            "--network",
-            "host",
-            "-v",
-            f"{environment.cwd}:/work",
-            "-w",
-            "/work",
-            "-e",
-            "CUDA_VISIBLE_DEVICES",
-            "-e",
-            "KLIQUE_TASK_ID",
-            *(word for name in sorted(passed) for word in ("-e", name)),  # the task's own, by name only
-            str(spec["image"]),
-        ]
+        environment.prefix = _container(spec["image"], environment.cwd, log, passed)
     return environment
+
+
+def _container(image: object, workdir: Path, log: IO[bytes], passed: Collection[str]) -> list[str]:
+    """The container engine's command line that runs the task's command in `image` (agents.containers),
+    after checking that the image can be had: BuildFailed names what is missing."""
+    try:
+        reference = images.engine_reference(image)
+        pull = containers.pull_policy()
+    except (images.ImageRefused, ValueError) as error:
+        log.write(f"klique: {error}\n".encode())
+        raise BuildFailed(str(error)) from None
+    engine = containers.engine()
+    if engine is None:
+        log.write(b"klique: the task asks for a container image and no docker or podman engine runs here\n")
+        raise BuildFailed("no container engine runs on this host")
+    if not containers.image_present(engine, reference):
+        if pull == "never":
+            log.write(
+                f"klique: the image {reference} is not on this host, and this agent does not pull images "
+                f"(KLIQUE_IMAGE_PULL=never): load it there ({Path(engine).name} load -i ARCHIVE) or build "
+                "it there, or ask the host's administrator\n".encode()
+            )
+            raise BuildFailed(f"the image {reference} is not on this host")
+        try:
+            _run([engine, "pull", "--", reference], log, what="pull")
+        except BuildFailed:
+            raise BuildFailed(f"the image {reference} could not be pulled") from None
+    task_id = os.environ.get("KLIQUE_TASK_ID", "")
+    containers.remove(engine, task_id)  # an earlier run's, left by a crash
+    argv, notes = containers.run_argv(
+        engine,
+        image=reference,
+        task_id=task_id,
+        workdir=workdir,
+        passed=passed,
+        runner_environment=os.environ,
+        pull="never",  # present by now
+    )
+    for note in notes:
+        log.write(f"{note}\n".encode())
+    log.write(f"klique: container: {' '.join(argv)}\n".encode())
+    log.flush()
+    return argv

@@ -417,7 +417,8 @@ def _backend(args: argparse.Namespace) -> Backend | str:  # noqa: PLR0911 -- one
     if detected is None and args.gpus is None:
         return "klique-agent: NVML finds no GPU here; pass --gpus N to offer a configured inventory."
     gpus, mig = detected if detected is not None else (args.gpus, [])
-    return BareMetal(gpus, work_dir, state, "nvml" if detected is not None else "configured", mig=mig)
+    source = "nvml" if detected is not None else "configured"
+    return BareMetal(gpus, work_dir, state, source, shared_path=args.shared_path, mig=mig)
 
 
 def _check_shared_state(args: argparse.Namespace, leader_election: bool) -> None:
@@ -574,6 +575,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--check", action="store_true", help="check the configuration (pod templates too) and exit"
     )
     parser.add_argument("--gpus", type=int, help="GPUs to offer when NVML finds none (tests, demos)")
+    parser.add_argument(
+        "--shared-path",
+        default="",
+        help="bare-metal: the shared file system's path, mounted at the same path into tasks' containers",
+    )
     parser.add_argument("--agent-id", default=socket.gethostname())
     parser.add_argument("--work-dir", type=Path, default=Path(".klique-agent"))
     parser.add_argument(

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import BinaryIO
 
+from agents.containers import ENGINE_CODES
 from agents.environment import BUILD_FAILED, BuildFailed, build
 from protocol import environment as task_environment
 
@@ -69,14 +70,26 @@ def run(
     its exit code to `exit_path` last (whole or not at all). Used by main() and by agents.zygote's forks;
     the process's own environment is the base of the command's."""
     with open(log_path, "ab", buffering=0) as log:
-        code = _run(
+        code, reason = _run(
             log_path=log_path, spec_path=spec_path, cache=cache, command=command, log=log,
             task_variables=task_variables,
         )  # fmt: skip
-    temporary = f"{exit_path}.tmp"
+    if reason:  # before the exit code: whoever sees the code finds the reason already there
+        _write_whole(reason_path(exit_path), reason)
+    _write_whole(exit_path, str(code))
+
+
+def reason_path(exit_path: str) -> str:
+    """Where the runner says, in one line, why a task failed before or outside its own command (its
+    environment could not be built, its program or image could not be started)."""
+    return f"{exit_path}.reason"
+
+
+def _write_whole(path: str, text: str) -> None:
+    temporary = f"{path}.tmp"
     with open(temporary, "w") as handle:
-        handle.write(str(code))
-    os.replace(temporary, exit_path)
+        handle.write(text)
+    os.replace(temporary, path)
 
 
 def _task_variables(stream: BinaryIO) -> dict[str, str]:
@@ -94,14 +107,14 @@ def _run(
     command: list[str],
     log: BinaryIO,
     task_variables: dict[str, str],
-) -> int:
+) -> tuple[int, str]:
     folder = Path(log_path).parent
     spec = json.loads(Path(spec_path).read_text()) if spec_path else {}
     try:
         environment = build(spec, folder, Path(cache or folder / ".cache"), log, task_variables)
     except BuildFailed as failure:
         log.write(f"klique: the task's environment could not be built ({failure}); see above\n".encode())
-        return BUILD_FAILED
+        return BUILD_FAILED, f"Its environment could not be built: {failure}."
     try:
         child = subprocess.Popen(
             [*environment.prefix, *command],
@@ -112,14 +125,16 @@ def _run(
             env={**os.environ, **task_variables, **environment.env},
         )
     except OSError as error:
-        log.write(
-            f"klique: cannot start {command[0] if command else '(nothing)'}: {error.strerror}\n".encode()
-        )
-        return 127
+        program = environment.prefix[0] if environment.prefix else command[0] if command else "(nothing)"
+        log.write(f"klique: cannot start {program}: {error.strerror}\n".encode())
+        return 127, f"{program} could not be started: {error.strerror}."
     # Only now: the command keeps the default handlers; the runner outlasts it to record its end.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return child.wait()
+    code = child.wait()
+    if environment.prefix and code in ENGINE_CODES:
+        return code, ENGINE_CODES[code]
+    return code, ""
 
 
 if __name__ == "__main__":

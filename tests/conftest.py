@@ -9,7 +9,7 @@ from tests.world import HOST_A, HOST_B, HOST_PROVIDER, World, build_world
 
 HOSTS = {"a": HOST_A, "b": HOST_B, "provider": HOST_PROVIDER}
 
-pytest_plugins = ["tests.slurm"]  # a real single-node Slurm, for tests/hpc and tests/e2e/test_hpc.py
+pytest_plugins = ["tests.slurm", "tests.containers"]  # a real single-node Slurm (tests/hpc), a real podman
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,159 @@
+"""The container mode of the bare-metal backend: a task whose spec names an `image` runs in a container of
+the host's own engine (podman or docker), started by the task's runner (agents.runner) in the foreground,
+so that its output streams to the task's log and its exit code is the task's.
+
+What the container gets:
+
+- the task's folder (or its code's folder) at /work, the working directory;
+- the shared file system at the same path as on the host, where the agent is given one (--shared-path);
+- the task's GPUs, the way each engine takes them: CDI device names for podman (`nvidia.com/gpu=0`, a
+  MIG slice by its UUID), `--gpus device=...` for docker. Inside, the devices are numbered from 0, so
+  CUDA_VISIBLE_DEVICES is set to match. A configured inventory (tests, demos: `--gpus N` where NVML
+  finds none) has no devices to pass; the container gets none and the log says so;
+- the task's variables and secrets by name only (`-e NAME`): the engine reads their values from its own
+  environment, which the runner gives it, never from its command line.
+
+Images are not pulled unless the operator allows it (KLIQUE_IMAGE_PULL=missing in the agent's
+environment): machines without a registry run images built on the host or loaded from an archive
+(`podman load -i FILE`). A task whose image is not on the host fails at once, its reason naming the image.
+The operator may pick the engine with KLIQUE_CONTAINER_ENGINE (a name or a path); else the first of
+docker and podman that answers is used. Each container is named for its task (`klique-<task>`), so the
+agent can remove one whose runner was killed before the engine could (agents.baremetal).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Collection, Mapping
+from pathlib import Path
+
+from protocol import images
+
+__all__ = [
+    "ENGINE_CODES",
+    "PULL_POLICIES",
+    "container_name",
+    "engine",
+    "image_present",
+    "pull_policy",
+    "remove",
+    "run_argv",
+]
+
+PULL_POLICIES = ("never", "missing")
+ENGINE_FAILED = 125  # docker's and podman's exit code when the engine, not the command, failed
+CANNOT_START = 126  # theirs when the container (its devices, its runtime) or its command could not start
+ENGINE_CODES = {
+    ENGINE_FAILED: "The container engine could not run the task's image (exit code 125); its log says why.",
+    CANNOT_START: "The task's container could not be started (exit code 126: its devices, its runtime or "
+    "its command); its log says why.",
+}
+_NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]")
+
+
+def engine() -> str | None:
+    """The container engine to use: the operator's choice (KLIQUE_CONTAINER_ENGINE), else the first of
+    docker and podman whose service answers; None where none does."""
+    chosen = os.environ.get("KLIQUE_CONTAINER_ENGINE", "").strip()
+    for name in [chosen] if chosen else ["docker", "podman"]:
+        path = shutil.which(name)
+        if path and _quiet([path, "info"]) == 0:
+            return path
+    return None
+
+
+def pull_policy() -> str:
+    policy = os.environ.get("KLIQUE_IMAGE_PULL", "never").strip() or "never"
+    if policy not in PULL_POLICIES:
+        raise ValueError(f"KLIQUE_IMAGE_PULL is {policy!r}; use one of {', '.join(PULL_POLICIES)}.")
+    return policy
+
+
+def container_name(task_id: str) -> str:
+    return "klique-" + _NAME_UNSAFE.sub("-", task_id)[:100]
+
+
+def image_present(engine_path: str, image: str) -> bool:
+    return _quiet([engine_path, "image", "inspect", "--format", "{{.Id}}", image]) == 0
+
+
+def _is_podman(engine_path: str) -> bool:
+    return Path(engine_path).name.startswith("podman")
+
+
+def gpu_arguments(engine_path: str, devices: list[str]) -> list[str]:
+    """How `engine_path` is given the host's `devices` (indices, or MIG UUIDs)."""
+    if not devices:
+        return []
+    if _is_podman(engine_path):
+        return [word for device in devices for word in ("--device", f"nvidia.com/gpu={device}")]
+    return ["--gpus", f"device={','.join(devices)}"]
+
+
+def run_argv(
+    engine_path: str,
+    *,
+    image: str,
+    task_id: str,
+    workdir: Path,
+    passed: Collection[str],
+    runner_environment: Mapping[str, str],
+    pull: str = "never",
+) -> tuple[list[str], list[str]]:
+    """The engine's command line that runs the task's command (appended after it) in `image`, and the lines
+    to write to the task's log about it. `runner_environment` is the runner's own (the agent's and
+    Klique's): the GPUs it was given, the shared file system, whether the GPUs are real."""
+    notes: list[str] = []
+    host_devices = [d for d in runner_environment.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+    real = runner_environment.get("KLIQUE_GPU_SOURCE") == "nvml"
+    devices = host_devices if real else []
+    if host_devices and not real:
+        notes.append(
+            "klique: this host's GPUs are a configured inventory (no NVIDIA devices), so the container is "
+            "given none"
+        )
+    argv = [
+        engine_path, "run", "--rm", f"--pull={pull}", "--init",
+        "--name", container_name(task_id),
+        "--network", "host",
+        "-v", f"{workdir}:/work", "-w", "/work",
+    ]  # fmt: skip
+    shared = runner_environment.get("KLIQUE_SHARED_PATH", "")
+    if shared:
+        if ":" in shared or "," in shared:
+            notes.append(
+                f"klique: the shared file system's path {shared} holds ':' or ',' and cannot be mounted"
+            )
+        elif Path(shared).is_dir():
+            argv += ["-v", f"{shared}:{shared}"]
+        else:
+            notes.append(f"klique: the shared file system {shared} is not on this host; not mounted")
+    argv += gpu_arguments(engine_path, devices)
+    if devices:  # inside, the devices the engine passed are numbered from 0
+        argv += ["-e", "CUDA_VISIBLE_DEVICES=" + ",".join(str(index) for index in range(len(devices)))]
+    else:
+        argv += ["-e", "CUDA_VISIBLE_DEVICES"]
+    names = ["KLIQUE_TASK_ID", "KLIQUE_GPU_MEMORY_FRACTION", *sorted(passed)]
+    argv += [word for name in names for word in ("-e", name)]  # by name: values never on a command line
+    argv += ["--", images.engine_reference(image)]
+    return argv, notes
+
+
+def remove(engine_path: str, task_id: str) -> None:
+    """Remove the task's container if it is still there (its runner was killed before the engine could)."""
+    if not task_id:
+        return
+    force = ["rm", "--force", "--time", "0"] if _is_podman(engine_path) else ["rm", "--force"]
+    _quiet([engine_path, *force, container_name(task_id)])
+
+
+def _quiet(argv: list[str]) -> int:
+    try:
+        return subprocess.call(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return -1
