@@ -107,6 +107,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _checked_variables(assignment: dict[str, Any]) -> dict[str, str]:
+    """The task's variables and secrets, with its image, checked by the plane's own rules again: the agent
+    trusts no one to have checked them. Refused (permanent) says what is wrong; nothing has started."""
+    spec = assignment.get("spec") or {}
+    try:
+        variables = {
+            **task_environment.checked(spec.get("environment")),
+            **task_environment.checked(assignment.get("secrets") or {}, "The task's secrets"),
+        }
+    except task_environment.NameRefused as error:
+        raise Refused(f"The task's environment cannot be set: {error}", permanent=True) from None
+    if spec.get("image") not in (None, ""):
+        try:  # a container engine must read it as an image and nothing else
+            images.engine_reference(spec["image"])
+        except images.ImageRefused as error:
+            raise Refused(f"The task's image cannot be run here: {error}", permanent=True) from None
+    return variables
+
+
 def _reason(run: RunRecord) -> str:
     """What the run's runner said about a failure outside the task's own command, if anything."""
     try:
@@ -194,6 +213,7 @@ class BareMetal:
     state: State
     source: str = "configured"
     shared_path: str = ""  # the shared file system, mounted at the same path into containers
+    image_archives: str = ""  # a folder of image archives the administrator provides (agents.containers)
     upload: Upload | None = None
     problem: str = ""  # a host has nothing between the agent and its GPUs
     mig: list[MigDevice] = field(default_factory=list)
@@ -256,6 +276,7 @@ class BareMetal:
         task_id = assignment["task_id"]
         if any(run.task_id == task_id for run in self.state.runs()):
             return  # a repeated assignment of a task this agent already runs
+        task_variables = _checked_variables(assignment)
         units = int(assignment["size_units"])
         mig: list[str] = []
         if assignment.get("sharing") == "mig" and self.mig:
@@ -266,33 +287,7 @@ class BareMetal:
         if directory.is_symlink() or directory.exists():  # an earlier run's folder: a new run starts empty
             shutil.rmtree(directory)  # does not follow symbolic links
         directory.mkdir(parents=True)
-        spec = assignment.get("spec") or {}
-        try:  # the one rule, checked again here: the agent trusts no one to have checked it
-            task_variables = {
-                **task_environment.checked(spec.get("environment")),
-                **task_environment.checked(assignment.get("secrets") or {}, "The task's secrets"),
-            }
-        except task_environment.NameRefused as error:
-            raise Refused(f"The task's environment cannot be set: {error}", permanent=True) from None
-        if spec.get("image") not in (None, ""):
-            try:  # the image rule, again: a container engine must read it as an image and nothing else
-                images.engine_reference(spec["image"])
-            except images.ImageRefused as error:
-                raise Refused(f"The task's image cannot be run here: {error}", permanent=True) from None
-        # The runner is the agent's own program: its environment is the agent's and Klique's, never one a
-        # user influenced. The task's variables (secrets among them) reach only the task's command,
-        # through the runner's stdin: in memory, never on disk or on a command line.
-        environment = {
-            **os.environ,
-            "CUDA_VISIBLE_DEVICES": ",".join(mig or [str(device) for device in devices]),
-            "KLIQUE_TASK_ID": task_id,
-            "KLIQUE_GPU_SOURCE": self.source,  # a container is given devices only where they are real
-            "PYTHONUNBUFFERED": "1",
-        }
-        if self.shared_path:
-            environment["KLIQUE_SHARED_PATH"] = self.shared_path
-        if units % UNITS_PER_GPU and not mig:
-            environment["KLIQUE_GPU_MEMORY_FRACTION"] = f"{units / UNITS_PER_GPU:.4f}"
+        environment = self._runner_environment(task_id, units, devices, mig)
         log_path, exit_path, spec_path = (
             directory / "output.log",
             directory / "exit-code",
@@ -324,6 +319,27 @@ class BareMetal:
         )
         await report(task_id, "status", {"state": "running", "devices": devices}, None)
         self._follow(task_id, report)
+
+    def _runner_environment(
+        self, task_id: str, units: int, devices: list[int], mig: list[str]
+    ) -> dict[str, str]:
+        """The runner is the agent's own program: its environment is the agent's and Klique's, never one a
+        user influenced. The task's variables (secrets among them) reach only the task's command, through
+        the runner's stdin: in memory, never on disk or on a command line."""
+        environment = {
+            **os.environ,
+            "CUDA_VISIBLE_DEVICES": ",".join(mig or [str(device) for device in devices]),
+            "KLIQUE_TASK_ID": task_id,
+            "KLIQUE_GPU_SOURCE": self.source,  # a container is given devices only where they are real
+            "PYTHONUNBUFFERED": "1",
+        }
+        if self.shared_path:
+            environment["KLIQUE_SHARED_PATH"] = self.shared_path
+        if self.image_archives:
+            environment["KLIQUE_IMAGE_ARCHIVES"] = self.image_archives
+        if units % UNITS_PER_GPU and not mig:
+            environment["KLIQUE_GPU_MEMORY_FRACTION"] = f"{units / UNITS_PER_GPU:.4f}"
+        return environment
 
     def adopt(self, report: Report) -> list[str]:
         """Take back the runs a previous agent process left; returns their task ids."""

@@ -14,8 +14,10 @@ What the container gets:
   environment, which the runner gives it, never from its command line.
 
 Images are not pulled unless the operator allows it (KLIQUE_IMAGE_PULL=missing in the agent's
-environment): machines without a registry run images built on the host or loaded from an archive
-(`podman load -i FILE`). A task whose image is not on the host fails at once, its reason naming the image.
+environment): machines without a registry run images built on the host or loaded from an archive. Given
+a folder of archives (--image-archives DIR: `docker save` or `podman save` files, `.tar` or compressed),
+the agent loads the one that holds a missing image, found by the names in its manifest. A task whose
+image is on neither fails at once, its reason naming the image.
 The operator may pick the engine with KLIQUE_CONTAINER_ENGINE (a name or a path); else the first of
 docker and podman that answers is used. Each container is named for its task (`klique-<task>`), so the
 agent can remove one whose runner was killed before the engine could (agents.baremetal).
@@ -23,10 +25,12 @@ agent can remove one whose runner was killed before the engine could (agents.bar
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
+import tarfile
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
@@ -78,6 +82,50 @@ def container_name(task_id: str) -> str:
 
 def image_present(engine_path: str, image: str) -> bool:
     return _quiet([engine_path, "image", "inspect", "--format", "{{.Id}}", image]) == 0
+
+
+MAX_MANIFEST = 1024 * 1024  # an archive's manifest.json is a few hundred bytes; more is not one
+
+
+def _canonical(reference: str) -> str:
+    """A reference as both engines' archives name it: docker.io's own prefixes dropped, a tag always."""
+    for prefix in ("docker.io/library/", "docker.io/"):
+        reference = reference.removeprefix(prefix)
+    last = reference.rsplit("/", 1)[-1]
+    return reference if ":" in last or "@" in last else f"{reference}:latest"
+
+
+def archive_names(archive: Path) -> list[str]:
+    """The image names a `docker save` / `podman save` archive holds (its manifest.json's RepoTags); none
+    where it is not such an archive."""
+    try:
+        with tarfile.open(archive) as bundle:
+            member = bundle.getmember("manifest.json")
+            if not member.isfile() or member.size > MAX_MANIFEST:
+                return []
+            handle = bundle.extractfile(member)
+            manifest = json.loads(handle.read()) if handle is not None else []
+    except (OSError, KeyError, tarfile.TarError, ValueError, EOFError):
+        return []
+    if not isinstance(manifest, list):
+        return []
+    return [
+        str(tag)
+        for entry in manifest
+        if isinstance(entry, dict) and isinstance(entry.get("RepoTags"), list)
+        for tag in entry["RepoTags"]
+    ]
+
+
+def archive_holding(folder: Path, image: str) -> Path | None:
+    """The first archive in `folder` (by name) that holds `image`, or None."""
+    wanted = _canonical(image)
+    if not folder.is_dir():
+        return None
+    for archive in sorted(folder.iterdir()):
+        if archive.is_file() and any(_canonical(name) == wanted for name in archive_names(archive)):
+            return archive
+    return None
 
 
 def _is_podman(engine_path: str) -> bool:

@@ -134,12 +134,22 @@ def _container(image: object, workdir: Path, log: IO[bytes], passed: Collection[
     if engine is None:
         log.write(b"klique: the task asks for a container image and no docker or podman engine runs here\n")
         raise BuildFailed("no container engine runs on this host")
+    archives = os.environ.get("KLIQUE_IMAGE_ARCHIVES", "")
+    if not containers.image_present(engine, reference) and archives:
+        archive = containers.archive_holding(Path(archives), reference)
+        if archive is not None:
+            try:
+                _run([engine, "load", "--input", str(archive)], log, what="load")
+            except BuildFailed:
+                raise BuildFailed(f"the image {reference} could not be loaded from {archive}") from None
     if not containers.image_present(engine, reference):
         if pull == "never":
+            where = f" nor in an archive in {archives}" if archives else ""
             log.write(
-                f"klique: the image {reference} is not on this host, and this agent does not pull images "
-                f"(KLIQUE_IMAGE_PULL=never): load it there ({Path(engine).name} load -i ARCHIVE) or build "
-                "it there, or ask the host's administrator\n".encode()
+                f"klique: the image {reference} is not on this host{where}, and this agent does not pull "
+                f"images (KLIQUE_IMAGE_PULL=never): load it there ({Path(engine).name} load -i ARCHIVE"
+                f"{', or put the archive in ' + archives if archives else ''}) or build it there, or ask "
+                "the host's administrator\n".encode()
             )
             raise BuildFailed(f"the image {reference} is not on this host")
         try:

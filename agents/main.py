@@ -418,7 +418,15 @@ def _backend(args: argparse.Namespace) -> Backend | str:  # noqa: PLR0911 -- one
         return "klique-agent: NVML finds no GPU here; pass --gpus N to offer a configured inventory."
     gpus, mig = detected if detected is not None else (args.gpus, [])
     source = "nvml" if detected is not None else "configured"
-    return BareMetal(gpus, work_dir, state, source, shared_path=args.shared_path, mig=mig)
+    return BareMetal(
+        gpus,
+        work_dir,
+        state,
+        source,
+        shared_path=args.shared_path,
+        image_archives=str(Path(args.image_archives).resolve()) if args.image_archives else "",
+        mig=mig,
+    )
 
 
 def _check_shared_state(args: argparse.Namespace, leader_election: bool) -> None:
@@ -579,6 +587,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--shared-path",
         default="",
         help="bare-metal: the shared file system's path, mounted at the same path into tasks' containers",
+    )
+    parser.add_argument(
+        "--image-archives",
+        default="",
+        help="bare-metal: a folder of image archives (docker/podman save): a missing image is loaded from it",
     )
     parser.add_argument("--agent-id", default=socket.gethostname())
     parser.add_argument("--work-dir", type=Path, default=Path(".klique-agent"))

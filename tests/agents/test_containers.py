@@ -6,8 +6,10 @@ no container behind; GPUs go to each engine the way it takes them."""
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import signal
+import tarfile
 import time
 from pathlib import Path
 from typing import Any
@@ -285,3 +287,68 @@ def test_the_engine_is_the_operators_choice(monkeypatch: pytest.MonkeyPatch, pod
     monkeypatch.setenv("KLIQUE_IMAGE_PULL", "always-from-anywhere")
     with pytest.raises(ValueError, match="KLIQUE_IMAGE_PULL"):
         containers.pull_policy()
+
+
+def test_a_missing_image_is_loaded_from_the_administrators_archives(podman: Podman, tmp_path: Path) -> None:
+    archives = tmp_path / "archives"
+    archives.mkdir()
+    (archives / "README.txt").write_text("not an archive\n")
+    wanted = "localhost/klique-archived:1"
+    for image, file in ((wanted, "b-archived.tar"), ("localhost/klique-other:1", "a-other.tar")):
+        assert podman.run("tag", podman.image, image).returncode == 0
+        saved = podman.run("save", "--output", str(archives / file), image)
+        assert saved.returncode == 0, saved.stderr
+        assert podman.run("rmi", image).returncode == 0
+    try:
+        bare = BareMetal(
+            4, tmp_path / "work", State(tmp_path / "work" / "agent.sqlite"), image_archives=str(archives)
+        )
+        recorder = run(
+            bare, assignment("t-archived", {"command": ["echo", "loaded and ran"], "image": wanted})
+        )
+        assert result(recorder)["exit_code"] == 0, recorder.lines()
+        assert "loaded and ran" in recorder.lines()
+        assert any(
+            line.startswith("klique: load: ") and "b-archived.tar" in line for line in recorder.lines()
+        )
+        assert podman.run("image", "exists", wanted).returncode == 0
+        assert (
+            podman.run("image", "exists", "localhost/klique-other:1").returncode != 0
+        )  # only what was asked
+
+        missing = run(
+            bare, assignment("t-nowhere", {"command": ["true"], "image": "localhost/klique-nowhere:1"})
+        )
+        assert result(missing)["exit_code"] == BUILD_FAILED
+        assert any(f"nor in an archive in {archives}" in line for line in missing.lines())
+    finally:
+        podman.run("rmi", "--force", wanted)
+
+
+def test_an_archive_is_known_by_the_names_in_its_manifest(tmp_path: Path) -> None:
+    def archive(name: str, members: dict[str, bytes], *, gzip: bool = False) -> Path:
+        path = tmp_path / name
+        with tarfile.open(path, "w:gz" if gzip else "w") as bundle:
+            for member, content in members.items():
+                info = tarfile.TarInfo(member)
+                info.size = len(content)
+                bundle.addfile(info, io.BytesIO(content))
+        return path
+
+    hub = archive(
+        "hub.tar.gz", {"manifest.json": b'[{"RepoTags": ["docker.io/library/busybox:latest"]}]'}, gzip=True
+    )
+    assert containers.archive_names(hub) == ["docker.io/library/busybox:latest"]
+    assert containers.archive_holding(tmp_path, "busybox") == hub  # the same image, as docker names it
+    assert containers.archive_holding(tmp_path, "docker.io/library/busybox:latest") == hub
+    assert containers.archive_holding(tmp_path, "busybox:1.36") is None
+    for name, members in {
+        "no-manifest.tar": {"layer.tar": b"x"},
+        "not-a-list.tar": {"manifest.json": b'{"RepoTags": ["x:1"]}'},
+        "not-json.tar": {"manifest.json": b"[{"},
+        "huge.tar": {"manifest.json": b"[" + b" " * (containers.MAX_MANIFEST + 1) + b"]"},
+    }.items():
+        assert containers.archive_names(archive(name, members)) == [], name
+    (tmp_path / "plain.tar").write_bytes(b"not a tar at all")
+    assert containers.archive_names(tmp_path / "plain.tar") == []
+    assert containers.archive_holding(tmp_path / "absent", "busybox") is None
