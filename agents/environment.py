@@ -135,14 +135,16 @@ def _container(image: object, workdir: Path, log: IO[bytes], passed: Collection[
         log.write(b"klique: the task asks for a container image and no docker or podman engine runs here\n")
         raise BuildFailed("no container engine runs on this host")
     archives = os.environ.get("KLIQUE_IMAGE_ARCHIVES", "")
-    if not containers.image_present(engine, reference) and archives:
+    present = containers.image_present(engine, reference)
+    if not present and archives:
         archive = containers.archive_holding(Path(archives), reference)
         if archive is not None:
             try:
                 _run([engine, "load", "--input", str(archive)], log, what="load")
             except BuildFailed:
                 raise BuildFailed(f"the image {reference} could not be loaded from {archive}") from None
-    if not containers.image_present(engine, reference):
+            present = containers.image_present(engine, reference)
+    if not present:
         if pull == "never":
             where = f" nor in an archive in {archives}" if archives else ""
             log.write(
