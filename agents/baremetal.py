@@ -387,7 +387,8 @@ class BareMetal:
                     offset + len(complete),
                 )
             if code is not None:
-                await asyncio.to_thread(self._remove_container, run)
+                if code < 0:  # killed by a signal: an engine's client may have left its container running
+                    await asyncio.to_thread(self._remove_container, run)
                 uploaded, failed = await self._upload_outputs(run, report)
                 self._hold(run.devices, run.units, -1)
                 self.state.remove_run(task_id)
@@ -422,12 +423,12 @@ class BareMetal:
                 return
             await asyncio.sleep(POLL_SECONDS / 2)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(run.pid, signal.SIGKILL)
-        await asyncio.to_thread(self._remove_container, run)  # its engine's client went with the runner
+            os.killpg(run.pid, signal.SIGKILL)  # a container's engine client too: _tail removes the container
 
     def _remove_container(self, run: RunRecord) -> None:
-        """A task run in a container: make sure the container is gone with its runner (a runner killed with
-        SIGKILL leaves a container its engine still runs)."""
+        """A run killed by a signal, in a container: make sure the container is gone with its runner (a
+        runner killed with SIGKILL, by an abort's grace running out or by the kernel, leaves a container its
+        engine still runs). A run that ended on its own needs nothing: `--rm` removed its container."""
         try:
             spec = json.loads((Path(run.log_path).parent / "spec.json").read_text())
         except (OSError, ValueError):

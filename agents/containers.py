@@ -149,11 +149,11 @@ def run_argv(
     workdir: Path,
     passed: Collection[str],
     runner_environment: Mapping[str, str],
-    pull: str = "never",
 ) -> tuple[list[str], list[str]]:
     """The engine's command line that runs the task's command (appended after it) in `image`, and the lines
     to write to the task's log about it. `runner_environment` is the runner's own (the agent's and
-    Klique's): the GPUs it was given, the shared file system, whether the GPUs are real."""
+    Klique's): the GPUs it was given, the shared file system, whether the GPUs are real. The image is on
+    the host by now (agents.environment loads or pulls it first), so the run never pulls."""
     notes: list[str] = []
     host_devices = [d for d in runner_environment.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
     real = runner_environment.get("KLIQUE_GPU_SOURCE") == "nvml"
@@ -164,7 +164,7 @@ def run_argv(
             "given none"
         )
     argv = [
-        engine_path, "run", "--rm", f"--pull={pull}", "--init",
+        engine_path, "run", "--rm", "--pull=never", "--init",
         "--name", container_name(task_id),
         "--network", "host",
         "-v", f"{workdir}:/work", "-w", "/work",

@@ -167,7 +167,6 @@ def _container(image: object, workdir: Path, log: IO[bytes], passed: Collection[
         workdir=workdir,
         passed=passed,
         runner_environment=os.environ,
-        pull="never",  # present by now
     )
     for note in notes:
         log.write(f"{note}\n".encode())

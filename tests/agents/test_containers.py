@@ -11,6 +11,7 @@ import os
 import signal
 import tarfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -147,23 +148,42 @@ def _wait_for_container(podman: Podman, task_id: str) -> None:
         time.sleep(0.2)
 
 
-def test_a_stopped_task_stops_its_container(podman: Podman, tmp_path: Path) -> None:
-    bare = bare_metal(tmp_path)
-    spec = {"command": ["sh", "-c", "echo started; sleep 600"], "image": podman.image}
+def interrupted(
+    bare: BareMetal, podman: Podman, task_id: str, spec: dict[str, Any], then: Callable[[], Awaitable[None]]
+) -> Recorder:
+    """Start the task, wait until its container runs, do `then`, and wait for the task's result."""
 
     async def scenario() -> Recorder:
         recorder = Recorder(bare.state)
-        await bare.start(assignment("t-stop", spec), recorder)
-        await asyncio.to_thread(_wait_for_container, podman, "t-stop")
-        await bare.stop("t-stop", grace_seconds=20)
+        await bare.start(assignment(task_id, spec), recorder)
+        await asyncio.to_thread(_wait_for_container, podman, task_id)
+        await then()
         await asyncio.wait_for(recorder.finished.wait(), timeout=TIMEOUT)
         return recorder
 
-    recorder = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_a_stopped_task_stops_its_container(podman: Podman, tmp_path: Path) -> None:
+    bare = bare_metal(tmp_path)
+    spec = {"command": ["sh", "-c", "echo started; sleep 600"], "image": podman.image}
+    recorder = interrupted(bare, podman, "t-stop", spec, lambda: bare.stop("t-stop", grace_seconds=20))
     body = result(recorder)
     assert body["stopped"] is True
     assert body["exit_code"] == 128 + signal.SIGTERM  # the command got SIGTERM inside (an init forwards it)
     assert containers_named(podman, "t-stop") == []
+
+
+def test_a_task_that_ignores_sigterm_is_killed_and_leaves_no_container(
+    podman: Podman, tmp_path: Path
+) -> None:
+    bare = bare_metal(tmp_path)
+    spec = {"command": ["sh", "-c", "trap '' TERM; while true; do sleep 1; done"], "image": podman.image}
+    recorder = interrupted(bare, podman, "t-deaf", spec, lambda: bare.stop("t-deaf", grace_seconds=1))
+    body = result(recorder)
+    assert body["stopped"] is True
+    assert body["exit_code"] == -signal.SIGKILL  # the grace period ran out: SIGKILL to the runner's group
+    assert containers_named(podman, "t-deaf") == []
 
 
 def test_a_runner_killed_outright_leaves_no_container(podman: Podman, tmp_path: Path) -> None:
@@ -172,16 +192,11 @@ def test_a_runner_killed_outright_leaves_no_container(podman: Podman, tmp_path: 
     bare = bare_metal(tmp_path)
     spec = {"command": ["sh", "-c", "sleep 600"], "image": podman.image}
 
-    async def scenario() -> Recorder:
-        recorder = Recorder(bare.state)
-        await bare.start(assignment("t-killed", spec), recorder)
-        await asyncio.to_thread(_wait_for_container, podman, "t-killed")
+    async def kill() -> None:
         (run,) = bare.state.runs()
         os.killpg(run.pid, signal.SIGKILL)
-        await asyncio.wait_for(recorder.finished.wait(), timeout=TIMEOUT)
-        return recorder
 
-    recorder = asyncio.run(scenario())
+    recorder = interrupted(bare, podman, "t-killed", spec, kill)
     assert result(recorder)["exit_code"] == -signal.SIGKILL
     assert containers_named(podman, "t-killed") == []
 
