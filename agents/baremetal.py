@@ -134,6 +134,17 @@ def _reason(run: RunRecord) -> str:
         return ""
 
 
+def _last_lines(path: Path, count: int = 3) -> str:
+    """The last lines of a log, joined with " | " (its end only is read)."""
+    try:
+        with open(path, "rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - 4096))
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return " | ".join(line.strip() for line in text.splitlines()[-count:] if line.strip())
+
+
 def split_lines(text: str) -> list[str]:
     """Lines of output, each cut into pieces of at most MAX_LINE characters."""
     pieces = []
@@ -424,6 +435,27 @@ class BareMetal:
             await asyncio.sleep(POLL_SECONDS / 2)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(run.pid, signal.SIGKILL)  # a container's engine client too: _tail removes the container
+
+    def spec_of(self, task_id: str) -> dict[str, Any]:
+        """The spec a run of this host started with (an app's with its port chosen); {} if none."""
+        try:
+            spec = json.loads((self.work_dir / task_id / "spec.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return spec if isinstance(spec, dict) else {}
+
+    async def fail(self, task_id: str, reason: str, grace_seconds: float = 10.0) -> None:
+        """Stop a run for a reason outside its command (an app that never answered its health check): the
+        reason goes into its result, as a runner's own would."""
+        run = next((run for run in self.state.runs() if run.task_id == task_id), None)
+        if run is None:
+            return
+        tail = _last_lines(Path(run.log_path))
+        if tail:
+            reason = f"{reason}; its log ends: {tail}"
+        with contextlib.suppress(OSError):
+            Path(reason_path(run.exit_path)).write_text(reason[:MAX_REASON])
+        await self.stop(task_id, grace_seconds)
 
     def _remove_container(self, run: RunRecord) -> None:
         """A run killed by a signal, in a container: make sure the container is gone with its runner (a

@@ -49,7 +49,9 @@ from agents.backend import Backend, Refused
 from agents.baremetal import BareMetal, detect_gpus
 from agents.hpc import DIALECTS, Batch, Settings
 from agents.state import Position, State
+from agents.tunnel import AppTunnel
 from klique.sdk import loopback
+from protocol import apps as protocol_apps
 from protocol import messages
 from protocol import outputs as protocol_outputs
 
@@ -162,6 +164,7 @@ class Agent:
         self.heartbeat_seconds = 10.0
         self.capacity: dict[str, Any] = {}  # as last asked of the environment; hello and heartbeats send it
         self.upload_patience = UPLOAD_PATIENCE_SECONDS
+        self.tunnels: dict[str, asyncio.Task[None]] = {}  # task id -> the tunnel of the app it runs
 
     async def _follow_capacity(self) -> None:
         """Ask the environment for its CPUs and nodes every CAPACITY_SECONDS, beside the connection: on a
@@ -303,17 +306,77 @@ class Agent:
             return
         self.state.lease_begin(task_id, lease, assignment.attempt)
         try:
-            await self.backend.start(assignment.as_json(), self.report)
+            handed = self._with_app_port(assignment.as_json())
+            await self.backend.start(handed, self.report)
         except Refused as refused:
             self.state.lease_end(task_id)
             await self._send(messages.Rejected(task_id, lease, str(refused), refused.permanent).as_json())
             return
         await self._send(messages.Accepted(task_id, lease).as_json())
+        if "app" in (handed.get("spec") or {}):
+            self.open_tunnel(task_id, handed["spec"])
+
+    def _with_app_port(self, assignment: dict[str, Any]) -> dict[str, Any]:
+        """An app's assignment with the port it is to serve on (a free one of this host, unless its
+        template fixed one); Refused where the backend cannot serve apps, or the app section is wrong."""
+        spec = assignment.get("spec") or {}
+        if "app" not in spec:
+            return assignment
+        if not hasattr(self.backend, "spec_of"):
+            raise Refused(
+                f"Apps run on bare-metal pools; a {self.backend.name} pool does not serve them yet. "
+                "Launch it on a compute resource whose pools are bare-metal.",
+                permanent=True,
+            )
+        try:
+            app = protocol_apps.AppSpec.parse(spec["app"])
+        except protocol_apps.TemplateInvalid as error:
+            raise Refused(f"The app cannot be run: {error}", permanent=True) from None
+        return {**assignment, "spec": protocol_apps.with_port(spec, app.port or free_port())}
+
+    def open_tunnel(self, task_id: str, spec: dict[str, Any]) -> None:
+        """Serve the app the run runs through its tunnel, until the run ends."""
+        try:
+            app = protocol_apps.AppSpec.parse(spec.get("app"))
+        except protocol_apps.TemplateInvalid as error:
+            logger.warning("task %s: its app cannot be served: %s", task_id, error)
+            return
+        if app.port is None or task_id in self.tunnels:
+            return
+
+        async def fail(reason: str) -> None:
+            await self.backend.fail(task_id, reason)  # type: ignore[attr-defined]
+
+        async def say(line: str) -> None:
+            await self.report(task_id, "log", {"stream": "klique", "lines": [line]})
+
+        tunnel = AppTunnel(
+            url=self.url,
+            credentials={"Authorization": f"Bearer {self.token}", "X-Klique-Instance": self.instance},
+            task_id=task_id,
+            lease_id=self.state.lease(task_id),
+            app=app,
+            fail=fail,
+            say=say,
+        )
+        running = asyncio.create_task(tunnel.run())
+        self.tunnels[task_id] = running
+        running.add_done_callback(lambda _: self.tunnels.pop(task_id, None))
+
+    def reopen_tunnels(self, task_ids: list[str]) -> None:
+        """After a restart: the apps of the runs this agent took back are served again."""
+        spec_of: Any = getattr(self.backend, "spec_of", None)
+        for task_id in task_ids if spec_of is not None else []:
+            spec = spec_of(task_id)
+            if "app" in spec:
+                self.open_tunnel(task_id, spec)
 
     async def report(
         self, task_id: str, kind: str, body: dict[str, Any], offset: Position | None = None
     ) -> None:
         """Keep the report in the outbox (with the log offset it reaches) and send it if connected."""
+        if kind == "result" and (tunnel := self.tunnels.pop(task_id, None)) is not None:
+            tunnel.cancel()  # the app's run ended: so does its route
         await self._send(self.state.enqueue(task_id, kind, body, offset=offset))
 
     async def _send(self, message: dict[str, Any]) -> None:
@@ -390,6 +453,13 @@ class Agent:
         self.stopping.set()
         if self.socket is not None:
             await self.socket.close()
+
+
+def free_port() -> int:
+    """A port no one on this host listens on now (the app binds it moments later)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 class Checked(str):
@@ -653,6 +723,7 @@ def main(argv: list[str] | None = None) -> int:
         adopted = backend.adopt(agent.report)
         if adopted:
             logger.info("took back %d tasks: %s", len(adopted), ", ".join(adopted))
+            agent.reopen_tunnels(adopted)
         loop = asyncio.get_running_loop()
         for sign in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sign, lambda: asyncio.ensure_future(agent.shutdown(args.grace_seconds)))

@@ -7,6 +7,8 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from apps.accounts.urls import urlpatterns as accounts_urlpatterns
+from apps.catalogue.urls import address_urlpatterns
+from apps.catalogue.urls import urlpatterns as catalogue_urlpatterns
 from apps.configuration.urls import urlpatterns as configuration_urlpatterns
 from apps.fleet.urls import agent_urlpatterns
 from apps.fleet.urls import urlpatterns as fleet_urlpatterns
@@ -26,6 +28,7 @@ api_v1 = [
     *configuration_urlpatterns,
     *scheduling_urlpatterns,
     *fleet_urlpatterns,
+    *catalogue_urlpatterns,
     *vault_urlpatterns,
     *sso_urlpatterns,
     *gateway_urlpatterns,
@@ -37,6 +40,7 @@ urlpatterns = [
     path("api/v1/", include(api_v1)),
     *portal_urlpatterns,
     *agent_urlpatterns,
+    *address_urlpatterns,
     *sign_in_urlpatterns,
     path("api/schema/", SpectacularAPIView.as_view(urlconf="config.urls"), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),

@@ -109,13 +109,26 @@ def agent_authenticate(*, presented: str) -> AgentToken:
     return token
 
 
+def instance_fingerprint(instance: str) -> str:
+    """What a token keeps of the instance key of the agent it is bound to (a hash: never the key)."""
+    return hashlib.sha256(instance.encode()).hexdigest() if instance else ""
+
+
+def is_bound_to(token: AgentToken, instance: str) -> bool:
+    """Whether `token` is bound to the agent holding instance key `instance` (it said hello before)."""
+    fingerprint = instance_fingerprint(instance)
+    if not token.bound_agent_id or not fingerprint:
+        return False
+    return hmac.compare_digest(token.bound_instance, fingerprint)
+
+
 def agent_bind(*, tenant: Tenant, token: AgentToken, agent_id: str, instance: str, address: str = "") -> None:
     """Bind the token to the agent at its first hello; refuse another agent presenting it later.
 
     The binding is the agent's id and a hash of the random instance key it keeps in its work folder, so a
     token copied from a login node (a process list, a backup) is refused wherever it is used without that
     agent's key. The refusal is kept on the token, audited and published, for the pool's admins."""
-    fingerprint = hashlib.sha256(instance.encode()).hexdigest() if instance else ""
+    fingerprint = instance_fingerprint(instance)
     with transaction.atomic():
         current = AgentToken.objects.select_for_update().get(pk=token.pk)
         # Unbound, or an instance's token (named for its agent) at that agent's first hello.

@@ -68,7 +68,7 @@ def sign_in(request: HttpRequest) -> HttpResponse:
         except SignInLimited as limited:
             context["error"] = str(limited)
             return render(request, "portal/sign_in.html", context, status=429)
-        target = context["next"] if str(context["next"]).startswith("/portal/") else "/portal/"
+        target = context["next"] if str(context["next"]).startswith(("/portal/", "/apps/")) else "/portal/"
         return HttpResponseRedirect(target)
     return render(request, "portal/sign_in.html", context)
 

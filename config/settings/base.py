@@ -76,6 +76,7 @@ TENANT_APPS = [
     "apps.configuration",  # the draft and its provisioning, the pools' and compute resources' API
     "apps.scheduling",
     "apps.fleet",
+    "apps.catalogue",
     "apps.audit",
     "apps.vault",
     "apps.sso",

@@ -1,0 +1,293 @@
+"""The agent's end of an app's tunnel: wait for the app to answer its health check, then open a websocket
+to the plane (/agents/tunnel/, outbound like the agent's own) and serve the requests that come through it
+from the app on this host (protocol.tunnel has the frames).
+
+The tunnel names the app's run (task and lease) and is reconnected with backoff for as long as the run
+lasts; the plane refuses it (4404) once the lease is not the task's live run, and then it stops trying.
+An app that never answers its health check within its startup time is stopped, with a reason that says
+so and the last lines of its log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+import websockets
+
+from protocol import tunnel
+from protocol.apps import AppSpec
+
+logger = logging.getLogger("klique.agent.tunnel")
+
+HEALTH_EVERY = 1.0  # seconds between health checks while the app starts
+# The plane no longer serves this run's route (4404), or refuses the agent's token (4401): stop trying.
+REFUSED_BY_PLANE = frozenset({4401, 4404})
+Fail = Callable[[str], Awaitable[None]]
+Say = Callable[[str], Awaitable[None]]
+
+
+def tunnel_address(url: str) -> tuple[str, dict[str, Any]]:
+    """The tunnel's websocket URL for a tenant address, and where to connect (as agents.main does)."""
+    parts = urlsplit(url.rstrip("/"))
+    scheme = "wss" if parts.scheme == "https" else "ws"
+    address = urlunsplit((scheme, parts.netloc, "/agents/tunnel/", "", ""))
+    host = parts.hostname or ""
+    if host == "localhost" or host.endswith(".localhost"):
+        return address, {"host": "127.0.0.1", "port": parts.port or (443 if scheme == "wss" else 80)}
+    return address, {}
+
+
+class AppTunnel:
+    """One app run's tunnel. `run()` lasts until the run ends (the task cancels it) or the plane refuses
+    the tunnel."""
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        credentials: dict[str, str],
+        task_id: str,
+        lease_id: str,
+        app: AppSpec,
+        fail: Fail,
+        say: Say,
+    ) -> None:
+        self.url, self.task_id, self.lease_id, self.app = url, task_id, lease_id, app
+        self.credentials = credentials  # Authorization and X-Klique-Instance
+        self.fail, self.say = fail, say
+        self.local = f"http://127.0.0.1:{app.port}"
+        self.streams: dict[int, asyncio.Queue[tunnel.Frame]] = {}
+        self.credit: dict[int, asyncio.Semaphore] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.socket: Any = None
+        self.client: httpx.AsyncClient | None = None
+
+    async def run(self) -> None:
+        async with httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=10), follow_redirects=False
+        ) as client:
+            self.client = client
+            problem = await self._wait_healthy()
+            if problem:
+                await self.fail(problem)
+                return
+            await self.say(f"klique: the app answers on port {self.app.port}; its route is open")
+            await self._connect_forever()
+
+    async def _wait_healthy(self) -> str:
+        """ "" once the app answers its health check (any answer below 500), else why it did not."""
+        assert self.client is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.app.startup_seconds
+        last = "it did not answer"
+        while loop.time() < deadline:
+            try:
+                answer = await self.client.get(self.local + self.app.health_path, timeout=5)
+                if answer.status_code < 500:
+                    return ""
+                last = f"it answered {answer.status_code}"
+            except httpx.HTTPError as error:
+                last = f"it did not answer ({type(error).__name__})"
+            await asyncio.sleep(HEALTH_EVERY)
+        return (
+            f"the app did not answer its health check (GET {self.app.health_path} on port {self.app.port}) "
+            f"within {self.app.startup_seconds} s: {last}"
+        )
+
+    async def _connect_forever(self) -> None:
+        address, connect_to = tunnel_address(self.url)
+        headers = {**self.credentials, "X-Klique-Task": self.task_id, "X-Klique-Lease": self.lease_id}
+        delay = 0.5
+        while True:
+            try:
+                async with websockets.connect(
+                    address,
+                    additional_headers=headers,
+                    max_size=tunnel.MAX_FRAME,
+                    open_timeout=10,
+                    **connect_to,
+                ) as socket_:
+                    self.socket = socket_
+                    await self._serve(socket_)
+                    delay = 0.5  # served until the plane went away: back soon
+            except websockets.ConnectionClosed as closed:
+                if closed.rcvd is not None and closed.rcvd.code in REFUSED_BY_PLANE:
+                    logger.info("app %s: the plane closed its route (%s)", self.task_id, closed.rcvd.reason)
+                    return
+                logger.warning("app %s: its tunnel closed (%s); reconnecting", self.task_id, closed)
+            except (OSError, websockets.WebSocketException, TimeoutError) as error:
+                logger.warning("app %s: its tunnel could not connect (%s); retrying", self.task_id, error)
+            finally:
+                self.socket = None
+                self._drop_streams()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 15.0)
+
+    def _drop_streams(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        self.streams.clear()
+        self.credit.clear()
+
+    async def _serve(self, socket_: Any) -> None:
+        async for raw in socket_:
+            if isinstance(raw, str):
+                continue
+            try:
+                item = tunnel.Frame.decode(raw)
+            except tunnel.FrameError as error:
+                logger.warning("app %s: a frame from the plane was refused: %s", self.task_id, error)
+                continue
+            if item.kind == tunnel.OPEN:
+                self._open(item)
+            elif item.kind == tunnel.CREDIT and item.stream in self.credit:
+                with contextlib.suppress(tunnel.FrameError):
+                    for _ in range(min(tunnel.credit_count(item), tunnel.WINDOW)):
+                        self.credit[item.stream].release()
+            elif item.stream in self.streams:
+                await self.streams[item.stream].put(item)
+
+    def _open(self, item: tunnel.Frame) -> None:
+        try:
+            head = item.document()
+            headers = tunnel.headers(head.get("headers", []))
+        except tunnel.FrameError as error:
+            self._spawn(self._send(tunnel.frame(item.stream, tunnel.RESET, {"reason": str(error)})))
+            return
+        self.streams[item.stream] = asyncio.Queue()
+        self.credit[item.stream] = asyncio.Semaphore(tunnel.WINDOW)
+        serve = self._websocket if head.get("websocket") else self._http
+        self._spawn(self._finally_forget(item.stream, serve(item.stream, head, headers)))
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _finally_forget(self, stream: int, work: Awaitable[None]) -> None:
+        try:
+            await work
+        finally:
+            self.streams.pop(stream, None)
+            self.credit.pop(stream, None)
+
+    async def _send(self, data: bytes) -> None:
+        if self.socket is not None:
+            await self.socket.send(data)
+
+    async def _body(self, stream: int) -> AsyncIterator[bytes]:
+        queue = self.streams[stream]
+        while True:
+            item = await queue.get()
+            if item.kind == tunnel.DATA:
+                yield item.payload
+            elif item.kind == tunnel.END:
+                return
+            else:
+                raise ConnectionAbortedError("the client gave up the request")
+
+    async def _http(self, stream: int, head: dict[str, Any], headers: list[tuple[bytes, bytes]]) -> None:
+        assert self.client is not None
+        target = str(head.get("target") or "/")
+        if not target.startswith("/"):
+            target = "/" + target
+        body = self._body(stream)
+        if not head.get("body"):
+            async for _ in body:  # no body: only its END
+                pass
+        request = self.client.build_request(
+            str(head.get("method") or "GET"),
+            self.local + target,
+            headers=[*headers, (b"origin", self.local.encode())],  # the route checked the real one
+            content=body if head.get("body") else None,
+        )
+        try:
+            answer = await self.client.send(request, stream=True)
+        except (httpx.HTTPError, ConnectionAbortedError) as error:
+            reason = f"the app on port {self.app.port} did not take the request ({type(error).__name__})"
+            await self._send(tunnel.frame(stream, tunnel.RESET, {"reason": reason}))
+            return
+        try:
+            passed = [
+                [name, value] for name, value in answer.headers.multi_items()
+                if name.lower().encode() not in tunnel.HOP_BY_HOP
+            ]  # fmt: skip
+            await self._send(
+                tunnel.frame(stream, tunnel.HEAD, {"status": answer.status_code, "headers": passed})
+            )
+            credit = self.credit[stream]
+            async for chunk in answer.aiter_raw(tunnel.MAX_CHUNK):
+                await credit.acquire()
+                await self._send(tunnel.frame(stream, tunnel.DATA, chunk))
+            await self._send(tunnel.frame(stream, tunnel.END))
+        except httpx.HTTPError as error:
+            reason = f"the app broke off its answer ({type(error).__name__})"
+            await self._send(tunnel.frame(stream, tunnel.RESET, {"reason": reason}))
+        finally:
+            await answer.aclose()
+
+    async def _websocket(self, stream: int, head: dict[str, Any], headers: list[tuple[bytes, bytes]]) -> None:
+        target = str(head.get("target") or "/")
+        protocols = [
+            part.strip() for name, value in headers if name == b"sec-websocket-protocol"
+            for part in value.decode("latin-1").split(",") if part.strip()
+        ]  # fmt: skip
+        passed = [
+            (name.decode("latin-1"), value.decode("latin-1"))
+            for name, value in headers
+            if name not in (b"sec-websocket-protocol", b"x-forwarded-host")
+        ]
+        passed.append(("Origin", self.local))
+        try:
+            upstream = await websockets.connect(
+                f"ws://127.0.0.1:{self.app.port}{target if target.startswith('/') else '/' + target}",
+                additional_headers=passed,
+                subprotocols=protocols or None,  # type: ignore[arg-type]
+                max_size=tunnel.MAX_MESSAGE,
+                open_timeout=10,
+            )
+        except (OSError, websockets.WebSocketException, TimeoutError) as error:
+            await self._send(
+                tunnel.frame(stream, tunnel.RESET, {"reason": f"the app refused the websocket ({error})"})
+            )
+            return
+        async with upstream:
+            await self._send(
+                tunnel.frame(stream, tunnel.HEAD, {"status": 101, "subprotocol": upstream.subprotocol})
+            )
+            down = asyncio.ensure_future(self._websocket_down(stream, upstream))
+            try:
+                queue = self.streams[stream]
+                while True:
+                    item = await queue.get()
+                    if item.kind == tunnel.TEXT:
+                        await upstream.send(item.payload.decode(errors="replace"))
+                    elif item.kind == tunnel.DATA:
+                        await upstream.send(item.payload)
+                    else:
+                        return
+            except websockets.ConnectionClosed:
+                return
+            finally:
+                down.cancel()
+
+    async def _websocket_down(self, stream: int, upstream: Any) -> None:
+        try:
+            async for message in upstream:
+                kind = tunnel.TEXT if isinstance(message, str) else tunnel.DATA
+                data = message.encode() if isinstance(message, str) else message
+                await self._send(tunnel.frame(stream, kind, data))
+        except websockets.ConnectionClosed:
+            pass
+        code = upstream.close_code or 1000
+        with contextlib.suppress(websockets.WebSocketException):
+            await self._send(tunnel.frame(stream, tunnel.END, {"code": code}))
+        queue = self.streams.get(stream)
+        if queue is not None:
+            await queue.put(tunnel.Frame(stream, tunnel.END))

@@ -1,0 +1,465 @@
+"""The internal route: an ASGI application that serves each app at its own host (app-<slug>.<tenant's host>),
+HTTP and websockets, through the tunnel its agent opened (apps.catalogue.tunnel).
+
+Every request is admitted first: the app's host's cookie (from a one-time ticket, apps.catalogue.tickets)
+or a bearer token of the tenant names a person, and the app must be shared with them; anyone else gets
+404, as for an app that does not exist. Klique's own credentials (the cookie, a Klique bearer token) are
+taken out of the request before it goes on: the app never sees them.
+
+A request goes to the tunnel's channel over the channel layer; its answer comes back on a channel of the
+request's own, read by one task into a queue (a receive that times out would unsubscribe the channel).
+The body is streamed both ways in chunks; credits hold the app's answer back while the client is slow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import html
+import logging
+from dataclasses import dataclass
+from http.cookies import SimpleCookie
+from typing import Any
+from urllib.parse import parse_qs
+
+from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
+from django.conf import settings
+from django.contrib.sessions.backends.db import SessionStore
+from django.db import DatabaseError, close_old_connections
+from django_tenants.utils import schema_context
+
+from apps.accounts.models import User
+from apps.accounts.services import TokenRejected, token_authenticate
+from apps.catalogue import addresses, selectors, services, tickets
+from apps.catalogue.models import AppInstance
+from apps.catalogue.tunnel import ACCEPTED
+from protocol import tunnel
+from tenants.selectors import tenant_for_host
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY = 256 * 1024 * 1024  # the largest request body the route passes on
+ACCEPT_SECONDS = 10.0  # how long the tunnel may take to take a request before the route gives up on it
+ANSWER_SECONDS = 300.0  # the longest pause in the app's answer (its first byte, or between chunks)
+ENTER_PATH = "/_klique/enter"
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+Scope = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Admission:
+    status: int  # 0: admitted
+    detail: str = ""
+    app_id: str = ""
+    channel: str = ""
+    schema: str = ""
+    tenant_host: str = ""
+    set_cookie: str = ""
+    location: str = ""
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return ""
+
+
+def _session_user(session_key: str) -> User | None:
+    data = SessionStore(session_key=session_key).load()  # an expired or deleted session loads empty
+    user_id = data.get("_auth_user_id")
+    return User.objects.filter(pk=user_id, is_active=True).first() if user_id else None
+
+
+def _cookie(scope: Scope) -> str:
+    jar: SimpleCookie = SimpleCookie()
+    with contextlib.suppress(Exception):
+        jar.load(_header(scope, b"cookie"))
+    morsel = jar.get(tickets.COOKIE)
+    return morsel.value if morsel is not None else ""
+
+
+def _admit(scope: Scope) -> Admission:  # noqa: PLR0911 -- one answer per reason to refuse
+    """Who asks, for which app, and whether the route serves it to them (in the database thread)."""
+    host = _header(scope, b"host")
+    parsed = addresses.parse_app_host(host)
+    tenant = tenant_for_host(parsed[1].split(":")[0]) if parsed else None
+    if parsed is None or tenant is None or tenant.is_suspended or tenant.schema_name == "public":
+        return Admission(404, "No app is served at this address.")
+    slug, tenant_host = parsed
+    with schema_context(tenant.schema_name):
+        app = AppInstance.objects.select_related("task", "project").filter(slug=slug).first()
+        if app is None:
+            return Admission(404, "No app is served at this address.")
+        user, set_cookie, location = _who(scope, app, tenant)
+        if user is None and location:
+            return Admission(
+                403, "This sign-in link was used already or has expired.", tenant_host=tenant_host
+            )
+        if user is None:
+            here = f"{_scheme(scope)}://{tenant_host}/apps/{app.pk}/"
+            return Admission(401, f"Sign in to reach this app: open {here}", tenant_host=tenant_host)
+        if not selectors.can_reach(user, app):
+            return Admission(404, "No app is served at this address.")
+        if location:
+            return Admission(303, location=location, set_cookie=set_cookie)
+        state = selectors.app_state(app)
+        if not app.tunnel_channel or state.state in (selectors.STOPPED, selectors.STOPPING):
+            page = f"{_scheme(scope)}://{tenant_host}/apps/{app.pk}/"
+            status = 409 if state.state == selectors.STOPPED else 503
+            return Admission(status, f"{app.name} is {state.state}: {state.detail} See {page}")
+        services.app_touch(app)
+        return Admission(
+            0,
+            app_id=str(app.pk),
+            channel=app.tunnel_channel,
+            schema=tenant.schema_name,
+            tenant_host=tenant_host,
+        )
+
+
+def _who(scope: Scope, app: AppInstance, tenant: Any) -> tuple[User | None, str, str]:
+    """(the person, a cookie to set, where to send them) from a ticket, the app host's cookie, or a token."""
+    if scope["type"] == "http" and scope["path"] == ENTER_PATH:
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        session_key = tickets.redeem((query.get("ticket") or [""])[0], app_id=str(app.pk))
+        user = _session_user(session_key) if session_key else None
+        target = (query.get("next") or ["/"])[0]
+        if not target.startswith("/") or target.startswith("//") or "\\" in target:
+            target = "/"
+        cookie = tickets.cookie(session_key=session_key, app_id=str(app.pk)) if session_key else ""
+        return user, cookie, target
+    scheme, _, presented = _header(scope, b"authorization").partition(" ")
+    if scheme.lower() == "bearer" and presented.startswith("klq_"):
+        try:
+            return token_authenticate(tenant=tenant, presented=presented.strip())[0], "", ""
+        except TokenRejected:
+            return None, "", ""
+    session_key = tickets.cookie_session(_cookie(scope), app_id=str(app.pk)) if _cookie(scope) else None
+    return (_session_user(session_key) if session_key else None), "", ""
+
+
+def _passed_headers(scope: Scope) -> list[list[str]]:
+    """The request's headers as the app gets them: hop-by-hop ones and Klique's credentials left out, the
+    original host and scheme said in X-Forwarded-*."""
+    kept: list[tuple[bytes, bytes]] = []
+    for name, value in scope["headers"]:
+        lower = name.lower()
+        if lower in tunnel.HOP_BY_HOP or lower in tunnel.WEBSOCKET_HANDSHAKE:
+            continue
+        if lower == b"authorization" and value.split(b" ", 1)[-1].strip().startswith(b"klq_"):
+            continue
+        if lower == b"cookie":
+            if cookies := _without_klique_cookie(value):
+                kept.append((lower, cookies))
+            continue
+        kept.append((lower, value))
+    kept += [
+        (b"x-forwarded-host", _header(scope, b"host").encode("latin-1")),
+        (b"x-forwarded-proto", _scheme(scope).encode()),
+    ]
+    if client := scope.get("client"):
+        kept.append((b"x-forwarded-for", str(client[0]).encode()))
+    return tunnel.header_list(kept)
+
+
+def _without_klique_cookie(value: bytes) -> bytes:
+    parts = [part.strip() for part in value.split(b";")]
+    return b"; ".join(part for part in parts if part and not part.startswith(tickets.COOKIE.encode() + b"="))
+
+
+def _same_origin(scope: Scope) -> bool:
+    """Whether a request that may change something comes from the app's own pages (or from no page: a
+    program's call has no Origin). Another site's page cannot act through a visitor's cookie."""
+    origin = _header(scope, b"origin")
+    if not origin:
+        return True
+    return origin.lower() == f"{_scheme(scope)}://{_header(scope, b'host')}".lower()
+
+
+def _scheme(scope: Scope) -> str:
+    """http or https, for websockets too (whose scope says ws or wss)."""
+    return "https" if scope.get("scheme") in ("https", "wss") else "http"
+
+
+def _target(scope: Scope) -> str:
+    path: bytes = scope.get("raw_path") or scope["path"].encode()
+    query: bytes = scope.get("query_string") or b""
+    return (path + (b"?" + query if query else b"")).decode("latin-1")
+
+
+class Stream:
+    """One request's end of the channel layer: frames to the tunnel, frames back into a queue."""
+
+    def __init__(self, layer: Any, channel: str) -> None:
+        self.layer, self.channel = layer, channel
+        self.frames: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
+        self.reply = ""
+        self.reader: asyncio.Task[None] | None = None
+
+    async def open(self, head: dict[str, Any]) -> None:
+        self.reply = await self.layer.new_channel("route.")
+        self.reader = asyncio.create_task(self._read())
+        await self.layer.send(self.channel, {"type": "tunnel.open", "reply": self.reply, "head": head})
+
+    async def _read(self) -> None:
+        while True:
+            message = await self.layer.receive(self.reply)
+            await self.frames.put((int(message["kind"]), bytes(message.get("payload") or b"")))
+
+    async def send(self, kind: int, payload: bytes = b"") -> None:
+        await self.layer.send(
+            self.channel, {"type": "tunnel.frame", "reply": self.reply, "kind": kind, "payload": payload}
+        )
+
+    async def next(self, timeout: float) -> tuple[int, bytes]:
+        try:
+            return await asyncio.wait_for(self.frames.get(), timeout)
+        except TimeoutError:
+            return tunnel.RESET, b""
+
+    async def close(self) -> None:
+        if self.reader is not None:
+            self.reader.cancel()  # the layer unsubscribes the reply channel
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.reader
+
+
+async def _page(send: Any, status: int, detail: str, *, location: str = "", cookie: str = "") -> None:
+    headers = [(b"content-type", b"text/html; charset=utf-8"), (b"cache-control", b"no-store")]
+    if location:
+        headers.append((b"location", location.encode("latin-1", "replace")))
+    if cookie:
+        secure = "; Secure" if not settings.DEBUG else ""
+        value = f"{tickets.COOKIE}={cookie}; Path=/; HttpOnly; SameSite=Lax; Max-Age={tickets.COOKIE_SECONDS}"
+        headers.append((b"set-cookie", (value + secure).encode()))
+    body = f"<!doctype html><title>Klique</title><p>{html.escape(detail)}</p>\n".encode()
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class AppRoute:
+    """The ASGI application for app hosts: config.asgi sends it every request whose host is an app's."""
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        try:
+            admission = await sync_to_async(self._admit_closing, thread_sensitive=False)(scope)
+        except DatabaseError:
+            admission = Admission(503, "Klique's database is unavailable; try again shortly.")
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send, admission)
+            return
+        if admission.status:
+            await _page(send, admission.status, admission.detail, location=admission.location,
+                        cookie=admission.set_cookie)  # fmt: skip
+            return
+        if scope["method"] not in SAFE_METHODS and not _same_origin(scope):
+            await _drain_refused(receive)
+            await _page(send, 403, "A request that changes something must come from the app's own pages.")
+            return
+        await self._http(scope, receive, send, admission)
+
+    @staticmethod
+    def _admit_closing(scope: Scope) -> Admission:
+        try:
+            return _admit(scope)
+        finally:
+            close_old_connections()
+
+    async def _http(self, scope: Scope, receive: Any, send: Any, admission: Admission) -> None:
+        declared = _header(scope, b"content-length")
+        if declared.isdigit() and int(declared) > MAX_BODY:
+            await _drain_refused(receive)
+            await _page(send, 413, f"The request body is larger than the route passes ({MAX_BODY} bytes).")
+            return
+        stream = Stream(get_channel_layer(), admission.channel)
+        body = bool(declared and declared != "0") or bool(_header(scope, b"transfer-encoding"))
+        head = {
+            "method": scope["method"],
+            "target": _target(scope),
+            "headers": _passed_headers(scope),
+            "body": body,
+        }
+        try:
+            await stream.open(head)
+            kind, _ = await stream.next(ACCEPT_SECONDS)
+            if kind != ACCEPTED:
+                await services_tunnel_stale(admission)
+                await _page(
+                    send, 502, "The app's tunnel does not answer; its agent reconnects it. Try again."
+                )
+                return
+            upload = asyncio.create_task(_upload(receive, stream))
+            try:
+                await _answer(send, stream, upload)
+            finally:
+                upload.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await upload
+        finally:
+            await stream.close()
+
+    async def _websocket(self, scope: Scope, receive: Any, send: Any, admission: Admission) -> None:
+        await receive()  # websocket.connect
+        if not admission.status and not _same_origin(scope):
+            admission = Admission(403, "A websocket to the app must come from the app's own pages.")
+        if admission.status:
+            await send({"type": "websocket.close", "code": 4000 + min(admission.status, 999)})
+            return
+        stream = Stream(get_channel_layer(), admission.channel)
+        passed = _passed_headers(scope)
+        if subprotocols := scope.get("subprotocols") or []:
+            passed.append(["sec-websocket-protocol", ", ".join(subprotocols)])
+        head = {"method": "GET", "target": _target(scope), "headers": passed, "websocket": True}
+        try:
+            await stream.open(head)
+            kind, _ = await stream.next(ACCEPT_SECONDS)
+            if kind == ACCEPTED:
+                kind, payload = await stream.next(ANSWER_SECONDS)
+            if kind != tunnel.HEAD:
+                await send({"type": "websocket.close", "code": 1011})
+                return
+            answer = tunnel.Frame(0, kind, payload).document()
+            chosen = answer.get("subprotocol")
+            await send(
+                {"type": "websocket.accept", "subprotocol": chosen if isinstance(chosen, str) else None}
+            )
+            await _relay_websocket(receive, send, stream)
+        finally:
+            await stream.close()
+
+
+async def services_tunnel_stale(admission: Admission) -> None:
+    """A tunnel channel that took nothing: its web process is gone. Forget it, so the page says so."""
+
+    def forget() -> None:
+        try:
+            with schema_context(admission.schema):
+                services.tunnel_closed(app_id=admission.app_id, channel=admission.channel)
+        finally:
+            close_old_connections()
+
+    with contextlib.suppress(DatabaseError):
+        await sync_to_async(forget, thread_sensitive=False)()
+
+
+async def _drain_refused(receive: Any) -> None:
+    """Read what the client already sent of a refused body, bounded, so the refusal reaches it."""
+    seen = 0
+    while seen < 1024 * 1024:
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if message["type"] != "http.request" or not message.get("more_body"):
+            return
+
+
+async def _upload(receive: Any, stream: Stream) -> None:
+    """The request body, chunk by chunk, then END; RESET (and the app's answer is not awaited) when it is too
+    large or the client went away."""
+    total = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            await stream.send(tunnel.RESET, b'{"reason": "the client went away"}')
+            return
+        body = message.get("body", b"")
+        total += len(body)
+        if total > MAX_BODY:
+            await stream.send(tunnel.RESET, b'{"reason": "the request body is too large"}')
+            await stream.frames.put((tunnel.RESET, b"413"))
+            return
+        for start in range(0, len(body), tunnel.MAX_CHUNK):
+            await stream.send(tunnel.DATA, body[start : start + tunnel.MAX_CHUNK])
+        if not message.get("more_body"):
+            await stream.send(tunnel.END)
+            return
+
+
+async def _answer(send: Any, stream: Stream, upload: asyncio.Task[None]) -> None:
+    kind, payload = await stream.next(ANSWER_SECONDS)
+    if kind != tunnel.HEAD:
+        if payload == b"413":
+            await _page(send, 413, f"The request body is larger than the route passes ({MAX_BODY} bytes).")
+        elif kind == tunnel.RESET and payload:
+            await _page(send, 502, _reason(payload))
+        else:
+            await stream.send(tunnel.RESET, b'{"reason": "no answer in time"}')
+            await _page(send, 504, f"The app did not answer within {ANSWER_SECONDS:.0f} seconds.")
+        return
+    try:
+        head = tunnel.Frame(0, kind, payload).document()
+        status, headers = int(head.get("status", 502)), tunnel.headers(head.get("headers", []))
+    except (tunnel.FrameError, ValueError, TypeError):
+        await _page(send, 502, "The app's answer could not be read.")
+        return
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    delivered = 0
+    while True:
+        kind, payload = await stream.next(ANSWER_SECONDS)
+        if kind == tunnel.DATA:
+            await send({"type": "http.response.body", "body": payload, "more_body": True})
+            delivered += 1
+            if delivered % (tunnel.WINDOW // 2) == 0:
+                await stream.send(tunnel.CREDIT, (tunnel.WINDOW // 2).to_bytes(4, "big"))
+        elif kind == tunnel.END:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        else:  # the tunnel dropped or the app broke off: the client must not take a cut body for whole
+            logger.info("an answer through the route was cut off: %s", _reason(payload))
+            raise ConnectionAbortedError(_reason(payload))
+
+
+def _reason(payload: bytes) -> str:
+    try:
+        detail = tunnel.Frame(0, tunnel.RESET, payload).document().get("reason")
+    except tunnel.FrameError:
+        detail = payload.decode(errors="replace")
+    return str(detail or "The app's tunnel dropped; its agent reconnects it. Try again.")[:300]
+
+
+async def _relay_websocket(receive: Any, send: Any, stream: Stream) -> None:
+    """Messages both ways until either side closes; a dropped tunnel closes the client's socket (1012:
+    the client reconnects, and meets the tunnel its agent opened again)."""
+
+    async def upward() -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "websocket.disconnect":
+                await stream.send(tunnel.END, b'{"code": %d}' % int(message.get("code", 1000)))
+                return
+            if message.get("bytes") is not None:
+                await stream.send(tunnel.DATA, message["bytes"][: tunnel.MAX_MESSAGE])
+            elif message.get("text") is not None:
+                await stream.send(tunnel.TEXT, message["text"].encode()[: tunnel.MAX_MESSAGE])
+
+    client = asyncio.create_task(upward())
+    try:
+        while not client.done():
+            getter = asyncio.create_task(stream.frames.get())
+            done, _ = await asyncio.wait({getter, client}, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                return
+            kind, payload = getter.result()
+            if kind == tunnel.DATA:
+                await send({"type": "websocket.send", "bytes": payload})
+            elif kind == tunnel.TEXT:
+                await send({"type": "websocket.send", "text": payload.decode(errors="replace")})
+            else:
+                code = 1012 if kind == tunnel.RESET else 1000
+                if kind == tunnel.END:
+                    with contextlib.suppress(tunnel.FrameError, ValueError, TypeError):
+                        code = int(tunnel.Frame(0, kind, payload).document().get("code", 1000))
+                await send({"type": "websocket.close", "code": code if 1000 <= code < 5000 else 1000})
+                return
+    finally:
+        client.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await client
+
+
+def is_app_host(scope: Scope) -> bool:
+    host = _header(scope, b"host")
+    return host[:4].lower() == addresses.PREFIX and addresses.parse_app_host(host) is not None

@@ -1,0 +1,72 @@
+"""Who may see and reach which apps, and what state each is in, in words a user understands."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.db.models import Q, QuerySet
+from django.utils import timezone
+
+from apps.accounts.models import Role, User
+from apps.catalogue.models import AppInstance
+from apps.scheduling.models import ENDED_STATES, Task, TaskState
+
+STARTING, READY, IDLE, STOPPING, STOPPED = "starting", "ready", "idle", "stopping", "stopped"
+IDLE_AFTER = timedelta(minutes=5)  # no request through the route for this long: the app is idle
+
+
+def apps_visible_to(user: User) -> QuerySet[AppInstance]:
+    """The apps `user` may see and reach: their own, those shared with a project they are in or with one
+    of their groups; a tenant admin sees every app."""
+    apps = AppInstance.objects.select_related("task", "owner", "project")
+    if user.has_role(Role.ADMIN):
+        return apps
+    return apps.filter(
+        Q(owner=user) | Q(shared_with_project=True, project__memberships__user=user) | Q(groups__members=user)
+    ).distinct()
+
+
+def can_reach(user: User, app: AppInstance) -> bool:
+    """Whether the route serves `app` to `user`: its owner, the people it is shared with. Administrators
+    see that an app exists, but reach its contents only where it is shared with them too."""
+    if not user.is_active:
+        return False
+    if app.owner_id == user.pk:
+        return True
+    if (
+        app.shared_with_project
+        and app.project is not None
+        and app.project.memberships.filter(user=user).exists()
+    ):
+        return True
+    return app.groups.filter(members=user).exists()
+
+
+@dataclass(frozen=True)
+class AppState:
+    state: str
+    detail: str
+
+
+def app_state(app: AppInstance, now: datetime | None = None) -> AppState:  # noqa: PLR0911 -- a state each
+    now = now or timezone.now()
+    task: Task | None = app.task
+    if task is None or task.state in ENDED_STATES:
+        if task is None:
+            return AppState(STOPPED, "Not started.")
+        if app.stop_reason:
+            return AppState(STOPPED, app.stop_reason)
+        return AppState(STOPPED, task.reason or f"Its task {task.state}.")
+    if app.stop_requested_at is not None:
+        return AppState(STOPPING, app.stop_reason or "Stopping.")
+    if task.state != TaskState.RUNNING:
+        return AppState(STARTING, task.reason or f"Its task is {task.state}.")
+    if not app.tunnel_channel:
+        if app.ready_at is None:
+            return AppState(STARTING, "Running; waiting for the app to answer its health check.")
+        return AppState(STARTING, "Running; its agent is reconnecting the app's route.")
+    last = app.last_request_at or app.ready_at or now
+    if now - last > IDLE_AFTER:
+        return AppState(IDLE, f"No requests since {last:%Y-%m-%d %H:%M} UTC.")
+    return AppState(READY, "Serving.")

@@ -1,0 +1,234 @@
+"""What people do with the catalogue: add entries, launch apps from them, stop and start them again; and
+what the route and the agents' tunnels record of an app.
+
+An app instance runs as a task on a compute resource like any other (the same policies, reservations,
+preemption, metering and audit): launching submits it, stopping cancels it, starting again submits a new
+one. The task runs once (`max_attempts` 1): an app that exits, or never answers its health check, is
+stopped with the reason, and its owner starts it again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from apps.accounts.models import ApiToken, Group, Role, User
+from apps.catalogue import shipped
+from apps.catalogue.models import AppInstance, CatalogueEntry
+from apps.core.errors import Conflict, Forbidden, InvalidInput, NotFound
+from apps.scheduling.models import ENDED_STATES, Task, TaskState
+from apps.scheduling.services import TaskRequest, task_cancel, tasks_submit
+from protocol.apps import Template, TemplateInvalid
+
+if TYPE_CHECKING:
+    from tenants.models import Tenant
+
+TOUCH_EVERY = timedelta(seconds=30)  # how stale an app's last request may be before the route writes it
+
+
+def _invalid(error: TemplateInvalid, prefix: str = "") -> InvalidInput:
+    lines = [f"{prefix}{problem}" for problem in error.problems]
+    return InvalidInput(
+        f"The template has {len(lines)} problem(s): " + "; ".join(lines), errors={"problems": lines}
+    )
+
+
+def entry_add(*, user: User, document: Any, allowed_for_projects: bool = True) -> CatalogueEntry:
+    """Add an entry (one version of an app) from a template document, every problem listed by path."""
+    if not user.has_role(Role.ADMIN):
+        raise Forbidden("Only tenant admins add catalogue entries; project admins launch the allowed ones.")
+    try:
+        template = Template.parse(document)
+    except TemplateInvalid as error:
+        raise _invalid(error) from None
+    if template.name in shipped.TEMPLATES:
+        raise Conflict(f"{template.name} is an entry shipped with Klique; give yours another name.")
+    try:
+        with transaction.atomic():
+            return CatalogueEntry.objects.create(
+                name=template.name,
+                version=template.version,
+                template=template.as_json(),
+                allowed_for_projects=allowed_for_projects,
+                created_by=user.username,
+            )
+    except IntegrityError:
+        raise Conflict(
+            f"{template.name} {template.version} is in the catalogue already; a version is never changed, "
+            "so add the template as a new version."
+        ) from None
+
+
+def entry_find(name: str, version: str | None = None) -> tuple[Template, bool]:
+    """The template of an entry (its newest version unless one is named) and whether project admins may
+    launch it; NotFound naming the catalogue's entries."""
+    if name in shipped.TEMPLATES and version in (None, shipped.TEMPLATES[name].version):
+        return shipped.TEMPLATES[name], True
+    rows = CatalogueEntry.objects.filter(name=name)
+    row = rows.filter(version=version).first() if version else rows.order_by("-created_at").first()
+    if row is None:
+        known = sorted({*shipped.TEMPLATES, *CatalogueEntry.objects.values_list("name", flat=True)})
+        what = f"{name} {version}" if version else name
+        raise NotFound(f"No catalogue entry {what}; the catalogue has {', '.join(known)}.")
+    return Template.parse(row.template), row.allowed_for_projects
+
+
+@transaction.atomic
+def app_launch(
+    *,
+    tenant: Tenant,
+    user: User,
+    entry: str,
+    version: str | None = None,
+    variables: Mapping[str, Any] | None = None,
+    compute_resource: str | None = None,
+    gpus: str | None = None,
+    project: str | None = None,
+    name: str = "",
+    share_with_project: bool = False,
+    groups: list[str] | None = None,
+    token: ApiToken | None = None,
+) -> AppInstance:
+    template, allowed = entry_find(entry, version)
+    if not allowed and not user.has_role(Role.ADMIN):
+        raise Forbidden(f"{entry} is not allowed for projects; a tenant admin may launch it, or allow it.")
+    try:
+        values = template.values(variables or {})
+    except TemplateInvalid as error:
+        raise _invalid(error) from None
+    resource = compute_resource or template.compute_resource
+    if not resource:
+        raise InvalidInput(
+            f"{entry} names no compute resource of its own: choose one (GET /api/v1/compute-resources/).",
+            field="compute_resource",
+        )
+    shared_groups = _groups(user, groups or [])
+    app = AppInstance(
+        name=(name or template.title)[:100],
+        entry_name=template.name,
+        entry_version=template.version,
+        template=template.as_json(),
+        variables=values,
+        compute_resource_name=resource,
+        gpus=gpus or template.gpus,
+        owner=user,
+        shared_with_project=share_with_project,
+    )
+    task = _submit(tenant, user, app, template, project=project, token=token)
+    app.task, app.project = task, task.project
+    if share_with_project and task.project is None:
+        raise InvalidInput("Sharing with the project needs a project: name one.", field="project")
+    app.save()
+    app.groups.set(shared_groups)
+    return app
+
+
+def _groups(user: User, names: list[str]) -> list[Group]:
+    found = list(Group.objects.filter(name__in=names))
+    missing = sorted(set(names) - {group.name for group in found})
+    if missing:
+        raise InvalidInput(f"No group {', '.join(missing)}.", field="groups")
+    if not user.has_role(Role.ADMIN) and any(
+        not group.members.filter(pk=user.pk).exists() for group in found
+    ):
+        raise Forbidden("Share an app only with groups you are in; a tenant admin may share it with any.")
+    return found
+
+
+def _submit(
+    tenant: Tenant,
+    user: User,
+    app: AppInstance,
+    template: Template,
+    *,
+    project: str | None,
+    token: ApiToken | None,
+) -> Task:
+    request = TaskRequest(
+        compute_resource=app.compute_resource_name,
+        gpus=app.gpus,
+        name=f"app {app.name}",
+        project=project if project is not None else (str(app.project_id) if app.project_id else None),
+        max_attempts=1,
+        spec=template.spec(app.variables, instance=str(app.pk)),
+    )
+    (task,) = tasks_submit(tenant=tenant, user=user, requests=[request], token=token)
+    return task
+
+
+def _may_manage(user: User, app: AppInstance) -> None:
+    if app.owner_id != user.pk and not user.has_role(Role.ADMIN):
+        raise Forbidden("Only the app's owner or a tenant admin may stop or start it.")
+
+
+@transaction.atomic
+def app_stop(*, tenant: Tenant, user: User, app: AppInstance, reason: str = "") -> AppInstance:
+    """Stop the app: its task is cancelled (the agent stops it with its grace period), its route answers
+    that it is stopped. Its files on the shared file system stay."""
+    _may_manage(user, app)
+    app = AppInstance.objects.select_for_update().select_related("task").get(pk=app.pk)
+    if app.task is None or app.task.state in ENDED_STATES:
+        raise InvalidInput(f"{app.name} is stopped already; start it again with POST .../start/.")
+    app.stop_requested_at = timezone.now()
+    app.stop_reason = reason or f"Stopped by {user.username}."
+    app.save(update_fields=["stop_requested_at", "stop_reason"])
+    task_cancel(tenant=tenant, user=app.owner if user.pk != app.owner_id else user, task=app.task)
+    return app
+
+
+@transaction.atomic
+def app_start(*, tenant: Tenant, user: User, app: AppInstance, token: ApiToken | None = None) -> AppInstance:
+    """Start a stopped app again, as a new task with the same template and variables."""
+    _may_manage(user, app)
+    app = AppInstance.objects.select_for_update().select_related("task").get(pk=app.pk)
+    if app.task is not None and app.task.state not in ENDED_STATES:
+        raise Conflict(f"{app.name} is running already ({app.task.state}).")
+    template = Template.parse(app.template)
+    owner = app.owner
+    app.task = _submit(
+        tenant, owner, app, template, project=None, token=token if user.pk == owner.pk else None
+    )
+    app.tunnel_channel, app.tunnel_lease, app.ready_at = "", None, None
+    app.stop_requested_at, app.stop_reason = None, ""
+    app.save()
+    return app
+
+
+# The route and the tunnels ------------------------------------------------------------------------------
+
+
+@transaction.atomic
+def tunnel_open(*, pool_id: Any, agent_id: str, task_id: str, lease_id: str, channel: str) -> AppInstance:
+    """Record the tunnel an agent opened for an app it runs, under the run's lease: the app is ready.
+    NotFound unless the lease is the live, running run of an app task of the agent's pool, by that agent."""
+    task = (
+        Task.objects.filter(pk=task_id, pool_id=pool_id, state=TaskState.RUNNING, lease_id=lease_id)
+        .filter(runs__lease_id=lease_id, runs__agent_id=agent_id)
+        .first()
+    )
+    app_id = ((task.spec or {}).get("app") or {}).get("instance") if task is not None else None
+    app = AppInstance.objects.select_for_update().filter(pk=app_id, task=task).first() if app_id else None
+    if task is None or app is None:
+        raise NotFound(f"Task {task_id} is not a running app of this agent under lease {lease_id}.")
+    now = timezone.now()
+    app.tunnel_channel, app.tunnel_lease = channel, lease_id
+    app.ready_at = app.ready_at or now
+    app.last_request_at = app.last_request_at or now
+    app.save(update_fields=["tunnel_channel", "tunnel_lease", "ready_at", "last_request_at"])
+    return app
+
+
+def tunnel_closed(*, app_id: Any, channel: str) -> None:
+    """The tunnel on `channel` is gone; a newer one of the app stays."""
+    AppInstance.objects.filter(pk=app_id, tunnel_channel=channel).update(tunnel_channel="")
+
+
+def app_touch(app: AppInstance) -> None:
+    """A request went through the app's route: it is not idle (written at most every TOUCH_EVERY)."""
+    now = timezone.now()
+    if app.last_request_at is None or now - app.last_request_at > TOUCH_EVERY:
+        AppInstance.objects.filter(pk=app.pk).update(last_request_at=now)

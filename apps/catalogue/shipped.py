@@ -1,0 +1,108 @@
+"""The entries shipped with Klique: templates every tenant's catalogue lists beside its own entries.
+
+Their images are the host's (or its agent's image archives'): no registry is reachable from most
+environments, so each entry names the image an operator builds or loads (deploy/containers says how).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protocol.apps import Template
+
+SHIPPED_BY = "klique"
+
+DOCUMENTS: tuple[dict[str, Any], ...] = (
+    {
+        "name": "jupyterlab",
+        "version": "4",
+        "title": "JupyterLab",
+        "kind": "ide",
+        "description": "Notebooks, a terminal and a file browser; the project's shared files at their usual "
+        "path, your vault secrets in the environment.",
+        "image": "localhost/klique-jupyter:4",
+        "command": [
+            "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", "--port={port}", "--ServerApp.token=",
+            "--ServerApp.password=", "--ServerApp.disable_check_xsrf=False", "--ServerApp.root_dir=/work",
+            "--ServerApp.trust_xheaders=True", "--ServerApp.allow_remote_access=True",
+        ],
+        "health": {"path": "/api", "startup_seconds": 300},
+        "gpus": "0",
+        "idle_timeout_seconds": 3600,
+    },
+    {
+        "name": "code-server",
+        "version": "4",
+        "title": "VS Code in the browser",
+        "kind": "ide",
+        "description": "code-server: VS Code in the browser, on the project's shared files.",
+        "image": "localhost/klique-code-server:4",
+        "command": [
+            "code-server", "--bind-addr=127.0.0.1:{port}", "--auth=none", "--disable-telemetry", "/work",
+        ],
+        "health": {"path": "/healthz", "startup_seconds": 300},
+        "gpus": "0",
+        "idle_timeout_seconds": 3600,
+    },
+    {
+        "name": "vllm",
+        "version": "0.6",
+        "title": "vLLM model endpoint",
+        "kind": "model",
+        "description": "An OpenAI-compatible endpoint for a model, served by vLLM on the app's GPUs.",
+        "image": "localhost/klique-vllm:0.6",
+        "command": [
+            "sh", "-c",
+            'exec vllm serve "$MODEL" --host 127.0.0.1 --port "$PORT" --served-model-name "$SERVED_NAME" '
+            "--enable-sleep-mode",
+        ],
+        "health": {"path": "/health", "startup_seconds": 1800},
+        "gpus": "1",
+        "variables": [
+            {"name": "MODEL", "description": "The model to serve: a path on the shared files, or a Hugging "
+             "Face id the host can reach.", "required": True},
+            {"name": "SERVED_NAME", "description": "The model's name in the API.", "default": "model"},
+        ],
+        "idle_timeout_seconds": 1800,
+    },
+    {
+        "name": "sglang",
+        "version": "0.3",
+        "title": "SGLang model endpoint",
+        "kind": "model",
+        "description": "An OpenAI-compatible endpoint for a model, served by SGLang on the app's GPUs.",
+        "image": "localhost/klique-sglang:0.3",
+        "command": [
+            "sh", "-c", 'exec python3 -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1 '
+            '--port "$PORT" --served-model-name "$SERVED_NAME"',
+        ],
+        "health": {"path": "/health", "startup_seconds": 1800},
+        "gpus": "1",
+        "variables": [
+            {"name": "MODEL", "description": "The model to serve.", "required": True},
+            {"name": "SERVED_NAME", "description": "The model's name in the API.", "default": "model"},
+        ],
+        "idle_timeout_seconds": 1800,
+    },
+    {
+        "name": "llama-cpp",
+        "version": "b3600",
+        "title": "llama.cpp model endpoint",
+        "kind": "model",
+        "description": "llama.cpp's OpenAI-compatible server for a GGUF model; runs on CPUs or GPUs.",
+        "image": "localhost/klique-llama-cpp:b3600",
+        "command": [
+            "sh", "-c",
+            'exec llama-server -m "$MODEL" --host 127.0.0.1 --port "$PORT" --alias "$SERVED_NAME"',
+        ],
+        "health": {"path": "/health", "startup_seconds": 900},
+        "gpus": "0",
+        "variables": [
+            {"name": "MODEL", "description": "The GGUF file, on the shared files.", "required": True},
+            {"name": "SERVED_NAME", "description": "The model's name in the API.", "default": "model"},
+        ],
+        "idle_timeout_seconds": 1800,
+    },
+)  # fmt: skip
+
+TEMPLATES: dict[str, Template] = {document["name"]: Template.parse(document) for document in DOCUMENTS}

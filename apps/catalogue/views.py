@@ -1,0 +1,60 @@
+"""An app's stable address, https://<tenant>/apps/<id>/: who asks is checked with the portal's session,
+then sent on to the app's own host with a one-time ticket (apps.catalogue.addresses says why a host of
+its own). A stopped app's address says so and offers to start it; a starting one says what it waits for."""
+
+from __future__ import annotations
+
+from urllib.parse import quote, urlencode
+
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.shortcuts import render
+from django.views.decorators.http import require_http_methods
+
+from apps.accounts.models import User
+from apps.catalogue import addresses, selectors, services, tickets
+from apps.catalogue.models import AppInstance
+from apps.core.errors import KliqueError
+
+
+def _reachable(request: HttpRequest, app_id: str) -> AppInstance | HttpResponse:
+    user = request.user
+    if not isinstance(user, User) or not user.is_active:
+        return HttpResponseRedirect(f"/portal/sign-in/?next={quote(request.path)}")
+    app = AppInstance.objects.select_related("task", "project").filter(pk=app_id).first()
+    if app is None or not selectors.can_reach(user, app):
+        raise Http404("No such app.")
+    return app
+
+
+@require_http_methods(["GET", "POST"])
+def address(request: HttpRequest, app_id: str, rest: str = "") -> HttpResponse:
+    """GET: on to the app; POST (the form of a stopped app's page): start it again."""
+    if request.method == "POST":
+        return _start(request, app_id)
+    app = _reachable(request, app_id)
+    if isinstance(app, HttpResponse):
+        return app
+    state = selectors.app_state(app)
+    if state.state in (selectors.STOPPED, selectors.STOPPING, selectors.STARTING):
+        status = 503 if state.state != selectors.STOPPED else 409
+        return render(request, "portal/app_state.html", {"app": app, "state": state}, status=status)
+    if request.session.session_key is None:
+        request.session.save()
+    ticket = tickets.ticket(session_key=str(request.session.session_key), app_id=str(app.pk))
+    query = urlencode({"ticket": ticket, "next": "/" + rest})
+    host = addresses.app_host(app.slug, request.get_host())
+    return HttpResponseRedirect(f"{request.scheme}://{host}/_klique/enter?{query}")
+
+
+def _start(request: HttpRequest, app_id: str) -> HttpResponse:
+    app = _reachable(request, app_id)
+    if isinstance(app, HttpResponse):
+        return app
+    assert isinstance(request.user, User)
+    try:
+        services.app_start(tenant=request.tenant, user=request.user, app=app)  # type: ignore[attr-defined]
+    except KliqueError as error:
+        state = selectors.app_state(app)
+        context = {"app": app, "state": state, "error": error.message}
+        return render(request, "portal/app_state.html", context, status=error.status_code)
+    return HttpResponseRedirect(f"/apps/{app.pk}/")
