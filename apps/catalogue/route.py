@@ -256,7 +256,6 @@ class AppRoute:
                         cookie=admission.set_cookie)  # fmt: skip
             return
         if scope["method"] not in SAFE_METHODS and not _same_origin(scope):
-            await _drain_refused(receive)
             await _page(send, 403, "A request that changes something must come from the app's own pages.")
             return
         await self._http(scope, receive, send, admission)
@@ -271,7 +270,6 @@ class AppRoute:
     async def _http(self, scope: Scope, receive: Any, send: Any, admission: Admission) -> None:
         declared = _header(scope, b"content-length")
         if declared.isdigit() and int(declared) > MAX_BODY:
-            await _drain_refused(receive)
             await _page(send, 413, f"The request body is larger than the route passes ({MAX_BODY} bytes).")
             return
         stream = Stream(get_channel_layer(), admission.channel)
@@ -343,16 +341,6 @@ async def services_tunnel_stale(admission: Admission) -> None:
 
     with contextlib.suppress(DatabaseError):
         await sync_to_async(forget, thread_sensitive=False)()
-
-
-async def _drain_refused(receive: Any) -> None:
-    """Read what the client already sent of a refused body, bounded, so the refusal reaches it."""
-    seen = 0
-    while seen < 1024 * 1024:
-        message = await receive()
-        seen += len(message.get("body", b""))
-        if message["type"] != "http.request" or not message.get("more_body"):
-            return
 
 
 async def _upload(receive: Any, stream: Stream) -> None:

@@ -170,7 +170,7 @@ def app_stop(*, tenant: Tenant, user: User, app: AppInstance, reason: str = "") 
     """Stop the app: its task is cancelled (the agent stops it with its grace period), its route answers
     that it is stopped. Its files on the shared file system stay."""
     _may_manage(user, app)
-    app = AppInstance.objects.select_for_update().select_related("task").get(pk=app.pk)
+    app = AppInstance.objects.select_for_update(of=("self",)).select_related("task").get(pk=app.pk)
     if app.task is None or app.task.state in ENDED_STATES:
         raise InvalidInput(f"{app.name} is stopped already; start it again with POST .../start/.")
     app.stop_requested_at = timezone.now()
@@ -184,7 +184,7 @@ def app_stop(*, tenant: Tenant, user: User, app: AppInstance, reason: str = "") 
 def app_start(*, tenant: Tenant, user: User, app: AppInstance, token: ApiToken | None = None) -> AppInstance:
     """Start a stopped app again, as a new task with the same template and variables."""
     _may_manage(user, app)
-    app = AppInstance.objects.select_for_update().select_related("task").get(pk=app.pk)
+    app = AppInstance.objects.select_for_update(of=("self",)).select_related("task").get(pk=app.pk)
     if app.task is not None and app.task.state not in ENDED_STATES:
         raise Conflict(f"{app.name} is running already ({app.task.state}).")
     template = Template.parse(app.template)
