@@ -20,6 +20,7 @@ from apps.accounts.models import ApiToken, Group, Role, User
 from apps.catalogue import shipped
 from apps.catalogue.models import AppInstance, CatalogueEntry
 from apps.core.errors import Conflict, Forbidden, InvalidInput, NotFound
+from apps.core.ids import as_uuid
 from apps.scheduling.models import ENDED_STATES, Task, TaskState
 from apps.scheduling.services import TaskRequest, task_cancel, tasks_submit
 from protocol.apps import Template, TemplateInvalid
@@ -176,7 +177,7 @@ def app_stop(*, tenant: Tenant, user: User, app: AppInstance, reason: str = "") 
     app.stop_requested_at = timezone.now()
     app.stop_reason = reason or f"Stopped by {user.username}."
     app.save(update_fields=["stop_requested_at", "stop_reason"])
-    task_cancel(tenant=tenant, user=app.owner if user.pk != app.owner_id else user, task=app.task)
+    app.task = task_cancel(tenant=tenant, user=user, task=app.task)
     return app
 
 
@@ -205,6 +206,8 @@ def app_start(*, tenant: Tenant, user: User, app: AppInstance, token: ApiToken |
 def tunnel_open(*, pool_id: Any, agent_id: str, task_id: str, lease_id: str, channel: str) -> AppInstance:
     """Record the tunnel an agent opened for an app it runs, under the run's lease: the app is ready.
     NotFound unless the lease is the live, running run of an app task of the agent's pool, by that agent."""
+    if as_uuid(task_id) is None or as_uuid(lease_id) is None:
+        raise NotFound("Name the app's task and the lease of its run (X-Klique-Task, X-Klique-Lease).")
     task = (
         Task.objects.filter(pk=task_id, pool_id=pool_id, state=TaskState.RUNNING, lease_id=lease_id)
         .filter(runs__lease_id=lease_id, runs__agent_id=agent_id)

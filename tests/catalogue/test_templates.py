@@ -1,0 +1,132 @@
+"""An app's template is checked when an entry is added: every problem at once, each named by its path, and
+nothing a user sets reaches the app's command line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from apps.catalogue import shipped
+from protocol.apps import AppSpec, Template, TemplateInvalid, with_port
+
+GOOD: dict[str, Any] = {
+    "name": "notebook",
+    "version": "1.2.0",
+    "command": ["jupyter", "lab", "--port={port}"],
+    "health": {"path": "/api", "startup_seconds": 120},
+    "gpus": "0.5",
+    "variables": [{"name": "NOTEBOOK_DIR", "default": "/work"}, {"name": "TOKEN_NAME", "required": True}],
+    "idle_timeout_seconds": 3600,
+}
+
+
+def problems(document: object) -> list[str]:
+    with pytest.raises(TemplateInvalid) as refused:
+        Template.parse(document)
+    return refused.value.problems
+
+
+def test_every_shipped_entry_is_a_valid_template() -> None:
+    assert set(shipped.TEMPLATES) == {"jupyterlab", "code-server", "vllm", "sglang", "llama-cpp"}
+    for document in shipped.DOCUMENTS:
+        assert Template.parse(Template.parse(document).as_json()) == Template.parse(document)
+
+
+def test_every_problem_is_listed_by_its_path_at_once() -> None:
+    found = problems(
+        {
+            "name": "Bad Name",
+            "version": "",
+            "command": ["ok", 7],
+            "port": 80,
+            "health": {"path": "api", "retries": 3},
+            "gpus": "lots",
+            "shell": "bash",
+        }
+    )
+    assert found == [
+        "shell: not a field of a template.",
+        "name: lowercase letters, digits and hyphens, starting with a letter.",
+        "version: a non-empty text is required.",
+        'gpus: a number of GPUs, as "0", "1" or "0.5".',
+        "command[1]: a non-empty text of at most 4096 characters.",
+        "port: a port from 1024 to 65535, or null to let the agent pick a free one.",
+        "health.retries: not a field of a health check (path, startup_seconds).",
+        "health.path: a path that starts with / (letters, digits and URL punctuation).",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("change", "path"),
+    [
+        ({"command": []}, "command:"),
+        ({"command": "jupyter lab"}, "command:"),
+        ({"command": ["a\x00b"]}, "command[0]:"),
+        ({"port": True}, "port:"),
+        ({"port": 70000}, "port:"),
+        ({"health": {"startup_seconds": 0}}, "health.startup_seconds:"),
+        ({"health": {"path": "/x\r\nHost: evil"}}, "health.path:"),
+        ({"health": "/"}, "health:"),
+        ({"kind": "daemon"}, "kind:"),
+        ({"idle_timeout_seconds": 5}, "idle_timeout_seconds:"),
+        ({"image": "--privileged"}, "image:"),
+        ({"image": "busybox;rm -rf /"}, "image:"),
+        ({"image": "/etc/passwd"}, "image:"),
+        ({"environment": {"LD_PRELOAD": "/tmp/x.so"}}, "environment:"),
+        ({"environment": {"PORT": "80"}}, "environment.PORT:"),
+        ({"variables": [{"name": "PATH"}]}, "variables[0].name:"),
+        ({"variables": [{"name": "KLIQUE_TASK_ID"}]}, "variables[0].name:"),
+        ({"variables": [{"name": "1BAD"}]}, "variables[0].name:"),
+        ({"variables": [{"name": "PORT"}]}, "variables[0].name:"),
+        ({"variables": [{"name": "A"}, {"name": "A"}]}, "variables[1].name:"),
+        ({"variables": [{"name": "A", "default": 3}]}, "variables[0].default:"),
+        ({"variables": [{"name": "A", "secret": True}]}, "variables[0].secret:"),
+        ({"variables": "A=1"}, "variables:"),
+    ],
+)
+def test_a_template_with_a_problem_is_refused_naming_it(change: dict[str, Any], path: str) -> None:
+    found = problems({**GOOD, **change})
+    assert len(found) == 1, found
+    assert found[0].startswith(path), found
+
+
+@pytest.mark.parametrize("document", [None, [], "name: x", 3])
+def test_a_template_is_an_object(document: object) -> None:
+    assert problems(document) == ["(document): a template is a JSON object."]
+
+
+def test_variables_reach_the_app_by_name_only_never_in_its_command() -> None:
+    template = Template.parse(GOOD)
+    hostile = '$(touch /tmp/owned) `id` "; rm -rf /'
+    spec = template.spec(template.values({"TOKEN_NAME": hostile}), instance="0" * 8)
+    assert spec["command"] == ["jupyter", "lab", "--port={port}"]
+    assert spec["environment"] == {"NOTEBOOK_DIR": "/work", "TOKEN_NAME": hostile}
+    placed = with_port(spec, 41234)
+    assert placed["command"] == ["jupyter", "lab", "--port=41234"]
+    assert placed["environment"]["PORT"] == "41234"
+    assert AppSpec.parse(placed["app"]) == AppSpec("0" * 8, 41234, "/api", 120)
+
+
+@pytest.mark.parametrize(
+    ("given", "problem"),
+    [
+        ({}, "variables.TOKEN_NAME: required"),
+        ({"TOKEN_NAME": "x", "LD_PRELOAD": "/x.so"}, "variables.LD_PRELOAD: not a variable of notebook"),
+        ({"TOKEN_NAME": 5}, "variables.TOKEN_NAME: text"),
+        ({"TOKEN_NAME": "x\x00y"}, "variables.TOKEN_NAME: text"),
+    ],
+)
+def test_a_users_values_are_the_templates_variables(given: dict[str, Any], problem: str) -> None:
+    with pytest.raises(TemplateInvalid) as refused:
+        Template.parse(GOOD).values(given)
+    assert refused.value.problems[0].startswith(problem), refused.value.problems
+
+
+@pytest.mark.parametrize(
+    "section",
+    [None, {"instance": "x y"}, {"instance": "ab", "port": 22}, {"instance": "ab", "health_path": "nope"}],
+)
+def test_an_agent_reads_only_a_well_formed_app_section(section: object) -> None:
+    with pytest.raises(TemplateInvalid):
+        AppSpec.parse(section)
