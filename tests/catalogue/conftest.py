@@ -9,6 +9,7 @@ from django_tenants.utils import schema_context
 from apps.accounts.models import User
 from apps.catalogue import services
 from apps.catalogue.models import AppInstance, CatalogueEntry
+from tests.fleet.conftest import _close_consumer_connections, fleet  # noqa: F401 -- fixtures here too
 from tests.world import World
 
 ENTRY: dict[str, Any] = {

@@ -10,6 +10,7 @@ import pytest
 from django_tenants.utils import schema_context
 from rest_framework.test import APIClient
 
+from apps.accounts.models import Group, User
 from apps.catalogue import selectors
 from apps.catalogue.models import AppInstance
 from apps.scheduling.engine import UNITS_PER_GPU
@@ -96,8 +97,6 @@ def test_apps_are_seen_and_reached_by_those_they_are_shared_with(api: Api, world
     with_project = launch(world, name="apollo's", project="apollo", share_with_project=True)
     with_group = launch(world, name="club's", groups=["reading-club"])
     with schema_context(world.tenant_a.schema_name):
-        from apps.accounts.models import Group, User  # noqa: PLC0415
-
         people = {name: User.objects.get(username=name) for name in ("alice", "bob", "carol", "dave")}
         Group.objects.get(name="reading-club").members.add(people["dave"])
         reach = {
@@ -124,7 +123,7 @@ def test_the_owner_stops_and_starts_an_app_again(api: Api, world: World) -> None
     assert stopped.status_code == 200, stopped.json()
     assert (stopped.json()["state"], stopped.json()["detail"]) == ("stopped", "Stopped by bob.")
     with schema_context(world.tenant_a.schema_name):
-        assert Task.objects.get(pk=app.task_id).state == "aborted"
+        assert Task.objects.get(pk=str(app.task_id)).state == "aborted"
     again = api("bob").post(f"/api/v1/apps/{app.pk}/stop/")
     assert again.status_code == 400
     assert "stopped already" in again.json()["detail"]

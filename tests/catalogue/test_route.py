@@ -25,7 +25,7 @@ pytestmark = pytest.mark.django_db
 
 def ready(app: AppInstance) -> AppInstance:
     """As if its agent ran it and opened its tunnel."""
-    Task.objects.filter(pk=app.task_id).update(state=TaskState.RUNNING)
+    Task.objects.filter(pk=str(app.task_id)).update(state=TaskState.RUNNING)
     AppInstance.objects.filter(pk=app.pk).update(tunnel_channel="tunnel-1", ready_at=timezone.now())
     return AppInstance.objects.select_related("task").get(pk=app.pk)
 
@@ -117,7 +117,7 @@ def test_a_stopped_or_unconnected_app_says_so(app: AppInstance, world: World) ->
     assert waiting.status == 503
     assert "reconnecting" in waiting.detail
     with schema_context(world.tenant_a.schema_name):
-        Task.objects.filter(pk=app.task_id).update(state=TaskState.COMPLETED)
+        Task.objects.filter(pk=str(app.task_id)).update(state=TaskState.COMPLETED)
     assert route._admit(scope(app, headers=token)).status == 409
 
 
@@ -188,7 +188,7 @@ def test_the_stable_address_sends_a_signed_in_person_on_with_a_ticket(app: AppIn
 def test_a_stopped_apps_address_offers_to_start_it(app: AppInstance, world: World) -> None:
     client = Client(HTTP_HOST=HOST_A)
     with schema_context(world.tenant_a.schema_name):
-        Task.objects.filter(pk=app.task_id).update(state=TaskState.FAILED, reason="It exited.")
+        Task.objects.filter(pk=str(app.task_id)).update(state=TaskState.FAILED, reason="It exited.")
         client.force_login(User.objects.get(username="bob"))
     page = client.get(f"/apps/{app.pk}/")
     assert page.status_code == 409

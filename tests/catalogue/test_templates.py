@@ -73,7 +73,7 @@ def test_every_problem_is_listed_by_its_path_at_once() -> None:
         ({"image": "--privileged"}, "image:"),
         ({"image": "busybox;rm -rf /"}, "image:"),
         ({"image": "/etc/passwd"}, "image:"),
-        ({"environment": {"LD_PRELOAD": "/tmp/x.so"}}, "environment:"),
+        ({"environment": {"LD_PRELOAD": "/srv/x.so"}}, "environment:"),
         ({"environment": {"PORT": "80"}}, "environment.PORT:"),
         ({"variables": [{"name": "PATH"}]}, "variables[0].name:"),
         ({"variables": [{"name": "KLIQUE_TASK_ID"}]}, "variables[0].name:"),

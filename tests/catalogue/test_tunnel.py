@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import pytest
+from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
 from django.db import connections
@@ -16,9 +16,10 @@ from apps.accounts.models import User
 from apps.catalogue import services
 from apps.catalogue.models import AppInstance
 from apps.catalogue.tunnel import ACCEPTED
+from apps.scheduling.cycle import run_cycle
 from config.asgi import application
 from protocol import tunnel
-from tests.fleet.conftest import HOST, _close_consumer_connections, agent, fleet  # noqa: F401 -- fixtures
+from tests.fleet.conftest import HOST, agent
 from tests.fleet.test_fencing import receive, run_of
 
 INSTANCE = "instance-key-1"
@@ -33,8 +34,6 @@ def launch_app(fleet: dict[str, Any]) -> str:
         app = services.app_launch(
             tenant=fleet["tenant"], user=fay, entry="web", compute_resource="Research: 4 GPUs"
         )
-        from apps.scheduling.cycle import run_cycle  # noqa: PLC0415
-
         run_cycle(fleet["tenant"])
     connections.close_all()
     return str(app.task_id)
@@ -111,8 +110,8 @@ def test_only_the_live_run_of_an_app_by_its_own_agent_opens_a_tunnel(fleet: dict
 
     seen = asyncio.run(scenario())
     assert seen["codes"] == {
-        "another run's lease": 4404, "no lease": 4404, "a task that is no app": 4404, "a copy of the token": 4401,
-        "another pool's token": 4401, "a forged token": 4401, "an ended run": 4404,
+        "another run's lease": 4404, "no lease": 4404, "a task that is no app": 4404, "an ended run": 4404,
+        "a copy of the token": 4401, "another pool's token": 4401, "a forged token": 4401,
     }  # fmt: skip
     assert seen["open"] == {"method": "GET", "target": "/x?y=1", "headers": [["x-a", "1"]]}
     assert seen["answer"] == [
@@ -130,8 +129,6 @@ async def relay(opened: WebsocketCommunicator, app_task: str) -> dict[str, Any]:
     def app_row() -> AppInstance:
         with schema_context("fleet"):
             return AppInstance.objects.get(task_id=app_task)
-
-    from asgiref.sync import sync_to_async  # noqa: PLC0415
 
     row = await sync_to_async(app_row)()
     layer = get_channel_layer()
