@@ -11,5 +11,5 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings.local")
 app = Celery("klique")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks(
-    ["tenants", "apps.accounts", "apps.scheduling", "apps.fleet", "apps.billing", "gateway"]
+    ["tenants", "apps.accounts", "apps.scheduling", "apps.fleet", "apps.catalogue", "apps.billing", "gateway"]
 )

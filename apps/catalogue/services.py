@@ -10,7 +10,7 @@ stopped with the reason, and its owner starts it again.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import IntegrityError, transaction
@@ -20,6 +20,7 @@ from apps.accounts.models import ApiToken, Group, Role, User
 from apps.catalogue import shipped
 from apps.catalogue.models import AppInstance, CatalogueEntry
 from apps.core.errors import Conflict, Forbidden, InvalidInput, NotFound
+from apps.core.events import publish_event
 from apps.core.ids import as_uuid
 from apps.scheduling.models import ENDED_STATES, Task, TaskState
 from apps.scheduling.services import TaskRequest, task_cancel, tasks_submit
@@ -167,7 +168,9 @@ def _may_manage(user: User, app: AppInstance) -> None:
 
 
 @transaction.atomic
-def app_stop(*, tenant: Tenant, user: User, app: AppInstance, reason: str = "") -> AppInstance:
+def app_stop(
+    *, tenant: Tenant, user: User, app: AppInstance, reason: str = "", actor: str = ""
+) -> AppInstance:
     """Stop the app: its task is cancelled (the agent stops it with its grace period), its route answers
     that it is stopped. Its files on the shared file system stay."""
     _may_manage(user, app)
@@ -177,8 +180,32 @@ def app_stop(*, tenant: Tenant, user: User, app: AppInstance, reason: str = "") 
     app.stop_requested_at = timezone.now()
     app.stop_reason = reason or f"Stopped by {user.username}."
     app.save(update_fields=["stop_requested_at", "stop_reason"])
-    app.task = task_cancel(tenant=tenant, user=user, task=app.task)
+    app.task = task_cancel(tenant=tenant, user=user, task=app.task, why=app.stop_reason, actor=actor)
     return app
+
+
+def apps_reclaim_idle(*, tenant: Tenant, now: datetime | None = None) -> list[AppInstance]:
+    """Stop each running app with an idle timeout that no request reached through its route for that long,
+    so its GPUs go back to the pool; its owner reads why on the app's page and in its task's reason, and
+    an event says so. The apps stopped."""
+    now = now or timezone.now()
+    stopped = []
+    running = AppInstance.objects.filter(task__state=TaskState.RUNNING, stop_requested_at=None)
+    for app in running.select_related("task", "owner"):
+        timeout = (app.template or {}).get("idle_timeout_seconds")
+        last = app.last_request_at or app.ready_at
+        if not timeout or last is None or now - last < timedelta(seconds=timeout):
+            continue
+        minutes = max(1, round(timeout / 60))
+        reason = (
+            f"Stopped after {minutes} minute(s) without a request (its idle timeout); its files stay. "
+            "Start it again from its address."
+        )
+        stopped.append(app_stop(tenant=tenant, user=app.owner, app=app, reason=reason, actor="klique"))
+        publish_event(
+            tenant=tenant, kind="app.idle_stopped", data={"id": str(app.pk), "owner": app.owner.username}
+        )
+    return stopped
 
 
 @transaction.atomic

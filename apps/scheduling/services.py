@@ -328,8 +328,9 @@ def _within_quota(token: ApiToken, tasks: list[Task]) -> None:
 
 
 @transaction.atomic
-def task_cancel(*, tenant: Tenant, user: User, task: Task) -> Task:
-    """Abort a task that has not ended. Its submitter, and any tenant admin, may cancel it."""
+def task_cancel(*, tenant: Tenant, user: User, task: Task, why: str = "", actor: str = "") -> Task:
+    """Abort a task that has not ended. Its submitter, and any tenant admin, may cancel it. `why` and
+    `actor` say so where Klique cancels it for them (an app stopped for being idle)."""
     if task.submitter_id != user.pk and not user.has_role(Role.ADMIN):
         raise Forbidden("Only the task's submitter or a tenant admin may cancel it.")
     task = Task.objects.select_for_update().get(pk=task.pk)
@@ -347,10 +348,10 @@ def task_cancel(*, tenant: Tenant, user: User, task: Task) -> Task:
     transition(
         task,
         to_state=TaskState.ABORTED,
-        actor=user.username,
+        actor=actor or user.username,
         message="cancelled",
         reason_code="cancelled",
-        reason=f"Cancelled by {user.username}.",
+        reason=why or f"Cancelled by {user.username}.",
     )
     publish_event(tenant=tenant, kind="task.cancelled", data={"id": str(task.pk)})
     wake.request_cycle(tenant)

@@ -200,6 +200,11 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": float(KLIQUE_CYCLE_SAFETY_NET_SECONDS),
         "args": ("scheduling.run_cycle", ["cycle"]),
     },
+    "apps-reclaim-idle": {  # apps without requests for their idle timeout are stopped, GPUs handed back
+        "task": "tenants.for_marked_tenants",
+        "schedule": 60.0,
+        "args": ("catalogue.reclaim_idle", ["cycle"]),
+    },
     "purge-expired-tokens": {
         "task": "tenants.for_marked_tenants",
         "schedule": 600.0,

@@ -20,6 +20,7 @@ ENTRY: dict[str, Any] = {
     "gpus": "4",
     "compute_resource": "Research: 4 GPUs",
     "variables": [{"name": "NOTEBOOK_DIR", "default": "/work"}],
+    "idle_timeout_seconds": 600,
 }
 
 

@@ -13,7 +13,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ('accounts', '0005_project_regions'),
-        ('scheduling', '0012_objective_samples'),
+        ('scheduling', '0001_initial'),  # the tasks table: apps need nothing newer of it
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
