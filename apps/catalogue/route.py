@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import html
 import logging
-from dataclasses import dataclass
 from http.cookies import SimpleCookie
 from typing import Any
 from urllib.parse import parse_qs
@@ -32,8 +31,9 @@ from django_tenants.utils import schema_context
 from apps.accounts.models import User
 from apps.accounts.services import TokenRejected, token_authenticate
 from apps.catalogue import addresses, selectors, services, tickets
+from apps.catalogue.admissions import ADMISSIONS, Admission
 from apps.catalogue.models import AppInstance
-from apps.catalogue.tunnel import ACCEPTED
+from apps.catalogue.tunnel import ACCEPTED, TUNNEL_DROPPED
 from protocol import tunnel
 from tenants.selectors import tenant_for_host
 
@@ -46,18 +46,6 @@ ENTER_PATH = "/_klique/enter"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 Scope = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Admission:
-    status: int  # 0: admitted
-    detail: str = ""
-    app_id: str = ""
-    channel: str = ""
-    schema: str = ""
-    tenant_host: str = ""
-    set_cookie: str = ""
-    location: str = ""
 
 
 def _header(scope: Scope, name: bytes) -> str:
@@ -243,11 +231,16 @@ async def _page(send: Any, status: int, detail: str, *, location: str = "", cook
 class AppRoute:
     """The ASGI application for app hosts: config.asgi sends it every request whose host is an app's."""
 
+    def __init__(self) -> None:
+        self.admissions = ADMISSIONS
+
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        try:
-            admission = await sync_to_async(self._admit_closing, thread_sensitive=False)(scope)
-        except DatabaseError:
-            admission = Admission(503, "Klique's database is unavailable; try again shortly.")
+        key = admissions_key(scope)
+        admission = self.admissions.get(key)
+        cached = admission is not None
+        if admission is None:
+            admission = await self._admission(scope)
+            self.admissions.keep(key, admission)
         if scope["type"] == "websocket":
             await self._websocket(scope, receive, send, admission)
             return
@@ -258,7 +251,14 @@ class AppRoute:
         if scope["method"] not in SAFE_METHODS and not _same_origin(scope):
             await _page(send, 403, "A request that changes something must come from the app's own pages.")
             return
-        await self._http(scope, receive, send, admission)
+        if not await self._http(scope, receive, send, admission, retry=cached):
+            await self._http(scope, receive, send, await self._admission(scope), retry=False)
+
+    async def _admission(self, scope: Scope) -> Admission:
+        try:
+            return await sync_to_async(self._admit_closing, thread_sensitive=False)(scope)
+        except DatabaseError:
+            return Admission(503, "Klique's database is unavailable; try again shortly.")
 
     @staticmethod
     def _admit_closing(scope: Scope) -> Admission:
@@ -267,11 +267,18 @@ class AppRoute:
         finally:
             close_old_connections()
 
-    async def _http(self, scope: Scope, receive: Any, send: Any, admission: Admission) -> None:
+    async def _http(
+        self, scope: Scope, receive: Any, send: Any, admission: Admission, *, retry: bool
+    ) -> bool:
+        """Serve the request through the tunnel; False (nothing sent yet) where the tunnel of an admission
+        taken from the cache did not take it, to be admitted afresh."""
+        if admission.status:
+            await _page(send, admission.status, admission.detail)
+            return True
         declared = _header(scope, b"content-length")
         if declared.isdigit() and int(declared) > MAX_BODY:
             await _page(send, 413, f"The request body is larger than the route passes ({MAX_BODY} bytes).")
-            return
+            return True
         stream = Stream(get_channel_layer(), admission.channel)
         body = bool(declared and declared != "0") or bool(_header(scope, b"transfer-encoding"))
         head = {
@@ -284,18 +291,24 @@ class AppRoute:
             await stream.open(head)
             kind, _ = await stream.next(ACCEPT_SECONDS)
             if kind != ACCEPTED:
+                self.admissions.forget(admission.channel)
                 await services_tunnel_stale(admission)
+                if retry:
+                    return False
                 await _page(
                     send, 502, "The app's tunnel does not answer; its agent reconnects it. Try again."
                 )
-                return
+                return True
             upload = asyncio.create_task(_upload(receive, stream))
             try:
-                await _answer(send, stream, upload)
+                answered = await _answer(send, stream, retry=retry and not body)
             finally:
                 upload.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await upload
+            if not answered:
+                self.admissions.forget(admission.channel)
+            return answered
         finally:
             await stream.close()
 
@@ -365,8 +378,12 @@ async def _upload(receive: Any, stream: Stream) -> None:
             return
 
 
-async def _answer(send: Any, stream: Stream, upload: asyncio.Task[None]) -> None:
+async def _answer(send: Any, stream: Stream, *, retry: bool) -> bool:
+    """The app's answer to the client; False (nothing sent) where the tunnel dropped before the app
+    answered and `retry` allows the request to be admitted afresh (it had no body to send again)."""
     kind, payload = await stream.next(ANSWER_SECONDS)
+    if kind == tunnel.RESET and retry and _reason(payload) == TUNNEL_DROPPED:
+        return False
     if kind != tunnel.HEAD:
         if payload == b"413":
             await _page(send, 413, f"The request body is larger than the route passes ({MAX_BODY} bytes).")
@@ -375,13 +392,13 @@ async def _answer(send: Any, stream: Stream, upload: asyncio.Task[None]) -> None
         else:
             await stream.send(tunnel.RESET, b'{"reason": "no answer in time"}')
             await _page(send, 504, f"The app did not answer within {ANSWER_SECONDS:.0f} seconds.")
-        return
+        return True
     try:
         head = tunnel.Frame(0, kind, payload).document()
         status, headers = int(head.get("status", 502)), tunnel.headers(head.get("headers", []))
     except (tunnel.FrameError, ValueError, TypeError):
         await _page(send, 502, "The app's answer could not be read.")
-        return
+        return True
     await send({"type": "http.response.start", "status": status, "headers": headers})
     delivered = 0
     while True:
@@ -393,7 +410,7 @@ async def _answer(send: Any, stream: Stream, upload: asyncio.Task[None]) -> None
                 await stream.send(tunnel.CREDIT, (tunnel.WINDOW // 2).to_bytes(4, "big"))
         elif kind == tunnel.END:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
+            return True
         else:  # the tunnel dropped or the app broke off: the client must not take a cut body for whole
             logger.info("an answer through the route was cut off: %s", _reason(payload))
             raise ConnectionAbortedError(_reason(payload))
@@ -446,6 +463,14 @@ async def _relay_websocket(receive: Any, send: Any, stream: Stream) -> None:
         client.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await client
+
+
+def admissions_key(scope: Scope) -> tuple[str, str, str] | None:
+    """What an admission is kept under: the host and the credential (a token, or the app host's cookie)."""
+    if scope["type"] != "http" or scope["path"] == ENTER_PATH:
+        return None
+    credential = _header(scope, b"authorization") or _cookie(scope)
+    return (_header(scope, b"host"), credential, _scheme(scope)) if credential else None
 
 
 def is_app_host(scope: Scope) -> bool:

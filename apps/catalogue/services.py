@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from apps.accounts.models import ApiToken, Group, Role, User
 from apps.catalogue import shipped
+from apps.catalogue.admissions import ADMISSIONS
 from apps.catalogue.models import AppInstance, CatalogueEntry
 from apps.core.errors import Conflict, Forbidden, InvalidInput, NotFound
 from apps.core.events import publish_event
@@ -180,6 +181,7 @@ def app_stop(
     app.stop_requested_at = timezone.now()
     app.stop_reason = reason or f"Stopped by {user.username}."
     app.save(update_fields=["stop_requested_at", "stop_reason"])
+    ADMISSIONS.forget(app.tunnel_channel)  # this process's route asks the database again at once
     app.task = task_cancel(tenant=tenant, user=user, task=app.task, why=app.stop_reason, actor=actor)
     return app
 

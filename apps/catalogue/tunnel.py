@@ -20,6 +20,7 @@ from django.db import DatabaseError, close_old_connections
 from django_tenants.utils import schema_context
 
 from apps.catalogue import services
+from apps.catalogue.admissions import ADMISSIONS
 from apps.core.errors import NotFound
 from apps.core.websocket import header
 from apps.fleet import credentials, errors
@@ -82,6 +83,7 @@ class TunnelConsumer(AsyncWebsocketConsumer):
             close_old_connections()
 
     async def disconnect(self, code: int) -> None:
+        ADMISSIONS.forget(self.channel_name)
         for reply in list(self.by_reply):
             await self._to_route(reply, tunnel.RESET, TUNNEL_DROPPED.encode())
         if self.app_id is not None:

@@ -4,6 +4,7 @@ Klique's own credentials never reach the app."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
 
@@ -14,7 +15,8 @@ from django.utils import timezone
 from django_tenants.utils import schema_context
 
 from apps.accounts.models import User
-from apps.catalogue import addresses, route, tickets
+from apps.catalogue import addresses, admissions, route, tickets
+from apps.catalogue.admissions import Admission, Admissions
 from apps.catalogue.models import AppInstance
 from apps.scheduling.models import Task, TaskState
 from tests.catalogue.conftest import launch
@@ -43,7 +45,7 @@ def scope(app: AppInstance, path: str = "/", *, host: str = HOST_A, **extra: Any
     return {"type": "http", "scheme": "http", "method": "GET", "path": path, "headers": headers, **extra}
 
 
-def enter(app: AppInstance, ticket: str, next_path: str = "/lab") -> route.Admission:
+def enter(app: AppInstance, ticket: str, next_path: str = "/lab") -> Admission:
     query = urlencode({"ticket": ticket, "next": next_path}).encode()
     return route._admit(scope(app, route.ENTER_PATH, query_string=query))
 
@@ -198,3 +200,38 @@ def test_a_stopped_apps_address_offers_to_start_it(app: AppInstance, world: Worl
     assert started.status_code == 302
     with schema_context(world.tenant_a.schema_name):
         assert AppInstance.objects.get(pk=app.pk).task_id != app.task_id
+
+
+def test_only_admissions_are_kept_for_a_moment_and_a_closed_tunnel_forgets_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kept = Admissions()
+    key = ("app-x.acme.klique.test", "Bearer klq_x", "http")
+    kept.keep(key, Admission(404, "No app is served at this address."))
+    assert kept.get(key) is None  # refusals are never kept: the next request asks the database
+    kept.keep(key, Admission(0, channel="tunnel-1"))
+    kept.keep(None, Admission(0, channel="tunnel-1"))
+    assert kept.get(key) == Admission(0, channel="tunnel-1")
+    assert kept.get(None) is None
+    kept.forget("tunnel-2")
+    assert kept.get(key) is not None
+    kept.forget("tunnel-1")
+    assert kept.get(key) is None
+    kept.keep(key, Admission(0, channel="tunnel-1"))
+    later = time.monotonic() + admissions.ADMITTED_SECONDS + 0.1
+    monkeypatch.setattr(time, "monotonic", lambda: later)
+    assert kept.get(key) is None  # a revoked token or a withdrawn share counts within seconds
+
+
+@pytest.mark.parametrize(
+    ("path", "headers", "kept"),
+    [
+        ("/", [(b"authorization", b"Bearer klq_x")], True),
+        ("/", [(b"cookie", f"{tickets.COOKIE}=abc".encode())], True),
+        ("/", [(b"cookie", b"other=1")], False),
+        (route.ENTER_PATH, [(b"authorization", b"Bearer klq_x")], False),
+    ],
+)
+def test_an_admission_is_kept_under_its_credential_only(path: str, headers: list[Any], kept: bool) -> None:
+    scope = {"type": "http", "scheme": "http", "path": path, "headers": [(b"host", b"app-x.h"), *headers]}
+    assert (route.admissions_key(scope) is not None) is kept
