@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from decimal import Decimal
 
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from apps.accounts.models import Role, User
-from apps.catalogue.models import AppInstance
+from apps.catalogue import shipped
+from apps.catalogue.models import AppInstance, CatalogueEntry
+from apps.metering.ledger import gpu_hours, usd
+from apps.metering.selectors import task_gpu_usage
 from apps.scheduling.models import ENDED_STATES, Task, TaskState
+from protocol.apps import Template
 
 STARTING, READY, IDLE, STOPPING, STOPPED = "starting", "ready", "idle", "stopping", "stopped"
 IDLE_AFTER = timedelta(minutes=5)  # no request through the route for this long: the app is idle
@@ -70,3 +75,33 @@ def app_state(app: AppInstance, now: datetime | None = None) -> AppState:  # noq
     if now - last > IDLE_AFTER:
         return AppState(IDLE, f"No requests since {last:%Y-%m-%d %H:%M} UTC.")
     return AppState(READY, "Serving.")
+
+
+def app_tasks(app: AppInstance) -> QuerySet[Task]:
+    """Every task that ran the app: one per launch or start."""
+    return Task.objects.filter(spec__app__instance=str(app.pk))
+
+
+def app_usage(app: AppInstance, now: datetime | None = None) -> dict[str, Decimal]:
+    """The app's GPU time so far (its runs' metered hours, and the running run's time since) and the cost
+    the ledger holds for it (metered hour by hour while it runs)."""
+    now = now or timezone.now()
+    unit_ms, cost = Decimal(0), Decimal(0)
+    fields = ("id", "submitter_id", "submitted_at", "state", "started_at", "metered_until", "size_units")
+    for task in app_tasks(app).only(*fields):
+        sums = task_gpu_usage(task_id=task.pk, user_id=task.submitter_id, since=task.submitted_at)
+        if sums is not None:
+            unit_ms += Decimal(sums["gpu_unit_ms"] or 0)
+            cost += Decimal(sums["cost"] or 0)
+        since = task.metered_until or task.started_at
+        if task.state == TaskState.RUNNING and since is not None:
+            unit_ms += Decimal(task.size_units) * Decimal(max(0.0, (now - since).total_seconds()) * 1000)
+    return {"gpu_hours": gpu_hours(unit_ms), "usd": usd(cost)}
+
+
+def entries_newest() -> list[Template]:
+    """Each entry of the catalogue, shipped or the tenant's own, in its newest version; by title."""
+    newest: dict[str, Template] = dict(shipped.TEMPLATES)
+    for row in CatalogueEntry.objects.order_by("name", "created_at"):  # the newest version comes last
+        newest[row.name] = Template.parse(row.template)
+    return sorted(newest.values(), key=lambda template: template.title.lower())

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from apps.portal import configuration, pages, views
+from apps.portal import catalogue, configuration, pages, views
 
 urlpatterns = [
     path("portal/sign-in/", views.sign_in, name="portal-sign-in"),
@@ -30,6 +30,14 @@ urlpatterns = [
     path("portal/secrets/", pages.secrets, name="portal-secrets"),
     path("portal/secrets/keep/", pages.secret_keep, name="portal-secret-keep"),
     path("portal/usage/", pages.usage, name="portal-usage"),
+    path("portal/apps/", catalogue.apps_page, name="portal-apps"),
+    path("portal/apps/table/", catalogue.apps_table, name="portal-apps-table"),
+    path("portal/apps/launch/", catalogue.app_launch, name="portal-app-launch"),
+    path(
+        "portal/apps/<uuid:app_id>/<str:action>/",
+        catalogue.app_stop_or_start,
+        name="portal-app-action",
+    ),
     path("portal/configuration/", configuration.configuration, name="portal-configuration"),
     path("portal/configuration/validate/", configuration.validate, name="portal-configuration-validate"),
     path("portal/configuration/provision/", configuration.provision, name="portal-configuration-provision"),
