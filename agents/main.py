@@ -684,6 +684,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(
+        logging.WARNING
+    )  # not a line per request to an app through its tunnel
     if args.check:
         checked = _backend(args)
         if isinstance(checked, Checked):

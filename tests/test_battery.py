@@ -13,6 +13,7 @@ from rest_framework.test import APIClient
 from tests.accounts.endpoints import ENDPOINTS as ACCOUNTS
 from tests.battery import ROLE_HOLDERS, Endpoint
 from tests.billing.endpoints import ENDPOINTS as BILLING
+from tests.catalogue.endpoints import ENDPOINTS as CATALOGUE
 from tests.gateway.endpoints import ENDPOINTS as GATEWAY
 from tests.metering.endpoints import ENDPOINTS as METERING
 from tests.scheduling.endpoints import ENDPOINTS as SCHEDULING
@@ -20,7 +21,9 @@ from tests.tenants.endpoints import ENDPOINTS as TENANTS
 from tests.vault.endpoints import ENDPOINTS as VAULT
 from tests.world import World
 
-ENDPOINTS: list[Endpoint] = [*ACCOUNTS, *TENANTS, *SCHEDULING, *VAULT, *GATEWAY, *METERING, *BILLING]
+ENDPOINTS: list[Endpoint] = [
+    *ACCOUNTS, *TENANTS, *SCHEDULING, *VAULT, *GATEWAY, *METERING, *BILLING, *CATALOGUE,
+]  # fmt: skip
 BY_ID = {f"{endpoint.site}:{endpoint.key}": endpoint for endpoint in ENDPOINTS}
 WRITE_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
 

@@ -24,7 +24,7 @@ DOCUMENTS: tuple[dict[str, Any], ...] = (
         "command": [
             "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", "--port={port}", "--ServerApp.token=",
             "--ServerApp.password=", "--ServerApp.disable_check_xsrf=False", "--ServerApp.root_dir=/work",
-            "--ServerApp.trust_xheaders=True", "--ServerApp.allow_remote_access=True",
+            "--ServerApp.trust_xheaders=True", "--ServerApp.allow_remote_access=True", "--allow-root",
         ],
         "health": {"path": "/api", "startup_seconds": 300},
         "gpus": "0",

@@ -78,6 +78,8 @@ class Route:
             for word in words:
                 await socket_.send(word)
                 answers.append(str(await socket_.recv()))
+                await socket_.send(word.encode() + b"\x00\xff")  # and as a binary message
+                assert await socket_.recv() == word.encode() + b"\x00\xff"
             return answers
 
 

@@ -1,0 +1,141 @@
+"""JupyterLab from the catalogue, for real: launched from the portal on a bare-metal pool, opened through
+its internal route in Chromium (the portal's sign-in, then the app's own host), a cell run on its kernel
+over the websocket through the route, and stopped; someone it is not shared with gets 404."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+from tests.e2e.conftest import ROOT, clean_environment, start_up
+from tests.e2e.test_agent_crash import Demo, agent_argv
+from tests.e2e.test_apps import wait_state
+from tests.e2e.test_up import BANNER_CURL
+
+pytestmark = pytest.mark.e2e
+
+os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's loop in the test's thread
+
+
+@pytest.fixture(scope="session")
+def jupyter() -> str:
+    """JupyterLab installed for this host by the project's own script (ROOT/.tools/jupyterlab)."""
+    script = ROOT / "deploy" / "apps" / "jupyterlab.sh"
+    made = subprocess.run(
+        [str(script), str(ROOT / ".tools" / "jupyterlab")], check=True, capture_output=True, text=True
+    )
+    return made.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture
+def chromium() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    from tests.portal.conftest import CHROMIUM_ARGS, ensure_chromium
+
+    executable = ensure_chromium()
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()
+
+
+def entry(jupyter: str) -> dict[str, Any]:
+    return {
+        "name": "jupyterlab-host",
+        "version": "4",
+        "title": "JupyterLab on the host",
+        "kind": "ide",
+        "command": [
+            jupyter, "lab", "--no-browser", "--ip=127.0.0.1", "--port={port}", "--ServerApp.token=",
+            "--ServerApp.password=", "--ServerApp.root_dir=.", "--ServerApp.trust_xheaders=True",
+            "--ServerApp.allow_remote_access=True", "--allow-root", "--LabApp.news_url=",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        ],
+        "health": {"path": "/api", "startup_seconds": 120},
+        "gpus": "1",
+        "compute_resource": "Research: rack",
+    }  # fmt: skip
+
+
+def test_jupyterlab_is_launched_from_the_portal_and_runs_a_cell_through_its_route(
+    jupyter: str, chromium: Any, fresh_database: str, redis_url: str, tmp_path: Path
+) -> None:
+    environment = clean_environment(DATABASE_URL=fresh_database, REDIS_URL=redis_url)
+    running = start_up(environment, tmp_path / "data")
+    agent = None
+    try:
+        demo = Demo(running.port, running.wait_for(BANNER_CURL)[1])
+        signed = running.printed(r"Portal:\s+(\S+)/portal/\s+\(sign in: (\S+) / (\S+)\)")
+        portal, username, password = signed[1], signed[2], signed[3]
+        argv = agent_argv(
+            f"http://demo.localhost:{running.port}",
+            demo.rack_pool_token(),
+            "rack-1",
+            tmp_path / "data" / "rack",
+        )
+        with (tmp_path / "agent.log").open("w") as log:
+            agent = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        demo.call("POST", "/api/v1/catalogue/", json=entry(jupyter))
+
+        page = chromium.new_context().new_page()
+        page.goto(f"{portal}/portal/sign-in/?next=/portal/apps/")
+        page.fill("#username", username)
+        page.fill("#password", password)
+        page.click("button[type=submit]")
+        page.wait_for_url(f"{portal}/portal/apps/")
+        page.click('details[data-entry="jupyterlab-host"] summary')
+        page.click('details[data-entry="jupyterlab-host"] button[type=submit]')
+        page.wait_for_selector('tr[data-state="starting"]', timeout=30_000)
+        (app,) = demo.call("GET", "/api/v1/apps/")["results"]
+        wait_state(demo, app["id"], "ready", timeout=180)
+
+        page.goto(f"{portal}/apps/{app['id']}/")  # the stable address: on to the app's host with a ticket
+        page.wait_for_selector(".jp-LauncherCard", timeout=120_000)
+        assert page.url.startswith(app["url"])
+        page.click('.jp-LauncherCard[data-category="Notebook"]')
+        # As a person does: type once the kernel is connected, run, and run again if the page let the first
+        # run go before its kernel was ready (the kernel's messages through the route say when it is).
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
+        page.locator(".jp-Notebook .jp-Cell .cm-content").first.click(timeout=60_000)
+        page.keyboard.type("print(6 * 7, 'from the kernel')")
+        output = page.locator(".jp-OutputArea-output", has_text="42 from the kernel")
+        deadline = time.monotonic() + 120
+        while output.count() == 0:
+            assert time.monotonic() < deadline, "the cell never ran"
+            page.locator(".jp-Notebook .jp-Cell .cm-content").first.click()
+            page.keyboard.press("Control+Enter")  # run the cell, staying on it
+            with contextlib.suppress(PlaywrightTimeout):
+                output.wait_for(timeout=15_000)
+        page.screenshot(path=str(tmp_path / "jupyterlab.png"))
+
+        # Someone it is not shared with: 404 at its own host.
+        stranger = demo.call("POST", "/api/v1/service-accounts/", json={"name": "stranger"})
+        token = demo.call("POST", f"/api/v1/service-accounts/{stranger['id']}/tokens/", json={"name": "t"})[
+            "token"
+        ]
+        host = app["url"].split("//", 1)[1].rstrip("/")
+        refused = httpx.get(
+            f"http://127.0.0.1:{running.port}/lab", headers={"Host": host, "Authorization": f"Bearer {token}"}
+        )
+        assert refused.status_code == 404
+
+        demo.call("POST", f"/api/v1/apps/{app['id']}/stop/")
+        wait_state(demo, app["id"], "stopped")
+        page.goto(f"{portal}/apps/{app['id']}/")  # its address says so, and offers to start it again
+        assert page.locator("[data-app-state='stopped']").count() == 1
+        assert page.locator("button", has_text="again").count() == 1
+    finally:
+        if agent is not None:
+            agent.terminate()
+            agent.wait(timeout=90)  # JupyterLab's own shutdown within the agent's grace period
+        assert running.interrupt() == 0
