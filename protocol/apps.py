@@ -15,6 +15,7 @@ and open the app's tunnel.
       "gpus": "0", "compute_resource": "Research: shared GPU",
       "environment": {"JUPYTER_TOKEN": ""},
       "variables": [{"name": "NOTEBOOK_DIR", "description": "...", "default": "/work", "required": false}],
+      "secrets": ["HF_TOKEN"],                          (vault secrets every instance is given)
       "idle_timeout_seconds": 3600
     }
 
@@ -41,6 +42,7 @@ PORT_WORD = "{port}"
 MAX_COMMAND_WORDS = 200
 MAX_WORD = 4096
 MAX_VARIABLES = 50
+MAX_SECRETS = 50
 MAX_STARTUP_SECONDS = 3600
 DEFAULT_STARTUP_SECONDS = 300
 MIN_IDLE_SECONDS = 60
@@ -48,7 +50,7 @@ MAX_IDLE_SECONDS = 30 * 24 * 3600
 FIELDS = frozenset(
     {
         "name", "version", "title", "description", "kind", "image", "command", "port", "health", "gpus",
-        "compute_resource", "environment", "variables", "idle_timeout_seconds",
+        "compute_resource", "environment", "variables", "idle_timeout_seconds", "secrets",
     }
 )  # fmt: skip
 
@@ -159,6 +161,24 @@ def _variables(value: object, fixed: Mapping[str, str], problems: list[str]) -> 
     return tuple(found)
 
 
+def secret_names(value: object, problems: list[str], where: str = "secrets") -> tuple[str, ...]:
+    """Names of vault secrets an app is given (as environment variables of the same names)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_SECRETS:
+        problems.append(f"{where}: a list of at most {MAX_SECRETS} secret names.")
+        return ()
+    names: list[str] = []
+    for index, name in enumerate(value):
+        if (why := environment.refusal(name)) is not None:
+            problems.append(f"{where}[{index}]: {why}")
+        elif name == "PORT":
+            problems.append(f"{where}[{index}]: PORT is the agent's.")
+        elif name not in names:
+            names.append(name)
+    return tuple(names)
+
+
 def _fixed_environment(value: object, problems: list[str]) -> dict[str, str]:
     try:
         fixed = environment.checked(value, "environment")
@@ -187,6 +207,7 @@ class Template:
     environment: Mapping[str, str]
     variables: tuple[Variable, ...]
     idle_timeout_seconds: int | None
+    secrets: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, document: object) -> Template:
@@ -241,6 +262,7 @@ class Template:
             environment=fixed,
             variables=_variables(document.get("variables"), fixed, problems),
             idle_timeout_seconds=idle,
+            secrets=secret_names(document.get("secrets"), problems),
         )
         if problems:
             raise TemplateInvalid(problems)
@@ -274,13 +296,18 @@ class Template:
             raise TemplateInvalid(problems)
         return values
 
-    def spec(self, values: Mapping[str, str], *, instance: str) -> dict[str, Any]:
-        """The spec of the task that runs one instance of the app."""
+    def spec(
+        self, values: Mapping[str, str], *, instance: str, secrets: tuple[str, ...] = ()
+    ) -> dict[str, Any]:
+        """The spec of the task that runs one instance of the app; `secrets` are those its user added to
+        the template's (the vault resolves them at dispatch, for the task's user and project)."""
         spec: dict[str, Any] = {
             "command": list(self.command),
             "environment": {**self.environment, **values},
             "app": AppSpec(instance, self.port, self.health_path, self.startup_seconds).as_json(),
         }
+        if names := list(dict.fromkeys((*self.secrets, *secrets))):
+            spec["secrets"] = names
         if self.image:
             spec["image"] = self.image
         return spec
@@ -307,6 +334,8 @@ class Template:
             document["image"] = self.image
         if self.compute_resource:
             document["compute_resource"] = self.compute_resource
+        if self.secrets:
+            document["secrets"] = list(self.secrets)
         return document
 
 

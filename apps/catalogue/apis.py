@@ -65,6 +65,13 @@ class LaunchIn(serializers.Serializer[AppInstance]):
     groups = serializers.ListField(
         child=serializers.CharField(max_length=100), required=False, default=list, max_length=50
     )
+    secrets = serializers.ListField(
+        child=serializers.CharField(max_length=128),
+        required=False,
+        default=list,
+        max_length=50,
+        help_text="vault secrets to give the app as environment variables, beside its entry's own",
+    )
 
 
 class AppOut(serializers.ModelSerializer[AppInstance]):
@@ -84,8 +91,8 @@ class AppOut(serializers.ModelSerializer[AppInstance]):
         model = AppInstance
         fields = [
             "id", "name", "entry", "version", "owner", "project", "shared_with_project", "groups",
-            "compute_resource", "gpus", "variables", "task_id", "state", "detail", "address", "url",
-            "ready_at", "last_request_at", "created_at",
+            "compute_resource", "gpus", "variables", "secrets", "task_id", "state", "detail", "address",
+            "url", "ready_at", "last_request_at", "created_at",
         ]  # fmt: skip
 
     def get_state(self, app: AppInstance) -> str:

@@ -51,6 +51,9 @@ class AppInstance(models.Model):
     entry_version = models.CharField(max_length=40)
     template = models.JSONField()  # as it was launched: a later version of the entry changes nothing here
     variables = models.JSONField(default=dict)
+    secrets = models.JSONField(
+        default=list, blank=True
+    )  # vault secret names its user added to the template's
     compute_resource_name = models.CharField(max_length=200)
     gpus = models.CharField(max_length=12)
     owner = models.ForeignKey(User, on_delete=models.CASCADE, related_name="apps")

@@ -25,7 +25,7 @@ from apps.core.events import publish_event
 from apps.core.ids import as_uuid
 from apps.scheduling.models import ENDED_STATES, Task, TaskState
 from apps.scheduling.services import TaskRequest, task_cancel, tasks_submit
-from protocol.apps import Template, TemplateInvalid
+from protocol.apps import Template, TemplateInvalid, secret_names
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -94,6 +94,7 @@ def app_launch(
     name: str = "",
     share_with_project: bool = False,
     groups: list[str] | None = None,
+    secrets: list[str] | None = None,
     token: ApiToken | None = None,
 ) -> AppInstance:
     template, allowed = entry_find(entry, version)
@@ -103,6 +104,10 @@ def app_launch(
         values = template.values(variables or {})
     except TemplateInvalid as error:
         raise _invalid(error) from None
+    problems: list[str] = []
+    names = secret_names(secrets or [], problems)
+    if problems:
+        raise InvalidInput("; ".join(problems), field="secrets")
     resource = compute_resource or template.compute_resource
     if not resource:
         raise InvalidInput(
@@ -116,6 +121,7 @@ def app_launch(
         entry_version=template.version,
         template=template.as_json(),
         variables=values,
+        secrets=list(names),
         compute_resource_name=resource,
         gpus=gpus or template.gpus,
         owner=user,
@@ -157,7 +163,7 @@ def _submit(
         name=f"app {app.name}",
         project=project if project is not None else (str(app.project_id) if app.project_id else None),
         max_attempts=1,
-        spec=template.spec(app.variables, instance=str(app.pk)),
+        spec=template.spec(app.variables, instance=str(app.pk), secrets=tuple(app.secrets)),
     )
     (task,) = tasks_submit(tenant=tenant, user=user, requests=[request], token=token)
     return task

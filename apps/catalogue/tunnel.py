@@ -25,7 +25,6 @@ from apps.core.errors import NotFound
 from apps.core.websocket import header
 from apps.fleet import credentials, errors
 from protocol import tunnel
-from tenants.selectors import tenant_for_host
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +57,10 @@ class TunnelConsumer(AsyncWebsocketConsumer):
 
     def _open(self) -> tuple[str, Any]:
         try:
-            host = header(self.scope, b"host").split(":")[0].lower()
-            tenant = tenant_for_host(host)
-            if tenant is None or tenant.is_suspended:
-                raise errors.AgentRejected(f"No active tenant is served at {host!r}.")
-            scheme, _, presented = header(self.scope, b"authorization").partition(" ")
-            if scheme.lower() != "bearer":
-                raise errors.AgentRejected("Send 'Authorization: Bearer <agent token>'.")
+            tenant, token = credentials.agent_at_handshake(
+                host=header(self.scope, b"host"), authorization=header(self.scope, b"authorization")
+            )
             with schema_context(tenant.schema_name):
-                token = credentials.agent_authenticate(presented=presented.strip())
                 if not credentials.is_bound_to(token, header(self.scope, b"x-klique-instance")):
                     raise errors.AgentRejected("This agent token is bound to another agent; say hello first.")
                 app = services.tunnel_open(

@@ -17,7 +17,6 @@ from apps.fleet import credentials, dispatch, errors, session
 from apps.fleet.models import AgentToken
 from apps.scheduling import wake
 from protocol import messages
-from tenants.selectors import tenant_for_host
 
 logger = logging.getLogger(__name__)
 
@@ -69,15 +68,9 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
 
     def _authenticate(self) -> tuple[Any, AgentToken]:
         try:
-            host = header(self.scope, b"host").split(":")[0].lower()
-            tenant = tenant_for_host(host)
-            if tenant is None or tenant.is_suspended:
-                raise errors.AgentRejected(f"No active tenant is served at {host!r}.")
-            scheme, _, presented = header(self.scope, b"authorization").partition(" ")
-            if scheme.lower() != "bearer":
-                raise errors.AgentRejected("Send 'Authorization: Bearer <agent token>' when connecting.")
-            with schema_context(tenant.schema_name):
-                return tenant, credentials.agent_authenticate(presented=presented.strip())
+            return credentials.agent_at_handshake(
+                host=header(self.scope, b"host"), authorization=header(self.scope, b"authorization")
+            )
         finally:
             close_old_connections()  # a connection broken by a database restart is not kept
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
+from django_tenants.utils import schema_context
 
 from apps.accounts.tokens import hash_token
 from apps.audit.services import record
@@ -24,6 +25,7 @@ from apps.fleet.models import AgentToken
 from apps.resources.models import Pool
 from apps.scheduling import wake
 from apps.scheduling.models import Task, TaskState
+from tenants.selectors import tenant_for_host
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -107,6 +109,20 @@ def agent_authenticate(*, presented: str) -> AgentToken:
         )
     AgentToken.objects.filter(pk=token.pk).update(last_used_at=timezone.now())
     return token
+
+
+def agent_at_handshake(*, host: str, authorization: str) -> tuple[Tenant, AgentToken]:
+    """The tenant served at a websocket handshake's Host and the agent token its Authorization presents
+    (checked in that tenant's schema); AgentRejected saying what to send."""
+    name = host.split(":", maxsplit=1)[0].lower()
+    tenant = tenant_for_host(name)
+    if tenant is None or tenant.is_suspended:
+        raise AgentRejected(f"No active tenant is served at {name!r}.")
+    scheme, _, presented = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        raise AgentRejected("Send 'Authorization: Bearer <agent token>' when connecting.")
+    with schema_context(tenant.schema_name):
+        return tenant, agent_authenticate(presented=presented.strip())
 
 
 def instance_fingerprint(instance: str) -> str:

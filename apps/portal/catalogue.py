@@ -79,6 +79,7 @@ def app_launch(request: HttpRequest) -> HttpResponse:
             project=form.get("project") or None,
             share_with_project=form.get("share_with_project") == "on",
             name=form.get("name", "").strip(),
+            secrets=[name.strip() for name in form.get("secrets", "").split(",") if name.strip()],
         )
         context["message"] = f"{app.name} is starting; it opens from the list when it is ready."
     except KliqueError as error:

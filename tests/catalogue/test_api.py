@@ -132,3 +132,34 @@ def test_the_owner_stops_and_starts_an_app_again(api: Api, world: World) -> None
     assert started.json()["state"] == "starting"
     assert started.json()["task_id"] != str(app.task_id)
     assert api("bob").post(f"/api/v1/apps/{app.pk}/start/").status_code == 409
+
+
+def test_an_app_is_given_the_vault_secrets_its_entry_and_its_user_name(api: Api, world: World) -> None:
+    api("alice").post("/api/v1/catalogue/", {**ENTRY, "secrets": ["WANDB_API_KEY"]}, format="json")
+    for name in ("WANDB_API_KEY", "HF_TOKEN"):
+        kept = api("bob").post(
+            "/api/v1/secrets/", {"scope": "user", "name": name, "value": "s3cr3t"}, format="json"
+        )
+        assert kept.status_code == 201, kept.json()
+    made = api("bob").post("/api/v1/apps/", {"entry": "notebook", "secrets": ["HF_TOKEN"]}, format="json")
+    assert made.status_code == 201, made.json()
+    assert made.json()["secrets"] == ["HF_TOKEN"]
+    with schema_context(world.tenant_a.schema_name):
+        task = Task.objects.get(pk=made.json()["task_id"])
+        assert task.spec["secrets"] == ["WANDB_API_KEY", "HF_TOKEN"]
+        assert "s3cr3t" not in str(task.spec)  # names only: the vault resolves them at dispatch
+
+
+@pytest.mark.parametrize(
+    ("names", "said"),
+    [
+        (["NOPE_TOKEN"], "No secret named NOPE_TOKEN"),
+        (["LD_PRELOAD"], "secrets[0]:"),
+        (["PORT"], "PORT is the agent's"),
+    ],
+)
+def test_a_secret_an_app_cannot_be_given_is_refused(api: Api, names: list[str], said: str) -> None:
+    api("alice").post("/api/v1/catalogue/", ENTRY, format="json")
+    refused = api("bob").post("/api/v1/apps/", {"entry": "notebook", "secrets": names}, format="json")
+    assert refused.status_code == 400, refused.json()
+    assert said in refused.json()["detail"]

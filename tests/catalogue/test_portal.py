@@ -58,6 +58,7 @@ def test_a_member_launches_an_entry_with_its_variables_and_sees_it_start(world: 
         ({"entry": "notebook", "var-LD_PRELOAD": "/x.so"}, "not a variable of notebook"),
         ({"entry": "nothing"}, "No catalogue entry nothing"),
         ({"entry": "notebook", "compute_resource": "Dev: 4 GPUs"}, "No compute resource"),
+        ({"entry": "notebook", "secrets": "NOPE_TOKEN, "}, "No secret named NOPE_TOKEN"),
     ],
 )
 def test_a_launch_that_cannot_run_says_why_on_the_page(world: World, form: dict[str, str], said: str) -> None:

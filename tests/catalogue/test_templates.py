@@ -83,6 +83,10 @@ def test_every_problem_is_listed_by_its_path_at_once() -> None:
         ({"variables": [{"name": "A", "default": 3}]}, "variables[0].default:"),
         ({"variables": [{"name": "A", "secret": True}]}, "variables[0].secret:"),
         ({"variables": "A=1"}, "variables:"),
+        ({"secrets": "HF_TOKEN"}, "secrets:"),
+        ({"secrets": ["LD_PRELOAD"]}, "secrets[0]:"),
+        ({"secrets": ["SLURM_ACCOUNT"]}, "secrets[0]:"),
+        ({"secrets": [7]}, "secrets[0]:"),
     ],
 )
 def test_a_template_with_a_problem_is_refused_naming_it(change: dict[str, Any], path: str) -> None:

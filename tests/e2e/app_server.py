@@ -1,6 +1,6 @@
 """A small app for the catalogue's tests, served by uvicorn on the port its agent picked: text at /, the
 request echoed at /echo (method, path, headers, body), a body of ?bytes=N at /big, a websocket echo at
-/ws, and at /exit its own end."""
+/ws, an environment variable at /env?name=NAME, and at /exit its own end."""
 
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             await send({"type": "http.response.body", "body": piece, "more_body": True})
             sent += len(piece)
         await send({"type": "http.response.body", "body": b""})
+    elif path == "/env":  # one variable of the app's environment (a test reads its secret through the route)
+        name = scope["query_string"].decode().partition("=")[2]
+        await _reply(send, 200, os.environ.get(name, "(unset)").encode(), b"text/plain")
     elif path == "/exit":
         await _reply(send, 200, b"bye\n", b"text/plain")
         os._exit(3)

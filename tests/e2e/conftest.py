@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -148,3 +149,43 @@ def redis_url() -> str:
     if not port_open(*LOCAL_REDIS):
         pytest.skip("no Redis on 127.0.0.1:6379; the embedded variant of this test still runs")
     return f"redis://{LOCAL_REDIS[0]}:{LOCAL_REDIS[1]}/10"
+
+
+@dataclass
+class RackDemo:
+    """`klique up --demo` with a bare-metal pool "rack" (compute resource "Research: rack") and its agent."""
+
+    running: Running
+    demo: Any  # tests.e2e.test_agent_crash.Demo: the demo tenant's API, as its admin
+    argv: list[str]
+    folder: Path
+    agent: subprocess.Popen[bytes] | None = None
+
+    def start_agent(self, log: str = "agent.log") -> None:
+        with (self.folder / log).open("w") as output:
+            self.agent = subprocess.Popen(self.argv, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
+
+    def stop_agent(self) -> None:
+        if self.agent is not None:
+            self.agent.terminate()
+            self.agent.wait(timeout=90)  # its apps' own shutdown within the agent's grace period
+
+
+@pytest.fixture
+def rack_demo(fresh_database: str, redis_url: str, tmp_path: Path) -> Iterator[RackDemo]:
+    from tests.e2e.test_agent_crash import Demo, agent_argv
+    from tests.e2e.test_up import BANNER_CURL
+
+    environment = clean_environment(DATABASE_URL=fresh_database, REDIS_URL=redis_url)
+    running = start_up(environment, tmp_path / "data")
+    rack = None
+    try:
+        demo = Demo(running.port, running.wait_for(BANNER_CURL)[1])
+        url, folder = f"http://demo.localhost:{running.port}", tmp_path / "data" / "rack"
+        rack = RackDemo(running, demo, agent_argv(url, demo.rack_pool_token(), "rack-1", folder), tmp_path)
+        rack.start_agent()
+        yield rack
+    finally:
+        if rack is not None:
+            rack.stop_agent()
+        assert running.interrupt() == 0

@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import websockets
 
-from tests.e2e.conftest import ROOT, clean_environment, start_up
-from tests.e2e.test_agent_crash import Demo, agent_argv
-from tests.e2e.test_up import BANNER_CURL
+from tests.e2e.conftest import ROOT, RackDemo
+from tests.e2e.test_agent_crash import Demo
 
 pytestmark = pytest.mark.e2e
 
@@ -83,104 +80,82 @@ class Route:
             return answers
 
 
-def test_an_app_is_reached_through_its_route_by_those_it_is_shared_with_only(
-    fresh_database: str, redis_url: str, tmp_path: Path
-) -> None:
-    environment = clean_environment(DATABASE_URL=fresh_database, REDIS_URL=redis_url)
-    running = start_up(environment, tmp_path / "data")
-    agent = None
-    try:
-        demo = Demo(running.port, running.wait_for(BANNER_CURL)[1])
-        argv = agent_argv(
-            f"http://demo.localhost:{running.port}",
-            demo.rack_pool_token(),
-            "rack-1",
-            tmp_path / "data" / "rack",
-        )
-        with (tmp_path / "agent.log").open("w") as log:
-            agent = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        demo.call("POST", "/api/v1/catalogue/", json=TEMPLATE)
-        app = demo.call(
-            "POST", "/api/v1/apps/", json={"entry": "echo-app", "compute_resource": "Research: rack"}
-        )
-        assert app["state"] == "starting", app
-        app = wait_state(demo, app["id"], "ready")
-        route = Route(running.port, app["url"], demo.token)
+def test_an_app_is_reached_through_its_route_by_those_it_is_shared_with_only(rack_demo: RackDemo) -> None:
+    demo, running = rack_demo.demo, rack_demo.running
+    demo.call("POST", "/api/v1/catalogue/", json=TEMPLATE)
+    app = demo.call("POST", "/api/v1/apps/", json={"entry": "echo-app", "compute_resource": "Research: rack"})
+    assert app["state"] == "starting", app
+    app = wait_state(demo, app["id"], "ready")
+    route = Route(running.port, app["url"], demo.token)
 
-        hello = route.get("/")
-        assert hello.status_code == 200, hello.text
-        assert hello.text.startswith("hello from the app, port "), hello.text
+    hello = route.get("/")
+    assert hello.status_code == 200, hello.text
+    assert hello.text.startswith("hello from the app, port "), hello.text
+    assert route.get("/env?name=HF_TOKEN").text == "hf-s3cr3t-value"  # the owner's vault secret, by name
 
-        body = bytes(range(256)) * 4096 * 3  # 3 MiB up
-        echoed = route.request("POST", "/echo?x=1", content=body, headers={"X-Test": "yes"}).json()
-        assert (echoed["method"], echoed["size"], echoed["query"]) == ("POST", len(body), "x=1")
-        assert echoed["headers"]["x-test"] == "yes"
-        assert "authorization" not in echoed["headers"]  # Klique's own credentials never reach the app
+    body = bytes(range(256)) * 4096 * 3  # 3 MiB up
+    echoed = route.request("POST", "/echo?x=1", content=body, headers={"X-Test": "yes"}).json()
+    assert (echoed["method"], echoed["size"], echoed["query"]) == ("POST", len(body), "x=1")
+    assert echoed["headers"]["x-test"] == "yes"
+    assert "authorization" not in echoed["headers"]  # Klique's own credentials never reach the app
 
-        big = route.get("/big?bytes=20000000")  # 20 MB down, through the credit window
-        assert big.status_code == 200
-        assert len(big.content) == 20_000_000
-        assert big.content[:256] == bytes(range(256))
+    big = route.get("/big?bytes=20000000")  # 20 MB down, through the credit window
+    assert big.status_code == 200
+    assert len(big.content) == 20_000_000
+    assert big.content[:256] == bytes(range(256))
 
-        assert asyncio.run(route.websocket_echo(["one", "two"])) == ["echo: one", "echo: two"]
+    assert asyncio.run(route.websocket_echo(["one", "two"])) == ["echo: one", "echo: two"]
 
-        # A person the app is not shared with: 404, as for no app at all.
-        stranger = demo.call("POST", "/api/v1/service-accounts/", json={"name": "stranger"})
-        made = demo.call("POST", f"/api/v1/service-accounts/{stranger['id']}/tokens/", json={"name": "t"})
-        refused = Route(running.port, app["url"], made["token"]).get("/")
-        assert refused.status_code == 404
-        assert "hello" not in refused.text
-        assert (
-            Route(running.port, app["url"], "klq_notareal_token00000000000000000000000").get("/").status_code
-            == 401
-        )
+    # A person the app is not shared with: 404, as for no app at all.
+    stranger = demo.call("POST", "/api/v1/service-accounts/", json={"name": "stranger"})
+    made = demo.call("POST", f"/api/v1/service-accounts/{stranger['id']}/tokens/", json={"name": "t"})
+    refused = Route(running.port, app["url"], made["token"]).get("/")
+    assert refused.status_code == 404
+    assert "hello" not in refused.text
+    assert (
+        Route(running.port, app["url"], "klq_notareal_token00000000000000000000000").get("/").status_code
+        == 401
+    )
 
-        # A declared body larger than the route passes is refused before anything reaches the app.
-        assert route.declared_too_large(300 * 1024 * 1024).startswith(b"HTTP/1.1 413 ")
+    # A declared body larger than the route passes is refused before anything reaches the app.
+    assert route.declared_too_large(300 * 1024 * 1024).startswith(b"HTTP/1.1 413 ")
 
-        # The agent killed outright: the app keeps running, its route waits for the tunnel, and the agent
-        # that comes back opens it again.
-        # (mid-answer: the client gets an error, not a body cut short that looks whole)
-        with httpx.stream(
-            "GET", f"http://127.0.0.1:{running.port}/big?bytes=2000000000", headers=route.headers, timeout=60
-        ) as answer:
-            chunks = answer.iter_raw()
-            assert next(chunks)
-            agent.kill()
-            agent.wait(timeout=30)
-            with pytest.raises(httpx.RemoteProtocolError):
-                for _ in chunks:
-                    pass
-        deadline = time.monotonic() + 30
-        while (away := route.get("/")).status_code == 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        assert away.status_code in (502, 503), away.text
-        with (tmp_path / "agent-again.log").open("w") as log:
-            agent = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        wait_state(demo, app["id"], "ready")
-        again = route.get("/")
-        assert again.text == hello.text  # the same process, on the same port
-        assert asyncio.run(route.websocket_echo(["three"])) == ["echo: three"]
+    # The agent killed outright: the app keeps running, its route waits for the tunnel, and the agent
+    # that comes back opens it again.
+    # (mid-answer: the client gets an error, not a body cut short that looks whole)
+    with httpx.stream(
+        "GET", f"http://127.0.0.1:{running.port}/big?bytes=2000000000", headers=route.headers, timeout=60
+    ) as answer:
+        chunks = answer.iter_raw()
+        assert next(chunks)
+        assert rack_demo.agent is not None
+        rack_demo.agent.kill()
+        rack_demo.agent.wait(timeout=30)
+        with pytest.raises(httpx.RemoteProtocolError):
+            for _ in chunks:
+                pass
+    deadline = time.monotonic() + 30
+    while (away := route.get("/")).status_code == 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert away.status_code in (502, 503), away.text
+    rack_demo.start_agent("agent-again.log")
+    wait_state(demo, app["id"], "ready")
+    again = route.get("/")
+    assert again.text == hello.text  # the same process, on the same port
+    assert asyncio.run(route.websocket_echo(["three"])) == ["echo: three"]
 
-        # Stopped: the route says so; started again: a new task serves it.
-        demo.call("POST", f"/api/v1/apps/{app['id']}/stop/")
-        stopped = wait_state(demo, app["id"], "stopped")
-        assert stopped["detail"].startswith("Stopped by "), stopped
-        closed = route.get("/")
-        assert closed.status_code == 409
-        assert "is stopped" in closed.text
-        started = demo.call("POST", f"/api/v1/apps/{app['id']}/start/")
-        assert started["task_id"] != app["task_id"]
-        wait_state(demo, app["id"], "ready")
-        assert route.get("/").text.startswith("hello from the app")
-    finally:
-        if agent is not None:
-            agent.terminate()
-            agent.wait(timeout=30)
-        code = running.interrupt()
-        (tmp_path / "up.log").write_text(running.everything())  # kept with the test's folder
-        assert code == 0
+    # Stopped: the route says so; started again: a new task serves it.
+    demo.call("POST", f"/api/v1/apps/{app['id']}/stop/")
+    stopped = wait_state(demo, app["id"], "stopped")
+    assert stopped["detail"].startswith("Stopped by "), stopped
+    closed = route.get("/")
+    assert closed.status_code == 409
+    assert "is stopped" in closed.text
+    started = demo.call("POST", f"/api/v1/apps/{app['id']}/start/")
+    assert started["task_id"] != app["task_id"]
+    wait_state(demo, app["id"], "ready")
+    assert route.get("/").text.startswith("hello from the app")
 
 
 BROKEN = {
@@ -192,44 +167,25 @@ BROKEN = {
 }
 
 
-def test_an_app_that_never_answers_or_exits_is_stopped_with_the_reason(
-    fresh_database: str, redis_url: str, tmp_path: Path
-) -> None:
-    environment = clean_environment(DATABASE_URL=fresh_database, REDIS_URL=redis_url)
-    running = start_up(environment, tmp_path / "data")
-    agent = None
-    try:
-        demo = Demo(running.port, running.wait_for(BANNER_CURL)[1])
-        argv = agent_argv(
-            f"http://demo.localhost:{running.port}",
-            demo.rack_pool_token(),
-            "rack-1",
-            tmp_path / "data" / "rack",
-        )
-        with (tmp_path / "agent.log").open("w") as log:
-            agent = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        demo.call("POST", "/api/v1/catalogue/", json=BROKEN)
-        demo.call("POST", "/api/v1/catalogue/", json=TEMPLATE)
-        silent = demo.call(
-            "POST", "/api/v1/apps/", json={"entry": "never-answers", "compute_resource": "Research: rack"}
-        )
-        echo = demo.call(
-            "POST", "/api/v1/apps/", json={"entry": "echo-app", "compute_resource": "Research: rack"}
-        )
+def test_an_app_that_never_answers_or_exits_is_stopped_with_the_reason(rack_demo: RackDemo) -> None:
+    demo, running = rack_demo.demo, rack_demo.running
+    demo.call("POST", "/api/v1/catalogue/", json=BROKEN)
+    demo.call("POST", "/api/v1/catalogue/", json=TEMPLATE)
+    silent = demo.call(
+        "POST", "/api/v1/apps/", json={"entry": "never-answers", "compute_resource": "Research: rack"}
+    )
+    echo = demo.call(
+        "POST", "/api/v1/apps/", json={"entry": "echo-app", "compute_resource": "Research: rack"}
+    )
 
-        stopped = wait_state(demo, silent["id"], "stopped")
-        assert "did not answer its health check (GET / on port" in stopped["detail"], stopped
-        assert "within 3 s" in stopped["detail"]
-        assert "its log ends: warming up" in stopped["detail"]  # the last lines of its log
+    stopped = wait_state(demo, silent["id"], "stopped")
+    assert "did not answer its health check (GET / on port" in stopped["detail"], stopped
+    assert "within 3 s" in stopped["detail"]
+    assert "its log ends: warming up" in stopped["detail"]  # the last lines of its log
 
-        ready = wait_state(demo, echo["id"], "ready")
-        route = Route(running.port, ready["url"], demo.token)
-        assert route.get("/exit").status_code == 200
-        gone = wait_state(demo, echo["id"], "stopped")
-        assert "exit code 3" in gone["detail"], gone
-        assert route.get("/").status_code == 409
-    finally:
-        if agent is not None:
-            agent.terminate()
-            agent.wait(timeout=30)
-        assert running.interrupt() == 0
+    ready = wait_state(demo, echo["id"], "ready")
+    route = Route(running.port, ready["url"], demo.token)
+    assert route.get("/exit").status_code == 200
+    gone = wait_state(demo, echo["id"], "stopped")
+    assert "exit code 3" in gone["detail"], gone
+    assert route.get("/").status_code == 409

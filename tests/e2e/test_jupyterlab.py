@@ -16,10 +16,8 @@ import httpx
 import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-from tests.e2e.conftest import ROOT, clean_environment, start_up
-from tests.e2e.test_agent_crash import Demo, agent_argv
+from tests.e2e.conftest import ROOT, RackDemo
 from tests.e2e.test_apps import wait_state
-from tests.e2e.test_up import BANNER_CURL
 
 pytestmark = pytest.mark.e2e
 
@@ -68,74 +66,57 @@ def entry(jupyter: str) -> dict[str, Any]:
 
 
 def test_jupyterlab_is_launched_from_the_portal_and_runs_a_cell_through_its_route(
-    jupyter: str, chromium: Any, fresh_database: str, redis_url: str, tmp_path: Path
+    jupyter: str, chromium: Any, rack_demo: RackDemo, tmp_path: Path
 ) -> None:
-    environment = clean_environment(DATABASE_URL=fresh_database, REDIS_URL=redis_url)
-    running = start_up(environment, tmp_path / "data")
-    agent = None
-    try:
-        demo = Demo(running.port, running.wait_for(BANNER_CURL)[1])
-        signed = running.printed(r"Portal:\s+(\S+)/portal/\s+\(sign in: (\S+) / (\S+)\)")
-        portal, username, password = signed[1], signed[2], signed[3]
-        argv = agent_argv(
-            f"http://demo.localhost:{running.port}",
-            demo.rack_pool_token(),
-            "rack-1",
-            tmp_path / "data" / "rack",
-        )
-        with (tmp_path / "agent.log").open("w") as log:
-            agent = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        demo.call("POST", "/api/v1/catalogue/", json=entry(jupyter))
+    demo, running = rack_demo.demo, rack_demo.running
+    signed = running.printed(r"Portal:\s+(\S+)/portal/\s+\(sign in: (\S+) / (\S+)\)")
+    portal, username, password = signed[1], signed[2], signed[3]
+    demo.call("POST", "/api/v1/catalogue/", json=entry(jupyter))
 
-        page = chromium.new_context().new_page()
-        page.goto(f"{portal}/portal/sign-in/?next=/portal/apps/")
-        page.fill("#username", username)
-        page.fill("#password", password)
-        page.click("button[type=submit]")
-        page.wait_for_url(f"{portal}/portal/apps/")
-        page.click('details[data-entry="jupyterlab-host"] summary')
-        page.click('details[data-entry="jupyterlab-host"] button[type=submit]')
-        page.wait_for_selector('tr[data-state="starting"]', timeout=30_000)
-        (app,) = demo.call("GET", "/api/v1/apps/")["results"]
-        wait_state(demo, app["id"], "ready", timeout=180)
+    page = chromium.new_context().new_page()
+    page.goto(f"{portal}/portal/sign-in/?next=/portal/apps/")
+    page.fill("#username", username)
+    page.fill("#password", password)
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{portal}/portal/apps/")
+    page.click('details[data-entry="jupyterlab-host"] summary')
+    page.click('details[data-entry="jupyterlab-host"] button[type=submit]')
+    page.wait_for_selector('tr[data-state="starting"]', timeout=30_000)
+    (app,) = demo.call("GET", "/api/v1/apps/")["results"]
+    wait_state(demo, app["id"], "ready", timeout=180)
 
-        page.goto(f"{portal}/apps/{app['id']}/")  # the stable address: on to the app's host with a ticket
-        page.wait_for_selector(".jp-LauncherCard", timeout=120_000)
-        assert page.url.startswith(app["url"])
-        page.click('.jp-LauncherCard[data-category="Notebook"]')
-        # As a person does: type once the kernel is connected, run, and run again if the page let the first
-        # run go before its kernel was ready (the kernel's messages through the route say when it is).
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
-        page.locator(".jp-Notebook .jp-Cell .cm-content").first.click(timeout=60_000)
-        page.keyboard.type("print(6 * 7, 'from the kernel')")
-        output = page.locator(".jp-OutputArea-output", has_text="42 from the kernel")
-        deadline = time.monotonic() + 120
-        while output.count() == 0:
-            assert time.monotonic() < deadline, "the cell never ran"
-            page.locator(".jp-Notebook .jp-Cell .cm-content").first.click()
-            page.keyboard.press("Control+Enter")  # run the cell, staying on it
-            with contextlib.suppress(PlaywrightTimeout):
-                output.wait_for(timeout=15_000)
-        page.screenshot(path=str(tmp_path / "jupyterlab.png"))
+    page.goto(f"{portal}/apps/{app['id']}/")  # the stable address: on to the app's host with a ticket
+    page.wait_for_selector(".jp-LauncherCard", timeout=120_000)
+    assert page.url.startswith(app["url"])
+    page.click('.jp-LauncherCard[data-category="Notebook"]')
+    # As a person does: type once the kernel is connected, run, and run again if the page let the first
+    # run go before its kernel was ready (the kernel's messages through the route say when it is).
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
+    page.locator(".jp-Notebook .jp-Cell .cm-content").first.click(timeout=60_000)
+    page.keyboard.type("print(6 * 7, 'from the kernel')")
+    output = page.locator(".jp-OutputArea-output", has_text="42 from the kernel")
+    deadline = time.monotonic() + 120
+    while output.count() == 0:
+        assert time.monotonic() < deadline, "the cell never ran"
+        page.locator(".jp-Notebook .jp-Cell .cm-content").first.click()
+        page.keyboard.press("Control+Enter")  # run the cell, staying on it
+        with contextlib.suppress(PlaywrightTimeout):
+            output.wait_for(timeout=15_000)
+    page.screenshot(path=str(tmp_path / "jupyterlab.png"))
 
-        # Someone it is not shared with: 404 at its own host.
-        stranger = demo.call("POST", "/api/v1/service-accounts/", json={"name": "stranger"})
-        token = demo.call("POST", f"/api/v1/service-accounts/{stranger['id']}/tokens/", json={"name": "t"})[
-            "token"
-        ]
-        host = app["url"].split("//", 1)[1].rstrip("/")
-        refused = httpx.get(
-            f"http://127.0.0.1:{running.port}/lab", headers={"Host": host, "Authorization": f"Bearer {token}"}
-        )
-        assert refused.status_code == 404
+    # Someone it is not shared with: 404 at its own host.
+    stranger = demo.call("POST", "/api/v1/service-accounts/", json={"name": "stranger"})
+    token = demo.call("POST", f"/api/v1/service-accounts/{stranger['id']}/tokens/", json={"name": "t"})[
+        "token"
+    ]
+    host = app["url"].split("//", 1)[1].rstrip("/")
+    refused = httpx.get(
+        f"http://127.0.0.1:{running.port}/lab", headers={"Host": host, "Authorization": f"Bearer {token}"}
+    )
+    assert refused.status_code == 404
 
-        demo.call("POST", f"/api/v1/apps/{app['id']}/stop/")
-        wait_state(demo, app["id"], "stopped")
-        page.goto(f"{portal}/apps/{app['id']}/")  # its address says so, and offers to start it again
-        assert page.locator("[data-app-state='stopped']").count() == 1
-        assert page.locator("button", has_text="again").count() == 1
-    finally:
-        if agent is not None:
-            agent.terminate()
-            agent.wait(timeout=90)  # JupyterLab's own shutdown within the agent's grace period
-        assert running.interrupt() == 0
+    demo.call("POST", f"/api/v1/apps/{app['id']}/stop/")
+    wait_state(demo, app["id"], "stopped")
+    page.goto(f"{portal}/apps/{app['id']}/")  # its address says so, and offers to start it again
+    assert page.locator("[data-app-state='stopped']").count() == 1
+    assert page.locator("button", has_text="again").count() == 1
