@@ -1,0 +1,103 @@
+"""The agent's side of an app: a port picked and put where the app reads it, a health check waited for
+(and an app that never answers stopped with the reason and its log's last lines), a backend that cannot
+serve apps refusing them."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agents.backend import Refused
+from agents.main import Agent, free_port
+from agents.tunnel import AppTunnel, tunnel_address
+from protocol.apps import AppSpec
+from tests.agents.test_baremetal import Recorder, backend
+
+APP = {"instance": "0123abcd", "port": None, "health_path": "/", "startup_seconds": 2}
+
+
+def app_assignment(task_id: str, command: list[str]) -> dict[str, Any]:
+    spec = {"command": command, "environment": {"MODE": "x"}, "app": dict(APP)}
+    return {"task_id": task_id, "lease_id": "l", "attempt": 1, "size_units": 0, "spec": spec}
+
+
+def test_the_agent_picks_a_port_and_puts_it_where_the_app_reads_it(tmp_path: Path) -> None:
+    agent = Agent(url="http://demo.localhost:1", token="t", backend=backend(tmp_path), agent_id="a")
+    handed = agent._with_app_port(app_assignment("t1", ["serve", "--port={port}", "--bind=127.0.0.1:{port}"]))
+    port = handed["spec"]["app"]["port"]
+    assert 1024 <= port <= 65535
+    assert handed["spec"]["command"] == ["serve", f"--port={port}", f"--bind=127.0.0.1:{port}"]
+    assert handed["spec"]["environment"] == {"MODE": "x", "PORT": str(port)}
+    plain = {"task_id": "t2", "spec": {"command": ["true"]}}
+    assert agent._with_app_port(plain) is plain
+
+
+@pytest.mark.parametrize("section", [{"instance": "x y"}, {"instance": "ab", "port": 80}, "app"])
+def test_a_malformed_app_section_is_refused_for_good(tmp_path: Path, section: object) -> None:
+    agent = Agent(url="http://demo.localhost:1", token="t", backend=backend(tmp_path), agent_id="a")
+    assignment = app_assignment("t1", ["serve"])
+    assignment["spec"]["app"] = section
+    with pytest.raises(Refused) as refused:
+        agent._with_app_port(assignment)
+    assert refused.value.permanent
+
+
+def test_a_backend_that_cannot_serve_apps_refuses_them_saying_why(tmp_path: Path) -> None:
+    class Cluster:
+        name = "slurm"
+
+    agent = Agent(url="http://demo.localhost:1", token="t", backend=backend(tmp_path), agent_id="a")
+    agent.backend = Cluster()  # type: ignore[assignment]
+    with pytest.raises(Refused, match="Apps run on bare-metal pools; a slurm pool") as refused:
+        agent._with_app_port(app_assignment("t1", ["serve"]))
+    assert refused.value.permanent
+
+
+def test_the_tunnel_connects_where_the_agent_does() -> None:
+    assert tunnel_address("http://demo.localhost:8000") == (
+        "ws://demo.localhost:8000/agents/tunnel/",
+        {"host": "127.0.0.1", "port": 8000},
+    )
+    assert tunnel_address("https://acme.klique.example/") == ("wss://acme.klique.example/agents/tunnel/", {})
+
+
+def test_an_app_that_never_answers_is_stopped_with_its_logs_last_lines(tmp_path: Path) -> None:
+    """A real run on the bare-metal backend: the app prints and sleeps, never serving its port."""
+    metal = backend(tmp_path)
+    recorder = Recorder(metal.state)
+    script = "import time; print('loading weights'); print('still loading', flush=True); time.sleep(60)"
+    spec = {"command": [sys.executable, "-c", script], "app": {**APP, "port": free_port()}}
+    failed: list[str] = []
+
+    async def scenario() -> None:
+        await metal.start({"task_id": "t1", "lease_id": "l", "size_units": 0, "spec": spec}, recorder)
+        await asyncio.sleep(0.5)
+
+        async def fail(reason: str) -> None:
+            failed.append(reason)
+            await metal.fail("t1", reason, grace_seconds=2)
+
+        async def say(line: str) -> None:
+            raise AssertionError(f"an app that never answered was said to answer: {line}")
+
+        tunnel = AppTunnel(
+            url="http://demo.localhost:1", credentials={}, task_id="t1", lease_id="l",
+            app=AppSpec.parse(spec["app"]), fail=fail, say=say,
+        )  # fmt: skip
+        started = time.monotonic()
+        await tunnel.run()
+        assert 2 <= time.monotonic() - started < 10
+        await asyncio.wait_for(recorder.finished.wait(), 30)
+
+    asyncio.run(scenario())
+    assert failed
+    assert failed[0].startswith("the app did not answer its health check (GET / on port ")
+    (result,) = [body for kind, body in recorder.reports if kind == "result"]
+    assert result["exit_code"] != 0
+    assert "did not answer its health check" in result["reason"]
+    assert result["reason"].endswith("its log ends: loading weights | still loading")
