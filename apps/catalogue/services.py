@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import IntegrityError, transaction
+from django.db.models import Sum
 from django.utils import timezone
 
 from apps.accounts.models import ApiToken, Group, Role, User
@@ -23,6 +24,7 @@ from apps.catalogue.models import AppInstance, CatalogueEntry
 from apps.core.errors import Conflict, Forbidden, InvalidInput, NotFound
 from apps.core.events import publish_event
 from apps.core.ids import as_uuid
+from apps.fleet.models import TaskReport
 from apps.scheduling.models import ENDED_STATES, Task, TaskState
 from apps.scheduling.services import TaskRequest, task_cancel, tasks_submit
 from protocol.apps import Template, TemplateInvalid, secret_names
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     from tenants.models import Tenant
 
 TOUCH_EVERY = timedelta(seconds=30)  # how stale an app's last request may be before the route writes it
+IDLE_GPU_PERCENT = 5.0  # an app's GPUs averaging this or more over its idle timeout are working: not idle
 
 
 def _invalid(error: TemplateInvalid, prefix: str = "") -> InvalidInput:
@@ -193,20 +196,33 @@ def app_stop(
 
 
 def apps_reclaim_idle(*, tenant: Tenant, now: datetime | None = None) -> list[AppInstance]:
-    """Stop each running app with an idle timeout that no request reached through its route for that long,
-    so its GPUs go back to the pool; its owner reads why on the app's page and in its task's reason, and
-    an event says so. The apps stopped."""
+    """Stop each running app with an idle timeout that no request reached through its route for that long
+    and, where it holds GPUs, whose GPUs averaged under IDLE_GPU_PERCENT over that time as its agent
+    sampled them (a notebook training with no one watching is not idle; with no samples, nothing says it
+    works). Its GPUs go back to the pool; its owner reads why on the app's page and in its task's reason,
+    and an event says so. The apps stopped."""
     now = now or timezone.now()
     stopped = []
     running = AppInstance.objects.filter(task__state=TaskState.RUNNING, stop_requested_at=None)
     for app in running.select_related("task", "owner"):
         timeout = (app.template or {}).get("idle_timeout_seconds")
         last = app.last_request_at or app.ready_at
-        if not timeout or last is None or now - last < timedelta(seconds=timeout):
+        if not timeout or last is None or app.task is None or now - last < timedelta(seconds=timeout):
             continue
+        gpus = ""
+        if app.task.size_units:
+            since = now - timedelta(seconds=timeout)
+            samples = TaskReport.objects.filter(
+                task=app.task, at__gte=since, gpu_samples__gt=0
+            ).aggregate(total=Sum("gpu_percent_sum"), count=Sum("gpu_samples"))
+            if samples["count"]:
+                average = samples["total"] / samples["count"]
+                if average >= IDLE_GPU_PERCENT:
+                    continue
+                gpus = f" and its GPUs averaged {average:.0f}%"
         minutes = max(1, round(timeout / 60))
         reason = (
-            f"Stopped after {minutes} minute(s) without a request (its idle timeout); its files stay. "
+            f"Stopped after {minutes} minute(s) without a request{gpus} (its idle timeout); its files stay. "
             "Start it again from its address."
         )
         stopped.append(app_stop(tenant=tenant, user=app.owner, app=app, reason=reason, actor="klique"))

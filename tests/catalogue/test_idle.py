@@ -11,6 +11,7 @@ from django_tenants.utils import schema_context
 
 from apps.catalogue import selectors, services
 from apps.catalogue.models import AppInstance
+from apps.fleet.models import TaskReport
 from apps.scheduling.models import Task, TaskEvent, TaskState
 from tests.catalogue.conftest import launch
 from tests.world import World
@@ -55,3 +56,31 @@ def test_an_app_without_an_idle_timeout_runs_on(world: World) -> None:
         AppInstance.objects.filter(pk=app.pk).update(template={**app.template, "idle_timeout_seconds": None})
         running(app, last_request=timedelta(days=3))
         assert services.apps_reclaim_idle(tenant=world.tenant_a) == []
+
+
+def gpu_samples(app: AppInstance, percent: float, minutes_ago: int) -> None:
+    TaskReport.objects.create(
+        task_id=str(app.task_id),
+        source="agent",
+        seq=minutes_ago,
+        kind="metric",
+        body={"values": {"gpus": [{"utilization_percent": percent}]}},
+        at=timezone.now() - timedelta(minutes=minutes_ago),
+    )
+
+
+def test_an_app_whose_gpus_work_is_not_idle_without_requests(world: World) -> None:
+    training, waiting, unsampled = (launch(world, name=name) for name in ("training", "waiting", "unsampled"))
+    tenant = world.tenant_a
+    with schema_context(tenant.schema_name):
+        for app in (training, waiting, unsampled):
+            running(app, last_request=timedelta(hours=2))
+        for minutes in (1, 5, 9):
+            gpu_samples(training, 60.0, minutes)
+            gpu_samples(waiting, 1.0, minutes)
+        gpu_samples(training, 0.0, 30)  # before its idle timeout's window: not counted
+        stopped = services.apps_reclaim_idle(tenant=tenant)
+        assert {app.name for app in stopped} == {"waiting", "unsampled"}
+        reason = Task.objects.get(pk=str(waiting.task_id)).reason
+        assert "without a request and its GPUs averaged 1% (its idle timeout)" in reason
+        assert Task.objects.get(pk=str(training.task_id)).state == TaskState.RUNNING
