@@ -83,7 +83,10 @@ class Route:
 def test_an_app_is_reached_through_its_route_by_those_it_is_shared_with_only(rack_demo: RackDemo) -> None:
     demo, running = rack_demo.demo, rack_demo.running
     demo.call("POST", "/api/v1/catalogue/", json=TEMPLATE)
-    app = demo.call("POST", "/api/v1/apps/", json={"entry": "echo-app", "compute_resource": "Research: rack"})
+    secret = {"scope": "user", "name": "HF_TOKEN", "value": "hf-s3cr3t-value"}
+    demo.call("POST", "/api/v1/secrets/", json=secret)
+    launch = {"entry": "echo-app", "compute_resource": "Research: rack", "secrets": ["HF_TOKEN"]}
+    app = demo.call("POST", "/api/v1/apps/", json=launch)
     assert app["state"] == "starting", app
     app = wait_state(demo, app["id"], "ready")
     route = Route(running.port, app["url"], demo.token)
