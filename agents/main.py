@@ -361,7 +361,12 @@ class Agent:
         )
         running = asyncio.create_task(tunnel.run())
         self.tunnels[task_id] = running
-        running.add_done_callback(lambda _: self.tunnels.pop(task_id, None))
+        running.add_done_callback(lambda done: self._tunnel_ended(task_id, done))
+
+    def _tunnel_ended(self, task_id: str, done: asyncio.Task[None]) -> None:
+        """Forget a tunnel that ended, unless a newer run of the task has its own by now."""
+        if self.tunnels.get(task_id) is done:
+            del self.tunnels[task_id]
 
     def reopen_tunnels(self, task_ids: list[str]) -> None:
         """After a restart: the apps of the runs this agent took back are served again."""

@@ -101,3 +101,18 @@ def test_an_app_that_never_answers_is_stopped_with_its_logs_last_lines(tmp_path:
     assert result["exit_code"] != 0
     assert "did not answer its health check" in result["reason"]
     assert result["reason"].endswith("its log ends: loading weights | still loading")
+
+
+def test_an_ended_tunnel_forgets_itself_not_a_newer_runs(tmp_path: Path) -> None:
+    agent = Agent(url="http://demo.localhost:1", token="t", backend=backend(tmp_path), agent_id="a")
+
+    async def scenario() -> None:
+        old, new = (asyncio.create_task(asyncio.sleep(0)) for _ in range(2))
+        await asyncio.gather(old, new)
+        agent.tunnels["t1"] = new  # the task's next run opened its own while the old one was ending
+        agent._tunnel_ended("t1", old)
+        assert agent.tunnels == {"t1": new}
+        agent._tunnel_ended("t1", new)
+        assert agent.tunnels == {}
+
+    asyncio.run(scenario())
