@@ -98,15 +98,30 @@ class TunnelConsumer(AsyncWebsocketConsumer):
         stream, self.next_stream = self.next_stream, self.next_stream + 1
         self.streams[stream], self.by_reply[reply], self.ended[stream] = reply, stream, set()
         await self._to_route(reply, ACCEPTED, b"")
-        await self.send(bytes_data=tunnel.frame(stream, tunnel.OPEN, event["head"]))
+        await self._to_agent(stream, tunnel.frame(stream, tunnel.OPEN, event["head"]))
 
     async def tunnel_frame(self, event: dict[str, Any]) -> None:
         stream = self.by_reply.get(event["reply"])
         if stream is None:
             return
         kind = event["kind"]
-        await self.send(bytes_data=tunnel.Frame(stream, kind, event.get("payload") or b"").encode())
-        self._ended(stream, kind, "route")
+        if await self._to_agent(stream, tunnel.Frame(stream, kind, event.get("payload") or b"").encode()):
+            self._ended(stream, kind, "route")
+
+    async def _to_agent(self, stream: int, data: bytes) -> bool:
+        """Send a frame to the agent; where its socket is gone already (the agent killed a moment ago, its
+        close not seen yet), the route is told at once and the stream forgotten, rather than left waiting
+        for an answer that cannot come. The disconnect that follows does the rest."""
+        try:
+            await self.send(bytes_data=data)
+        except Exception as error:  # whatever the server raises for a socket that is gone
+            logger.info("app %s: a frame for its agent could not be sent (%s)", self.app_id, error)
+            reply = self.streams.get(stream)
+            if reply is not None:
+                await self._to_route(reply, tunnel.RESET, TUNNEL_DROPPED.encode())
+                self._ended(stream, tunnel.RESET, "route")
+            return False
+        return True
 
     def _ended(self, stream: int, kind: int, side: str) -> None:
         if kind == tunnel.END:

@@ -15,7 +15,7 @@ from django_tenants.utils import schema_context
 from apps.accounts.models import User
 from apps.catalogue import services
 from apps.catalogue.models import AppInstance
-from apps.catalogue.tunnel import ACCEPTED
+from apps.catalogue.tunnel import ACCEPTED, TUNNEL_DROPPED, TunnelConsumer
 from apps.scheduling.cycle import run_cycle
 from config.asgi import application
 from protocol import tunnel
@@ -147,3 +147,35 @@ async def relay(opened: WebsocketCommunicator, app_task: str) -> dict[str, Any]:
     await asyncio.sleep(0.2)
     row = await sync_to_async(app_row)()
     return {"open": opening.document(), "answer": answer, "channel": row.tunnel_channel}
+
+
+def test_a_frame_for_an_agent_whose_socket_is_gone_resets_the_route_at_once() -> None:
+    """The agent killed a moment ago, its close not seen yet: the route is told now, not after minutes."""
+
+    class Layer:
+        def __init__(self) -> None:
+            self.sent: list[tuple[str, dict[str, Any]]] = []
+
+        async def send(self, channel: str, message: dict[str, Any]) -> None:
+            self.sent.append((channel, message))
+
+    class Gone(TunnelConsumer):
+        async def send(
+            self, text_data: str | None = None, bytes_data: bytes | None = None, close: bool = False
+        ) -> None:
+            raise ConnectionResetError("the agent's socket is closed")
+
+    consumer = Gone()
+    layer = Layer()
+    consumer.channel_layer = layer
+    consumer.streams, consumer.by_reply, consumer.ended, consumer.next_stream = {}, {}, {}, 1
+
+    async def scenario() -> None:
+        await consumer.tunnel_open({"reply": "route.1", "head": {"method": "GET", "target": "/"}})
+        await consumer.tunnel_frame({"reply": "route.1", "kind": tunnel.DATA, "payload": b"x"})
+
+    asyncio.run(scenario())
+    kinds = [(channel, message["kind"], message["payload"]) for channel, message in layer.sent]
+    assert kinds == [("route.1", ACCEPTED, b""), ("route.1", tunnel.RESET, TUNNEL_DROPPED.encode())]
+    assert consumer.streams == {}
+    assert consumer.by_reply == {}
