@@ -212,9 +212,9 @@ def apps_reclaim_idle(*, tenant: Tenant, now: datetime | None = None) -> list[Ap
         gpus = ""
         if app.task.size_units:
             since = now - timedelta(seconds=timeout)
-            samples = TaskReport.objects.filter(
-                task=app.task, at__gte=since, gpu_samples__gt=0
-            ).aggregate(total=Sum("gpu_percent_sum"), count=Sum("gpu_samples"))
+            samples = TaskReport.objects.filter(task=app.task, at__gte=since, gpu_samples__gt=0).aggregate(
+                total=Sum("gpu_percent_sum"), count=Sum("gpu_samples")
+            )
             if samples["count"]:
                 average = samples["total"] / samples["count"]
                 if average >= IDLE_GPU_PERCENT:
