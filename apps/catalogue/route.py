@@ -125,7 +125,8 @@ def _who(scope: Scope, app: AppInstance, tenant: Any) -> tuple[User | None, str,
             return token_authenticate(tenant=tenant, presented=presented.strip())[0], "", ""
         except TokenRejected:
             return None, "", ""
-    session_key = tickets.cookie_session(_cookie(scope), app_id=str(app.pk)) if _cookie(scope) else None
+    cookie = _cookie(scope)
+    session_key = tickets.cookie_session(cookie, app_id=str(app.pk)) if cookie else None
     return (_session_user(session_key) if session_key else None), "", ""
 
 

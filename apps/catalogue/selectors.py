@@ -24,7 +24,7 @@ IDLE_AFTER = timedelta(minutes=5)  # no request through the route for this long:
 def apps_visible_to(user: User) -> QuerySet[AppInstance]:
     """The apps `user` may see and reach: their own, those shared with a project they are in or with one
     of their groups; a tenant admin sees every app."""
-    apps = AppInstance.objects.select_related("task", "owner", "project")
+    apps = AppInstance.objects.select_related("task", "owner", "project").prefetch_related("groups")
     if user.has_role(Role.ADMIN):
         return apps
     return apps.filter(
