@@ -33,14 +33,14 @@ from apps.accounts.services import TokenRejected, token_authenticate
 from apps.catalogue import addresses, selectors, services, tickets
 from apps.catalogue.admissions import ADMISSIONS, Admission
 from apps.catalogue.models import AppInstance
-from apps.catalogue.tunnel import ACCEPTED, TUNNEL_DROPPED
+from apps.core.tunnels import ACCEPT_SECONDS, ACCEPTED, TUNNEL_DROPPED, Stream
+from apps.core.tunnels import reason as _reason
 from protocol import tunnel
 from tenants.selectors import tenant_for_host
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY = 256 * 1024 * 1024  # the largest request body the route passes on
-ACCEPT_SECONDS = 10.0  # how long the tunnel may take to take a request before the route gives up on it
 ANSWER_SECONDS = 300.0  # the longest pause in the app's answer (its first byte, or between chunks)
 ENTER_PATH = "/_klique/enter"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -177,43 +177,6 @@ def _target(scope: Scope) -> str:
     path: bytes = scope.get("raw_path") or scope["path"].encode()
     query: bytes = scope.get("query_string") or b""
     return (path + (b"?" + query if query else b"")).decode("latin-1")
-
-
-class Stream:
-    """One request's end of the channel layer: frames to the tunnel, frames back into a queue."""
-
-    def __init__(self, layer: Any, channel: str) -> None:
-        self.layer, self.channel = layer, channel
-        self.frames: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
-        self.reply = ""
-        self.reader: asyncio.Task[None] | None = None
-
-    async def open(self, head: dict[str, Any]) -> None:
-        self.reply = await self.layer.new_channel("route.")
-        self.reader = asyncio.create_task(self._read())
-        await self.layer.send(self.channel, {"type": "tunnel.open", "reply": self.reply, "head": head})
-
-    async def _read(self) -> None:
-        while True:
-            message = await self.layer.receive(self.reply)
-            await self.frames.put((int(message["kind"]), bytes(message.get("payload") or b"")))
-
-    async def send(self, kind: int, payload: bytes = b"") -> None:
-        await self.layer.send(
-            self.channel, {"type": "tunnel.frame", "reply": self.reply, "kind": kind, "payload": payload}
-        )
-
-    async def next(self, timeout: float) -> tuple[int, bytes]:
-        try:
-            return await asyncio.wait_for(self.frames.get(), timeout)
-        except TimeoutError:
-            return tunnel.RESET, b""
-
-    async def close(self) -> None:
-        if self.reader is not None:
-            self.reader.cancel()  # the layer unsubscribes the reply channel
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self.reader
 
 
 async def _page(send: Any, status: int, detail: str, *, location: str = "", cookie: str = "") -> None:
@@ -415,14 +378,6 @@ async def _answer(send: Any, stream: Stream, *, retry: bool) -> bool:
         else:  # the tunnel dropped or the app broke off: the client must not take a cut body for whole
             logger.info("an answer through the route was cut off: %s", _reason(payload))
             raise ConnectionAbortedError(_reason(payload))
-
-
-def _reason(payload: bytes) -> str:
-    try:
-        detail = tunnel.Frame(0, tunnel.RESET, payload).document().get("reason")
-    except tunnel.FrameError:
-        detail = payload.decode(errors="replace")
-    return str(detail or "The app's tunnel dropped; its agent reconnects it. Try again.")[:300]
 
 
 async def _relay_websocket(receive: Any, send: Any, stream: Stream) -> None:

@@ -22,6 +22,7 @@ from django_tenants.utils import schema_context
 from apps.catalogue import services
 from apps.catalogue.admissions import ADMISSIONS
 from apps.core.errors import NotFound
+from apps.core.tunnels import ACCEPTED, TUNNEL_DROPPED
 from apps.core.websocket import header
 from apps.fleet import credentials, errors
 from protocol import tunnel
@@ -29,8 +30,6 @@ from protocol import tunnel
 logger = logging.getLogger(__name__)
 
 CLOSE_TOKEN, CLOSE_NOT_SERVED, CLOSE_UNAVAILABLE = 4401, 4404, 1011
-ACCEPTED = 0  # a route.frame kind of the plane's own: the tunnel took the stream (the route stops waiting)
-TUNNEL_DROPPED = "The app's tunnel dropped; its agent reconnects it. Try again."
 
 
 class TunnelConsumer(AsyncWebsocketConsumer):

@@ -15,7 +15,8 @@ from django_tenants.utils import schema_context
 from apps.accounts.models import User
 from apps.catalogue import services
 from apps.catalogue.models import AppInstance
-from apps.catalogue.tunnel import ACCEPTED, TUNNEL_DROPPED, TunnelConsumer
+from apps.catalogue.tunnel import TunnelConsumer
+from apps.core.tunnels import ACCEPTED, TUNNEL_DROPPED
 from apps.scheduling.cycle import run_cycle
 from config.asgi import application
 from protocol import tunnel
