@@ -31,6 +31,7 @@ from gateway.config import Deployment
 from gateway.fields import unknown_fields
 from gateway.guardrails import Checker
 from gateway.routing import Router
+from gateway.selfhosted import TunnelTransport
 from gateway.services import Caller, CallerRefused
 from tenants.selectors import tenant_for_host
 
@@ -83,6 +84,11 @@ class GatewayApp:
         self.http = outbound.async_client(
             limits=httpx.Limits(max_connections=512, max_keepalive_connections=128)
         )
+        # Models the tenant's apps serve are reached through their tunnels, never over the network.
+        self.selfhosted = httpx.AsyncClient(transport=TunnelTransport())
+
+    def client(self, deployment: Deployment) -> httpx.AsyncClient:
+        return self.selfhosted if deployment.app else self.http
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._bind()
@@ -258,7 +264,7 @@ class GatewayApp:
         return body
 
     def allowed_models(self, state: TenantState, caller: Caller) -> list[str]:
-        names = state.config.model_names
+        names = state.config.model_names_for(caller.user_id)
         rules = state.config.guardrails.models_by_role
         if rules is not None and caller.role in rules:
             return (
@@ -302,9 +308,12 @@ class GatewayApp:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise Refused(400, "Name the model to call ('model'); GET /v1/models lists them.")
-        group = state.config.group(model)
+        group = state.config.group(model, caller.user_id)
         if not group:
-            names = ", ".join(state.config.model_names) or "none yet (a tenant admin configures them)"
+            names = (
+                ", ".join(state.config.model_names_for(caller.user_id))
+                or "none yet (a tenant admin configures them)"
+            )
             raise Refused(
                 404,
                 f"The model {model!r} does not exist here. This tenant's models: {names}.",

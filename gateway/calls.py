@@ -129,6 +129,8 @@ class Gateway(Protocol):
     writer: UsageWriter
     http: httpx.AsyncClient
 
+    def client(self, deployment: Deployment) -> httpx.AsyncClient: ...
+
     def check_request(
         self, state: TenantState, caller: Caller, endpoint: str, body: dict[str, Any]
     ) -> tuple[str, tuple[Deployment, ...]]: ...
@@ -246,7 +248,11 @@ class Call:
     async def _reserve(self, wanted: int) -> Reserved:
         config = self.state.config
         fallbacks = config.router.fallbacks.get(self.model, ())
-        candidates = [*config.group(self.model), *(d for name in fallbacks for d in config.group(name))]
+        user = self.caller.user_id
+        candidates = [
+            *config.group(self.model, user),
+            *(d for name in fallbacks for d in config.group(name, user)),
+        ]
         prices = {
             "price_in": max(nano_per_token(d.input_cost_per_million) for d in candidates),
             "price_out": max(nano_per_token(d.output_cost_per_million) for d in candidates),
@@ -334,7 +340,7 @@ class Call:
 
     async def _deployments(self) -> AsyncIterator[Deployment]:
         try:
-            for deployment in self.state.router.plan(self.model):
+            for deployment in self.state.router.plan(self.model, self.caller.user_id):
                 yield deployment
         except NoDeployment as none:
             retry = f"{math.ceil(none.retry_after or 1)}"
@@ -356,7 +362,7 @@ class Call:
             started = router.started(deployment)
             try:
                 result = await call(
-                    self.app.http,
+                    self.app.client(deployment),
                     deployment,
                     self._key(deployment),
                     self.endpoint,
@@ -397,7 +403,7 @@ class Call:
         async for deployment in self._deployments():
             started = router.started(deployment)
             chunks = stream(
-                self.app.http,
+                self.app.client(deployment),
                 deployment,
                 self._key(deployment),
                 self.endpoint,

@@ -50,10 +50,16 @@ class Deployment:
     max_output_tokens: int
     input_cost_per_million: Decimal
     output_cost_per_million: Decimal
+    # A model one of the tenant's apps serves (gateway.selfhosted): the app's id, and who may call it.
+    app: str = ""
+    audience: frozenset[str] | None = None  # user ids; None: everyone the model is allowed to
 
     @property
     def openai_compatible(self) -> bool:
-        return self.provider in OPENAI_COMPATIBLE
+        return self.provider in OPENAI_COMPATIBLE or bool(self.app)
+
+    def serves(self, user_id: str | None) -> bool:
+        return self.audience is None or user_id is None or user_id in self.audience
 
 
 @dataclass(frozen=True)
@@ -81,12 +87,23 @@ class GatewayConfig:
     router: RouterSettings = RouterSettings()
     guardrails: Guardrails = Guardrails()
 
-    def group(self, model_name: str) -> tuple[Deployment, ...]:
-        return tuple(deployment for deployment in self.deployments if deployment.model_name == model_name)
+    def group(self, model_name: str, user_id: str | None = None) -> tuple[Deployment, ...]:
+        """The group's deployments; those `user_id` may be served by, where it is given."""
+        return tuple(
+            deployment
+            for deployment in self.deployments
+            if deployment.model_name == model_name and deployment.serves(user_id)
+        )
 
     @property
     def model_names(self) -> list[str]:
         return sorted({deployment.model_name for deployment in self.deployments})
+
+    def model_names_for(self, user_id: str) -> list[str]:
+        return sorted({d.model_name for d in self.deployments if d.serves(user_id)})
+
+    def with_deployments(self, more: tuple[Deployment, ...]) -> GatewayConfig:
+        return GatewayConfig(self.deployments + more, self.router, self.guardrails)
 
     def secret_names(self) -> set[str]:
         return {deployment.api_key_secret for deployment in self.deployments if deployment.api_key_secret}

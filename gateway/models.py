@@ -110,3 +110,42 @@ class Usage(models.Model):
 
     def __str__(self) -> str:
         return self.request_id
+
+
+class SelfHosted(models.Model):
+    """A model served by one of the tenant's apps (apps.catalogue), registered as a deployment of the
+    model group `model_name` while the app runs. The gateway reaches it through the app's tunnel, for the
+    people the app is shared with: its owner, its project's members where it is shared with the project,
+    and the members of its groups.
+
+    `asleep`: the app was stopped for idleness and scales to zero; the model stays listed and the next
+    call to it starts the app again (apps.catalogue answers gateway.signals.selfhosted_wanted)."""
+
+    class State(models.TextChoices):
+        STARTING = "starting"
+        READY = "ready"
+        ASLEEP = "asleep"
+
+    app_id = models.UUIDField(primary_key=True)
+    label = models.CharField(max_length=100)  # the app's name, for messages
+    model_name = models.CharField(max_length=100, db_index=True)  # the group, as callers name it
+    served_model = models.CharField(max_length=100)  # the name the server knows
+    mode = models.CharField(max_length=12, default="chat")
+    input_cost_per_million = models.DecimalField(max_digits=18, decimal_places=6, default=0)
+    output_cost_per_million = models.DecimalField(max_digits=18, decimal_places=6, default=0)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    project = models.ForeignKey(
+        "accounts.Project", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )  # set where the app is shared with its project
+    group_ids = models.JSONField(default=list, blank=True)
+    state = models.CharField(max_length=10, choices=State.choices, default=State.STARTING)
+    channel = models.CharField(max_length=200, blank=True)  # the app's tunnel, while one is open
+    startup_seconds = models.PositiveIntegerField(default=300)
+    last_call_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["model_name", "created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.model_name} on {self.label}"

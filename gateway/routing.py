@@ -55,9 +55,9 @@ class Router:
         self.rng = rng or random.Random()  # noqa: S311 -- load spreading, not secrecy
         self.health: dict[str, _Health] = defaultdict(_Health)
 
-    def available(self, group: str) -> list[Deployment]:
+    def available(self, group: str, user_id: str | None = None) -> list[Deployment]:
         now = self.clock()
-        return [d for d in self.config.group(group) if self.health[d.id].cooled_until <= now]
+        return [d for d in self.config.group(group, user_id) if self.health[d.id].cooled_until <= now]
 
     def pick(self, candidates: list[Deployment]) -> Deployment:
         strategy = self.config.router.routing_strategy
@@ -77,20 +77,23 @@ class Router:
             return self.rng.choice(close)
         return self.rng.choices(candidates, weights=[d.weight for d in candidates])[0]
 
-    def plan(self, group: str) -> Iterator[Deployment]:
-        """The deployments to try for a call to `group`, in order, chosen lazily as earlier ones fail."""
+    def plan(self, group: str, user_id: str | None = None) -> Iterator[Deployment]:
+        """The deployments to try for a call to `group` by `user_id`, in order, chosen lazily as earlier
+        ones fail."""
         groups = [group, *self.config.router.fallbacks.get(group, ())]
         tried: set[str] = set()
         soonest: float | None = None
         for name in groups:
             for _ in range(1 + self.config.router.num_retries):
-                candidates = [d for d in self.available(name) if d.id not in tried]
+                candidates = [d for d in self.available(name, user_id) if d.id not in tried]
                 if not candidates:
                     break
                 chosen = self.pick(candidates)
                 tried.add(chosen.id)
                 yield chosen
-            cooled = [self.health[d.id].cooled_until for d in self.config.group(name) if d.id not in tried]
+            cooled = [
+                self.health[d.id].cooled_until for d in self.config.group(name, user_id) if d.id not in tried
+            ]
             if cooled:
                 soonest = min(cooled) if soonest is None else min(soonest, *cooled)
         if not tried:

@@ -3,6 +3,8 @@ when its cache is cold: who a token is, which budgets apply to it, what the ledg
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -10,9 +12,10 @@ from typing import Any
 
 from django.db import transaction
 from django.db.models import F, QuerySet
+from django.utils import timezone
 from django_tenants.utils import schema_context
 
-from apps.accounts.models import ApiToken, Project, ProjectMembership, Role, User
+from apps.accounts.models import ApiToken, Group, Project, ProjectMembership, Role, User
 from apps.accounts.services import TokenRejected, token_authenticate
 from apps.audit.services import record
 from apps.core import outbound
@@ -25,9 +28,12 @@ from apps.vault.services import tenant_secret
 from gateway import config as gateway_config
 from gateway import selectors
 from gateway.budgets import Budget as Enforced
-from gateway.models import Budget, GatewaySettings, Usage
+from gateway.config import Deployment
+from gateway.models import Budget, GatewaySettings, SelfHosted, Usage
+from gateway.signals import selfhosted_wanted
 from gateway.upstream import litellm_providers
 from gateway.wallets import enforced, ledger_spent
+from tenants.models import Tenant
 from tenants.selectors import tenant_for_host
 
 GATEWAY_READER = "the LLM gateway"
@@ -313,12 +319,202 @@ def caller_load(*, host: str, presented: str, project: str) -> Caller:
 
 
 def config_load(schema: str) -> tuple[gateway_config.GatewayConfig, dict[str, str], str]:
-    """The tenant's parsed configuration, its deployments' keys, and a version that changes with it."""
+    """The tenant's parsed configuration with the models its apps serve, its deployments' keys, and a
+    version that changes with them."""
     with schema_context(schema):
         row = selectors.settings_get()
         parsed = gateway_config.parse(row.document) if row.document else gateway_config.EMPTY
         keys = deployment_keys(parsed)
-        return parsed, keys, row.updated_at.isoformat() if row.updated_at else ""
+        served = selfhosted_deployments(parsed, schema)
+        version = row.updated_at.isoformat() if row.updated_at else ""
+        if served:
+            digest = hashlib.sha256(repr(sorted(served, key=lambda d: d.id)).encode()).hexdigest()[:16]
+            version = f"{version}+{digest}"
+        return parsed.with_deployments(served), keys, version
+
+
+# --- models the tenant's apps serve (apps.catalogue registers them) -------------------------------------
+
+SELFHOSTED_TIMEOUT = 600.0  # seconds the gateway waits for a self-hosted model's answer (or its next chunk)
+
+
+def selfhosted_api_base(schema: str, app_id: str) -> str:
+    """The address gateway.selfhosted reads a call's app from: never resolved, only its path is used."""
+    return f"{SELFHOSTED_BASE}/{schema}/{app_id}/v1"
+
+
+SELFHOSTED_BASE = "http://selfhosted.klique.invalid"
+
+
+def selfhosted_deployments(config: gateway_config.GatewayConfig, schema: str) -> tuple[Deployment, ...]:
+    """The registered self-hosted models as deployments, each for the people its app is shared with.
+
+    A group an administrator configured is joined only by apps a tenant admin owns, and a group of apps
+    alone belongs to the owner who registered it first: nobody's calls reach a server they did not mean to
+    call (a model's server reads every prompt sent to it)."""
+    rows = list(SelfHosted.objects.select_related("owner").order_by("created_at"))
+    if not rows:
+        return ()
+    configured = set(config.model_names)
+    modes = {d.model_name: d.mode for d in config.deployments}
+    first_owner: dict[str, Any] = {}
+    kept = []
+    for row in rows:
+        if row.model_name in configured:
+            if row.owner.role != Role.ADMIN or modes.get(row.model_name) != row.mode:
+                continue
+        elif first_owner.setdefault(row.model_name, row.owner_id) != row.owner_id:
+            continue
+        kept.append(row)
+    projects = {row.project_id for row in kept if row.project_id}
+    groups = {str(group) for row in kept for group in row.group_ids}
+    in_project: dict[Any, set[str]] = {}
+    for project_id, user_id in ProjectMembership.objects.filter(project_id__in=projects).values_list(
+        "project_id", "user_id"
+    ):
+        in_project.setdefault(project_id, set()).add(str(user_id))
+    in_group: dict[str, set[str]] = {}
+    for group_id, user_id in Group.members.through.objects.filter(group_id__in=groups).values_list(
+        "group_id", "user_id"
+    ):
+        in_group.setdefault(str(group_id), set()).add(str(user_id))
+    return tuple(
+        Deployment(
+            id=f"{row.model_name}#app-{row.app_id}",
+            model_name=row.model_name,
+            provider="openai",
+            model=row.served_model,
+            api_base=selfhosted_api_base(schema, str(row.app_id)),
+            api_key_secret="",
+            weight=1.0,
+            timeout=SELFHOSTED_TIMEOUT,
+            mode=row.mode,
+            max_output_tokens=gateway_config.DEFAULT_MAX_OUTPUT,
+            input_cost_per_million=row.input_cost_per_million,
+            output_cost_per_million=row.output_cost_per_million,
+            app=str(row.app_id),
+            audience=frozenset(
+                {
+                    str(row.owner_id),
+                    *in_project.get(row.project_id, ()),
+                    *(user for group in row.group_ids for user in in_group.get(str(group), ())),
+                }
+            ),
+        )
+        for row in kept
+    )
+
+
+def selfhosted_refusal(*, owner: User, model_name: str, mode: str, app_id: Any = None) -> str | None:
+    """Why an app of `owner` may not serve `model_name` through the gateway, if it may not."""
+    config = gateway_config.parse(selectors.settings_get().document or {})
+    configured = config.group(model_name)
+    if configured and owner.role != Role.ADMIN:
+        return (
+            f"{model_name!r} is a model the tenant's gateway configures; only a tenant admin's app may "
+            "serve it too. Give the model another name."
+        )
+    if configured and configured[0].mode != mode:
+        return f"{model_name!r} is a {configured[0].mode} model in the gateway; this app serves {mode}."
+    taken = SelfHosted.objects.filter(model_name=model_name).exclude(owner=owner).exclude(app_id=app_id)
+    if not configured and taken.exists():
+        return f"Another person's app serves {model_name!r} through the gateway; give the model another name."
+    return None
+
+
+@transaction.atomic
+def selfhosted_register(
+    *,
+    app_id: Any,
+    label: str,
+    owner: User,
+    model_name: str,
+    mode: str,
+    served_model: str = "",
+    input_cost_per_million: float = 0.0,
+    output_cost_per_million: float = 0.0,
+    project: Project | None = None,
+    group_ids: list[str] | None = None,
+    startup_seconds: int = 300,
+) -> SelfHosted:
+    """Register (or register again) the model an app serves; InvalidInput where it may not serve it."""
+    if why := selfhosted_refusal(owner=owner, model_name=model_name, mode=mode, app_id=app_id):
+        raise InvalidInput(why, field="variables")
+    row, _ = SelfHosted.objects.update_or_create(
+        app_id=app_id,
+        defaults={
+            "label": label[:100],
+            "owner": owner,
+            "model_name": model_name,
+            "served_model": served_model or model_name,
+            "mode": mode,
+            "input_cost_per_million": Decimal(str(input_cost_per_million)),
+            "output_cost_per_million": Decimal(str(output_cost_per_million)),
+            "project": project,
+            "group_ids": [str(group) for group in group_ids or []],
+            "state": SelfHosted.State.STARTING,
+            "channel": "",
+            "startup_seconds": startup_seconds,
+        },
+    )
+    return row
+
+
+def selfhosted_set(app_id: Any, *, state: str | None = None, channel: str | None = None) -> None:
+    """The app's state or tunnel changed (no deployment does: the epoch stays)."""
+    changes: dict[str, Any] = {}
+    if state is not None:
+        changes["state"] = state
+    if channel is not None:
+        changes["channel"] = channel
+    SelfHosted.objects.filter(app_id=app_id).update(**changes)
+
+
+def selfhosted_tunnel_gone(app_id: Any, channel: str, *, schema: str | None = None) -> None:
+    """The tunnel on `channel` is gone (a newer one stays); in `schema` where the caller is not in it."""
+    with schema_context(schema) if schema else contextlib.nullcontext():
+        SelfHosted.objects.filter(app_id=app_id, channel=channel).update(channel="")
+
+
+def selfhosted_remove(app_id: Any) -> None:
+    """The app no longer serves its model: it leaves the gateway."""
+    SelfHosted.objects.filter(app_id=app_id).delete()
+
+
+def selfhosted_asleep(app_id: Any) -> bool:
+    return SelfHosted.objects.filter(app_id=app_id, state=SelfHosted.State.ASLEEP).exists()
+
+
+def selfhosted_last_call(app_id: Any) -> datetime | None:
+    return SelfHosted.objects.filter(app_id=app_id).values_list("last_call_at", flat=True).first()
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What the gateway needs to reach a self-hosted model now."""
+
+    label: str
+    state: str
+    channel: str
+    startup_seconds: int
+
+
+def selfhosted_serving(schema: str, app_id: str, *, called: bool = False) -> Serving | None:
+    """The app's tunnel (none while it starts or sleeps); `called`: a call reached it (for idleness)."""
+    with schema_context(schema):
+        if called:
+            SelfHosted.objects.filter(app_id=app_id).update(last_call_at=timezone.now())
+        row = SelfHosted.objects.filter(app_id=app_id).first()
+        return None if row is None else Serving(row.label, row.state, row.channel, row.startup_seconds)
+
+
+def selfhosted_wake(schema: str, app_id: str) -> None:
+    """A call wants a model whose app is not running: its app starts again, if it scales to zero
+    (apps.catalogue answers the signal)."""
+    with schema_context(schema):
+        tenant = Tenant.objects.filter(schema_name=schema).first()
+        if tenant is not None and SelfHosted.objects.filter(app_id=app_id, channel="").exists():
+            selfhosted_wanted.send(sender=SelfHosted, tenant=tenant, app_id=app_id)
 
 
 def ledger_spent_in(schema: str, budget: Enforced, now: datetime) -> int:

@@ -49,6 +49,12 @@ def _error_message(response: httpx.Response) -> str:
     return str(message)[:300] if isinstance(message, str) else (response.reason_phrase or "an error")
 
 
+def _what(deployment: Deployment, error: httpx.HTTPError) -> str:
+    """An error's kind; for a model an app serves, also what the gateway's own transport said of it (never
+    a remote server's words)."""
+    return f"{type(error).__name__} ({error})" if deployment.app and str(error) else type(error).__name__
+
+
 def _url(deployment: Deployment, endpoint: str) -> str:
     return f"{deployment.api_base or OPENAI_BASE}/{endpoint}"
 
@@ -84,7 +90,7 @@ async def call(
     except outbound.OutboundRefused as refused:
         raise UpstreamError(f"{deployment.id}: {refused}", status=502, retryable=True) from None
     except httpx.HTTPError as error:
-        raise UpstreamError(f"{deployment.id} did not answer: {type(error).__name__}") from None
+        raise UpstreamError(f"{deployment.id} did not answer: {_what(deployment, error)}") from None
     await _raise_for(deployment, response)
     try:
         body: dict[str, Any] = response.json()
@@ -113,7 +119,7 @@ async def stream(
     except outbound.OutboundRefused as refused:
         raise UpstreamError(f"{deployment.id}: {refused}", status=502, retryable=True) from None
     except httpx.HTTPError as error:
-        raise UpstreamError(f"{deployment.id} did not answer: {type(error).__name__}") from None
+        raise UpstreamError(f"{deployment.id} did not answer: {_what(deployment, error)}") from None
     try:
         await _raise_for(deployment, response)
         async for line in response.aiter_lines():

@@ -16,12 +16,18 @@ and open the app's tunnel.
       "environment": {"JUPYTER_TOKEN": ""},
       "variables": [{"name": "NOTEBOOK_DIR", "description": "...", "default": "/work", "required": false}],
       "secrets": ["HF_TOKEN"],                          (vault secrets every instance is given)
-      "idle_timeout_seconds": 3600
+      "idle_timeout_seconds": 3600,
+      "serves": {"model_variable": "SERVED_NAME", "mode": "chat", "when_idle": "scale_to_zero"}
     }
 
 `{port}` in the command is the port the app must serve on; the same number is in its `PORT` variable.
 Nothing else is substituted into the command: a user's variables reach the app as environment variables
 by name, never as words of its command line.
+
+`serves` makes the app a model endpoint: while it is ready, the tenant's gateway routes calls for its model
+(named in the template, or by one of its variables) to it, through its tunnel. `when_idle` says what its
+idle timeout does: `stop` (the model leaves the gateway until someone starts the app again) or
+`scale_to_zero` (its GPUs go back to the pool, the model stays listed, and the next call starts it again).
 """
 
 from __future__ import annotations
@@ -50,9 +56,16 @@ MAX_IDLE_SECONDS = 30 * 24 * 3600
 FIELDS = frozenset(
     {
         "name", "version", "title", "description", "kind", "image", "command", "port", "health", "gpus",
-        "compute_resource", "environment", "variables", "idle_timeout_seconds", "secrets",
+        "compute_resource", "environment", "variables", "idle_timeout_seconds", "secrets", "serves",
     }
 )  # fmt: skip
+SERVES_FIELDS = frozenset(
+    {"model", "model_variable", "mode", "when_idle", "input_cost_per_million", "output_cost_per_million"}
+)
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@-]{0,99}")  # a model group's name in the gateway
+MODEL_MODES = ("chat", "completion", "embedding")
+WHEN_IDLE = ("stop", "scale_to_zero")
+MAX_PRICE = 1_000_000  # USD per million tokens
 
 
 class TemplateInvalid(ValueError):
@@ -191,6 +204,83 @@ def _fixed_environment(value: object, problems: list[str]) -> dict[str, str]:
 
 
 @dataclass(frozen=True, slots=True)
+class Serves:
+    """What a model endpoint serves: its model's name in the gateway (fixed, or a variable's value), the
+    kind of calls it takes, its prices (USD per million tokens, for budgets in USD) and what idleness
+    does to it."""
+
+    model: str = ""
+    model_variable: str = ""
+    mode: str = "chat"
+    when_idle: str = "scale_to_zero"
+    input_cost_per_million: float = 0.0
+    output_cost_per_million: float = 0.0
+
+    def model_name(self, values: Mapping[str, str]) -> str:
+        return values.get(self.model_variable, "") if self.model_variable else self.model
+
+    def as_json(self) -> dict[str, Any]:
+        document: dict[str, Any] = {
+            "mode": self.mode,
+            "when_idle": self.when_idle,
+            "input_cost_per_million": self.input_cost_per_million,
+            "output_cost_per_million": self.output_cost_per_million,
+        }
+        if self.model_variable:
+            document["model_variable"] = self.model_variable
+        else:
+            document["model"] = self.model
+        return document
+
+
+def _price(value: object, where: str, problems: list[str]) -> float:
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_PRICE:
+        problems.append(f"{where}: USD per million tokens, from 0 to {MAX_PRICE}.")
+        return 0.0
+    return float(value)
+
+
+def _serves(value: object, variables: tuple[Variable, ...], problems: list[str]) -> Serves | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        problems.append('serves: an object {"model": ..., "mode": "chat", "when_idle": "scale_to_zero"}.')
+        return None
+    for key in sorted(set(value) - SERVES_FIELDS):
+        problems.append(f"serves.{key}: not a field of serves ({', '.join(sorted(SERVES_FIELDS))}).")
+    model, variable = value.get("model"), value.get("model_variable")
+    if (model is None) == (variable is None):
+        problems.append("serves: name the model with exactly one of model and model_variable.")
+    elif model is not None and (not isinstance(model, str) or not MODEL_NAME.fullmatch(model)):
+        problems.append(
+            "serves.model: up to 100 letters, digits and . _ : / @ -, starting with one of the first two."
+        )
+    elif variable is not None and not any(known.name == variable for known in variables):
+        names = ", ".join(known.name for known in variables) or "none"
+        problems.append(f"serves.model_variable: one of the template's variables ({names}).")
+    mode = value.get("mode", "chat")
+    if mode not in MODEL_MODES:
+        problems.append(f"serves.mode: one of {', '.join(MODEL_MODES)}.")
+    when_idle = value.get("when_idle", "scale_to_zero")
+    if when_idle not in WHEN_IDLE:
+        problems.append(f"serves.when_idle: one of {', '.join(WHEN_IDLE)}.")
+    return Serves(
+        model=model if isinstance(model, str) else "",
+        model_variable=variable if isinstance(variable, str) else "",
+        mode=mode if isinstance(mode, str) else "chat",
+        when_idle=when_idle if isinstance(when_idle, str) else "stop",
+        input_cost_per_million=_price(
+            value.get("input_cost_per_million"), "serves.input_cost_per_million", problems
+        ),
+        output_cost_per_million=_price(
+            value.get("output_cost_per_million"), "serves.output_cost_per_million", problems
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Template:
     name: str
     version: str
@@ -208,6 +298,7 @@ class Template:
     variables: tuple[Variable, ...]
     idle_timeout_seconds: int | None
     secrets: tuple[str, ...] = ()
+    serves: Serves | None = None
 
     @classmethod
     def parse(cls, document: object) -> Template:
@@ -246,6 +337,7 @@ class Template:
             )
             idle = None
         fixed = _fixed_environment(document.get("environment"), problems)
+        variables = _variables(document.get("variables"), fixed, problems)
         template = cls(
             name=name,
             version=version,
@@ -260,9 +352,10 @@ class Template:
             gpus=gpus,
             compute_resource=_text(document, "compute_resource", problems, limit=200, required=False),
             environment=fixed,
-            variables=_variables(document.get("variables"), fixed, problems),
+            variables=variables,
             idle_timeout_seconds=idle,
             secrets=secret_names(document.get("secrets"), problems),
+            serves=_serves(document.get("serves"), variables, problems),
         )
         if problems:
             raise TemplateInvalid(problems)
@@ -292,6 +385,12 @@ class Template:
                 problems.append(f"variables.{variable.name}: required; {variable.description or 'set it'}.")
             else:
                 values[variable.name] = value
+        named = self.serves.model_variable if self.serves is not None else ""
+        if named in values and not MODEL_NAME.fullmatch(values[named]):
+            problems.append(
+                f"variables.{named}: the model's name in the gateway: up to 100 letters, digits and "
+                ". _ : / @ -, starting with one of the first two."
+            )
         if problems:
             raise TemplateInvalid(problems)
         return values
@@ -336,6 +435,8 @@ class Template:
             document["compute_resource"] = self.compute_resource
         if self.secrets:
             document["secrets"] = list(self.secrets)
+        if self.serves is not None:
+            document["serves"] = self.serves.as_json()
         return document
 
 

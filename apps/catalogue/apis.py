@@ -86,20 +86,33 @@ class AppOut(serializers.ModelSerializer[AppInstance]):
     address = serializers.SerializerMethodField()
     url = serializers.SerializerMethodField()
     groups = serializers.SerializerMethodField()
+    model = serializers.SerializerMethodField(
+        help_text="the model the app serves through the tenant's gateway (a model endpoint), or null"
+    )
 
     class Meta:
         model = AppInstance
         fields = [
             "id", "name", "entry", "version", "owner", "project", "shared_with_project", "groups",
             "compute_resource", "gpus", "variables", "secrets", "task_id", "state", "detail", "address",
-            "url", "ready_at", "last_request_at", "created_at",
+            "url", "model", "ready_at", "last_request_at", "created_at",
         ]  # fmt: skip
 
+    def _state(self, app: AppInstance) -> selectors.AppState:
+        """The app's state, worked out once for its two fields."""
+        known: dict[object, selectors.AppState] = self.__dict__.setdefault("_states", {})
+        if app.pk not in known:
+            known[app.pk] = selectors.app_state(app)
+        return known[app.pk]
+
     def get_state(self, app: AppInstance) -> str:
-        return selectors.app_state(app).state
+        return self._state(app).state
 
     def get_detail(self, app: AppInstance) -> str:
-        return selectors.app_state(app).detail
+        return self._state(app).detail
+
+    def get_model(self, app: AppInstance) -> str | None:
+        return selectors.served_model(app)
 
     def _origin(self, host: str) -> str:
         request = self.context.get("request")

@@ -105,3 +105,13 @@ def entries_newest() -> list[Template]:
     for row in CatalogueEntry.objects.order_by("name", "created_at"):  # the newest version comes last
         newest[row.name] = Template.parse(row.template)
     return sorted(newest.values(), key=lambda template: template.title.lower())
+
+
+def served_model(app: AppInstance) -> str | None:
+    """The model an app serves through the tenant's gateway, by its name there; None for other apps."""
+    serves = (app.template or {}).get("serves")
+    if not isinstance(serves, dict):
+        return None
+    variable = serves.get("model_variable")
+    name = (app.variables or {}).get(variable, "") if variable else serves.get("model", "")
+    return str(name) or None

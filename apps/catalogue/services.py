@@ -5,6 +5,10 @@ An app instance runs as a task on a compute resource like any other (the same po
 preemption, metering and audit): launching submits it, stopping cancels it, starting again submits a new
 one. The task runs once (`max_attempts` 1): an app that exits, or never answers its health check, is
 stopped with the reason, and its owner starts it again.
+
+A model endpoint (a template that `serves` a model) is registered in the tenant's gateway from its launch:
+the gateway reaches it through its tunnel while it is ready; a stop takes it out, unless the stop was for
+idleness and the template scales to zero, when the model stays listed and the next call starts it again.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from apps.core.ids import as_uuid
 from apps.fleet.models import TaskReport
 from apps.scheduling.models import ENDED_STATES, Task, TaskState
 from apps.scheduling.services import TaskRequest, task_cancel, tasks_submit
+from gateway import services as gateway
 from protocol.apps import Template, TemplateInvalid, secret_names
 
 if TYPE_CHECKING:
@@ -136,7 +141,28 @@ def app_launch(
         raise InvalidInput("Sharing with the project needs a project: name one.", field="project")
     app.save()
     app.groups.set(shared_groups)
+    _register_model(app, template)
     return app
+
+
+def _register_model(app: AppInstance, template: Template) -> None:
+    """Register the model the app serves in the tenant's gateway (InvalidInput where it may not)."""
+    if template.serves is None:
+        return
+    model = template.serves.model_name(app.variables)
+    gateway.selfhosted_register(
+        app_id=app.pk,
+        label=app.name,
+        owner=app.owner,
+        model_name=model,
+        served_model=model,
+        mode=template.serves.mode,
+        input_cost_per_million=template.serves.input_cost_per_million,
+        output_cost_per_million=template.serves.output_cost_per_million,
+        project=app.project if app.shared_with_project else None,
+        group_ids=[str(group) for group in app.groups.values_list("pk", flat=True)],
+        startup_seconds=template.startup_seconds,
+    )
 
 
 def _groups(user: User, names: list[str]) -> list[Group]:
@@ -179,18 +205,35 @@ def _may_manage(user: User, app: AppInstance) -> None:
 
 @transaction.atomic
 def app_stop(
-    *, tenant: Tenant, user: User, app: AppInstance, reason: str = "", actor: str = ""
+    *,
+    tenant: Tenant,
+    user: User,
+    app: AppInstance,
+    reason: str = "",
+    actor: str = "",
+    asleep: bool = False,
 ) -> AppInstance:
     """Stop the app: its task is cancelled (the agent stops it with its grace period), its route answers
-    that it is stopped. Its files on the shared file system stay."""
+    that it is stopped. Its files on the shared file system stay. The model it serves leaves the gateway,
+    unless it is stopped `asleep` (for idleness, scaling to zero): then the next call starts it again.
+    Stopping a sleeping model's app takes its model out of the gateway."""
     _may_manage(user, app)
     app = AppInstance.objects.select_for_update(of=("self",)).select_related("task").get(pk=app.pk)
     if app.task is None or app.task.state in ENDED_STATES:
+        if gateway.selfhosted_asleep(app.pk):
+            gateway.selfhosted_remove(app.pk)
+            app.stop_reason = reason or f"Stopped by {user.username}; its model left the gateway."
+            app.save(update_fields=["stop_reason"])
+            return app
         raise InvalidInput(f"{app.name} is stopped already; start it again with POST .../start/.")
     app.stop_requested_at = timezone.now()
     app.stop_reason = reason or f"Stopped by {user.username}."
     app.save(update_fields=["stop_requested_at", "stop_reason"])
     ADMISSIONS.forget(app.tunnel_channel)  # this process's route asks the database again at once
+    if asleep:
+        gateway.selfhosted_set(app.pk, state="asleep", channel="")
+    else:
+        gateway.selfhosted_remove(app.pk)
     app.task = task_cancel(tenant=tenant, user=user, task=app.task, why=app.stop_reason, actor=actor)
     return app
 
@@ -206,7 +249,8 @@ def apps_reclaim_idle(*, tenant: Tenant, now: datetime | None = None) -> list[Ap
     running = AppInstance.objects.filter(task__state=TaskState.RUNNING, stop_requested_at=None)
     for app in running.select_related("task", "owner"):
         timeout = (app.template or {}).get("idle_timeout_seconds")
-        last = app.last_request_at or app.ready_at
+        calls = [at for at in (app.last_request_at, gateway.selfhosted_last_call(app.pk)) if at]
+        last = max(calls) if calls else app.ready_at
         if not timeout or last is None or app.task is None or now - last < timedelta(seconds=timeout):
             continue
         gpus = ""
@@ -221,11 +265,20 @@ def apps_reclaim_idle(*, tenant: Tenant, now: datetime | None = None) -> list[Ap
                     continue
                 gpus = f" and its GPUs averaged {average:.0f}%"
         minutes = max(1, round(timeout / 60))
+        serves = (app.template or {}).get("serves") or {}
+        asleep = serves.get("when_idle") == "scale_to_zero"
+        again = (
+            "The next call to its model through the gateway starts it again."
+            if asleep
+            else "Start it again from its address."
+        )
         reason = (
             f"Stopped after {minutes} minute(s) without a request{gpus} (its idle timeout); its files stay. "
-            "Start it again from its address."
+            + again
         )
-        stopped.append(app_stop(tenant=tenant, user=app.owner, app=app, reason=reason, actor="klique"))
+        stopped.append(
+            app_stop(tenant=tenant, user=app.owner, app=app, reason=reason, actor="klique", asleep=asleep)
+        )
         publish_event(
             tenant=tenant, kind="app.idle_stopped", data={"id": str(app.pk), "owner": app.owner.username}
         )
@@ -247,6 +300,24 @@ def app_start(*, tenant: Tenant, user: User, app: AppInstance, token: ApiToken |
     app.tunnel_channel, app.tunnel_lease, app.ready_at = "", None, None
     app.stop_requested_at, app.stop_reason = None, ""
     app.save()
+    _register_model(app, template)
+    return app
+
+
+def app_wake(*, tenant: Tenant, app_id: Any) -> AppInstance | None:
+    """A gateway call wants the model of a sleeping app: start the app again as its owner's. An app that
+    is running already is left as it is; one stopped for good takes its model out of the gateway."""
+    app = AppInstance.objects.select_related("task", "owner").filter(pk=app_id).first()
+    if app is None:
+        gateway.selfhosted_remove(app_id)
+        return None
+    if app.task is not None and app.task.state not in ENDED_STATES:
+        return app
+    if not gateway.selfhosted_asleep(app.pk):
+        gateway.selfhosted_remove(app.pk)
+        return None
+    app = app_start(tenant=tenant, user=app.owner, app=app)
+    publish_event(tenant=tenant, kind="app.woken", data={"id": str(app.pk), "owner": app.owner.username})
     return app
 
 
@@ -273,12 +344,14 @@ def tunnel_open(*, pool_id: Any, agent_id: str, task_id: str, lease_id: str, cha
     app.ready_at = app.ready_at or now
     app.last_request_at = app.last_request_at or now
     app.save(update_fields=["tunnel_channel", "tunnel_lease", "ready_at", "last_request_at"])
+    gateway.selfhosted_set(app.pk, state="ready", channel=channel)
     return app
 
 
 def tunnel_closed(*, app_id: Any, channel: str) -> None:
     """The tunnel on `channel` is gone; a newer one of the app stays."""
     AppInstance.objects.filter(pk=app_id, tunnel_channel=channel).update(tunnel_channel="")
+    gateway.selfhosted_tunnel_gone(app_id, channel)
 
 
 def app_touch(app: AppInstance) -> None:

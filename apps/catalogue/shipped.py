@@ -64,6 +64,7 @@ DOCUMENTS: tuple[dict[str, Any], ...] = (
             {"name": "SERVED_NAME", "description": "The model's name in the API.", "default": "model"},
         ],
         "idle_timeout_seconds": 1800,
+        "serves": {"model_variable": "SERVED_NAME", "mode": "chat", "when_idle": "scale_to_zero"},
     },
     {
         "name": "sglang",
@@ -83,6 +84,7 @@ DOCUMENTS: tuple[dict[str, Any], ...] = (
             {"name": "SERVED_NAME", "description": "The model's name in the API.", "default": "model"},
         ],
         "idle_timeout_seconds": 1800,
+        "serves": {"model_variable": "SERVED_NAME", "mode": "chat", "when_idle": "scale_to_zero"},
     },
     {
         "name": "llama-cpp",
@@ -102,6 +104,7 @@ DOCUMENTS: tuple[dict[str, Any], ...] = (
             {"name": "SERVED_NAME", "description": "The model's name in the API.", "default": "model"},
         ],
         "idle_timeout_seconds": 1800,
+        "serves": {"model_variable": "SERVED_NAME", "mode": "chat", "when_idle": "scale_to_zero"},
     },
 )  # fmt: skip
 

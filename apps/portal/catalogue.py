@@ -34,6 +34,7 @@ def _apps(user: User) -> list[dict[str, Any]]:
                 "usage": selectors.app_usage(app),
                 "manage": app.owner_id == user.pk or user.has_role(Role.ADMIN),
                 "reach": selectors.can_reach(user, app),
+                "model": selectors.served_model(app),
             }
         )
     return rows

@@ -160,6 +160,7 @@ class RackDemo:
     argv: list[str]
     folder: Path
     agent: subprocess.Popen[bytes] | None = None
+    environment: dict[str, str] = field(default_factory=dict)  # the plane's, for commands beside it
 
     def start_agent(self, log: str = "agent.log") -> None:
         with (self.folder / log).open("w") as output:
@@ -183,6 +184,7 @@ def rack_demo(fresh_database: str, redis_url: str, tmp_path: Path) -> Iterator[R
         demo = Demo(running.port, running.wait_for(BANNER_CURL)[1])
         url, folder = f"http://demo.localhost:{running.port}", tmp_path / "data" / "rack"
         rack = RackDemo(running, demo, agent_argv(url, demo.rack_pool_token(), "rack-1", folder), tmp_path)
+        rack.environment = environment
         rack.start_agent()
         yield rack
     finally:
