@@ -52,7 +52,7 @@ from agents.state import Position, State
 from agents.tunnel import AppTunnel
 from klique.sdk import loopback
 from protocol import apps as protocol_apps
-from protocol import messages
+from protocol import messages, sessions
 from protocol import outputs as protocol_outputs
 
 logger = logging.getLogger("klique.agent")
@@ -306,7 +306,7 @@ class Agent:
             return
         self.state.lease_begin(task_id, lease, assignment.attempt)
         try:
-            handed = self._with_app_port(assignment.as_json())
+            handed = self._with_gateway(self._with_app_port(assignment.as_json()))
             await self.backend.start(handed, self.report)
         except Refused as refused:
             self.state.lease_end(task_id)
@@ -315,6 +315,17 @@ class Agent:
         await self._send(messages.Accepted(task_id, lease).as_json())
         if "app" in (handed.get("spec") or {}):
             self.open_tunnel(task_id, handed["spec"])
+
+    def _with_gateway(self, assignment: dict[str, Any]) -> dict[str, Any]:
+        """A run with a gateway session (protocol.sessions) is told where the gateway is: the plane's
+        address as this agent reaches it."""
+        secrets = assignment.get("secrets") or {}
+        if sessions.KEY_VARIABLE not in secrets or "gateway_session" not in (assignment.get("spec") or {}):
+            return assignment
+        parts = urlsplit(self.url.rstrip("/"))
+        scheme = {"ws": "http", "wss": "https"}.get(parts.scheme, parts.scheme)
+        base = urlunsplit((scheme, parts.netloc, parts.path, "", "")) + "/v1"
+        return {**assignment, "secrets": {**secrets, sessions.BASE_VARIABLE: base}}
 
     def _with_app_port(self, assignment: dict[str, Any]) -> dict[str, Any]:
         """An app's assignment with the port it is to serve on (a free one of this host, unless its

@@ -149,3 +149,21 @@ class SelfHosted(models.Model):
 
     def __str__(self) -> str:
         return f"{self.model_name} on {self.label}"
+
+
+class Session(models.Model):
+    """A run's gateway session (protocol.sessions): the key its task was given, by hash, for as long as
+    the run lasts. Opened at dispatch (apps.fleet), deleted when the run ends, which kills the key."""
+
+    task_id = models.UUIDField(primary_key=True)
+    key_hash = models.CharField(max_length=64)  # sha256 of the key; the run's key replaces an earlier run's
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    project = models.ForeignKey(
+        "accounts.Project", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    label = models.CharField(max_length=100)  # what the usage rows and the audit call the session
+    tokens = models.PositiveBigIntegerField()  # the quota: prompt and reply tokens together
+    opened_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return self.label

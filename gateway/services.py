@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
+import uuid
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
 from django.db import transaction
-from django.db.models import F, QuerySet
+from django.db.models import F, QuerySet, Sum
 from django.utils import timezone
 from django_tenants.utils import schema_context
 
@@ -29,10 +31,11 @@ from gateway import config as gateway_config
 from gateway import selectors
 from gateway.budgets import Budget as Enforced
 from gateway.config import Deployment
-from gateway.models import Budget, GatewaySettings, SelfHosted, Usage
+from gateway.models import Budget, GatewaySettings, SelfHosted, Session, Usage
 from gateway.signals import selfhosted_wanted
 from gateway.upstream import litellm_providers
 from gateway.wallets import enforced, ledger_spent
+from protocol import sessions
 from tenants.models import Tenant
 from tenants.selectors import tenant_for_host
 
@@ -292,17 +295,13 @@ def caller_load(*, host: str, presented: str, project: str) -> Caller:
             "tenant_suspended",
         )
     with schema_context(tenant.schema_name):
+        if presented.startswith(f"{sessions.KEY_KIND}_"):
+            return _session_caller(tenant, presented)
         try:
             user, token = token_authenticate(tenant=tenant, presented=presented)
         except TokenRejected as rejected:
             raise CallerRefused(str(rejected), 401, "invalid_request_error", "invalid_api_key") from None
         chosen = _project_for(user, project)
-        budgets = Budget.objects.select_related("project", "user").filter(scope=Budget.Scope.TENANT)
-        budgets |= Budget.objects.select_related("project", "user").filter(scope=Budget.Scope.USER, user=user)
-        if chosen is not None:
-            budgets |= Budget.objects.select_related("project", "user").filter(
-                scope=Budget.Scope.PROJECT, project=chosen
-            )
         return Caller(
             schema=tenant.schema_name,
             tenant_slug=tenant.slug,
@@ -314,8 +313,107 @@ def caller_load(*, host: str, presented: str, project: str) -> Caller:
             expires_at=token.expires_at,
             project_id=str(chosen.pk) if chosen else None,
             project_name=chosen.name if chosen else "",
-            budgets=tuple(enforced(budget) for budget in budgets.order_by("scope", "created_at")),
+            budgets=tuple(enforced(budget) for budget in _budgets_of(user, chosen)),
         )
+
+
+def _session_caller(tenant: Tenant, presented: str) -> Caller:
+    """The caller a run's session key names: the task's user, never above a member, in the task's
+    project, with the session's own quota beside the user's budgets."""
+    parts = presented.split("_", 2)
+    task_id = as_uuid(parts[1]) if len(parts) == 3 else None
+    row = (
+        Session.objects.select_related("user", "project").filter(task_id=task_id).first() if task_id else None
+    )
+    digest = hashlib.sha256(presented.encode()).hexdigest()
+    if row is None or not hmac.compare_digest(row.key_hash, digest) or not row.user.is_active:
+        raise CallerRefused(
+            "This session key is not good (any more): a run's key dies when the run ends.",
+            401,
+            "invalid_request_error",
+            "invalid_api_key",
+        )
+    role = Role.VIEWER if row.user.role == Role.VIEWER else Role.MEMBER
+    return Caller(
+        schema=tenant.schema_name,
+        tenant_slug=tenant.slug,
+        user_id=str(row.user_id),
+        username=row.user.username,
+        role=str(role),
+        token_prefix=session_prefix(row.task_id),
+        agent=row.label,
+        expires_at=datetime.max.replace(tzinfo=UTC),  # until the session closes (the epoch moves)
+        project_id=str(row.project_id) if row.project_id else None,
+        project_name=row.project.name if row.project else "",
+        budgets=(
+            *(enforced(budget) for budget in _budgets_of(row.user, row.project)),
+            Enforced(
+                id=f"{SESSION_BUDGET}{row.task_id}",
+                label=f"{row.label}'s quota",
+                unit=Budget.Unit.TOKENS,
+                limit=row.tokens,
+                period=Budget.Period.NONE,
+            ),
+        ),
+    )
+
+
+def _budgets_of(user: User, project: Project | None) -> QuerySet[Budget]:
+    budgets = Budget.objects.select_related("project", "user").filter(scope=Budget.Scope.TENANT)
+    budgets |= Budget.objects.select_related("project", "user").filter(scope=Budget.Scope.USER, user=user)
+    if project is not None:
+        budgets |= Budget.objects.select_related("project", "user").filter(
+            scope=Budget.Scope.PROJECT, project=project
+        )
+    return budgets.order_by("scope", "created_at")
+
+
+# --- a run's gateway session (protocol.sessions; apps.fleet opens and closes them) ----------------------
+
+SESSION_BUDGET = "session:"  # the id of a session's quota among a caller's budgets
+
+
+def session_prefix(task_id: Any) -> str:
+    """What a session's calls are recorded under (the usage rows' token_prefix)."""
+    return f"{sessions.KEY_KIND}{uuid.UUID(str(task_id)).hex[:12]}"
+
+
+def session_open(
+    *, task_id: Any, key: str, user: User, project: Project | None, label: str, tokens: int
+) -> None:
+    """Register a run's key (again for the same run: nothing changes; for a new run: its key replaces
+    the last one's)."""
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    if Session.objects.filter(task_id=task_id, key_hash=digest).exists():
+        return
+    Session.objects.update_or_create(
+        task_id=task_id,
+        defaults={
+            "key_hash": digest,
+            "user": user,
+            "project": project,
+            "label": label[:100],
+            "tokens": tokens,
+            "opened_at": timezone.now(),
+        },
+    )
+
+
+def session_close(task_id: Any) -> None:
+    """The run is over: its key is dead (the gateway's caches drop it as the epoch moves)."""
+    for row in Session.objects.filter(task_id=task_id):
+        row.delete()
+
+
+def session_spent(task_id: str) -> int:
+    """The tokens a session's key spent since it opened."""
+    row = Session.objects.filter(task_id=task_id).first()
+    if row is None:
+        return 0
+    totals = Usage.objects.filter(token_prefix=session_prefix(task_id), at__gte=row.opened_at).aggregate(
+        tokens_in=Sum("tokens_in"), tokens_out=Sum("tokens_out")
+    )
+    return int((totals["tokens_in"] or 0) + (totals["tokens_out"] or 0))
 
 
 def config_load(schema: str) -> tuple[gateway_config.GatewayConfig, dict[str, str], str]:
@@ -519,6 +617,8 @@ def selfhosted_wake(schema: str, app_id: str) -> None:
 
 def ledger_spent_in(schema: str, budget: Enforced, now: datetime) -> int:
     with schema_context(schema):
+        if budget.id.startswith(SESSION_BUDGET):
+            return session_spent(budget.id.removeprefix(SESSION_BUDGET))
         return ledger_spent(budget, now=now)
 
 

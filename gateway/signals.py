@@ -4,7 +4,8 @@ The gateway caches who a token is (its user, role, project and budgets) and the 
 its reserve script refuses to run on a cached copy older than the epoch, so revoking a token, removing a
 member or lowering a budget takes effect on the next call in every gateway process.
 
-A model an app serves joins or leaves the gateway (SelfHosted) the same way. `selfhosted_wanted` asks for
+A model an app serves joins or leaves the gateway (SelfHosted) the same way, and a run's session key
+opens and dies (Session). `selfhosted_wanted` asks for
 the app of a sleeping self-hosted model to be started (apps.catalogue answers it).
 
 Metered GPU time that costs something (apps.metering.signals.cost_recorded) is added to the live counters
@@ -23,7 +24,7 @@ from apps.metering.signals import cost_recorded
 from apps.vault.models import Secret
 from gateway.budgets import epoch_key
 from gateway.cache import sync_redis
-from gateway.models import Budget, GatewaySettings, SelfHosted
+from gateway.models import Budget, GatewaySettings, SelfHosted, Session
 from gateway.wallets import charge
 from tenants.models import Tenant
 
@@ -46,7 +47,7 @@ def _tenant_changed(sender: Any, instance: Tenant, **kwargs: Any) -> None:
 # A call wants a sleeping self-hosted model: start its app (tenant, app_id).
 selfhosted_wanted = Signal()
 
-for model in (ApiToken, User, ProjectMembership, Budget, GatewaySettings, Secret, SelfHosted):
+for model in (ApiToken, User, ProjectMembership, Budget, GatewaySettings, Secret, SelfHosted, Session):
     post_save.connect(_changed, sender=model, dispatch_uid=f"gateway-epoch-save-{model.__name__}")
     post_delete.connect(_changed, sender=model, dispatch_uid=f"gateway-epoch-delete-{model.__name__}")
 post_save.connect(_tenant_changed, sender=Tenant, dispatch_uid="gateway-epoch-tenant")

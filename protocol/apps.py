@@ -17,7 +17,8 @@ and open the app's tunnel.
       "variables": [{"name": "NOTEBOOK_DIR", "description": "...", "default": "/work", "required": false}],
       "secrets": ["HF_TOKEN"],                          (vault secrets every instance is given)
       "idle_timeout_seconds": 3600,
-      "serves": {"model_variable": "SERVED_NAME", "mode": "chat", "when_idle": "scale_to_zero"}
+      "serves": {"model_variable": "SERVED_NAME", "mode": "chat", "when_idle": "scale_to_zero"},
+      "gateway_session": {"tokens": 200000}
     }
 
 `{port}` in the command is the port the app must serve on; the same number is in its `PORT` variable.
@@ -28,6 +29,9 @@ by name, never as words of its command line.
 (named in the template, or by one of its variables) to it, through its tunnel. `when_idle` says what its
 idle timeout does: `stop` (the model leaves the gateway until someone starts the app again) or
 `scale_to_zero` (its GPUs go back to the pool, the model stays listed, and the next call starts it again).
+
+`gateway_session` gives each run of the app a key for the tenant's gateway with a quota of its own, dead
+when the run ends (protocol.sessions): an agent session's coding agent calls models with it.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from protocol import environment, images
+from protocol import environment, images, sessions
 
 KINDS = ("ide", "model", "agent", "custom")
 SLUG = re.compile(r"[a-z][a-z0-9-]{0,62}")
@@ -57,6 +61,7 @@ FIELDS = frozenset(
     {
         "name", "version", "title", "description", "kind", "image", "command", "port", "health", "gpus",
         "compute_resource", "environment", "variables", "idle_timeout_seconds", "secrets", "serves",
+        "gateway_session",
     }
 )  # fmt: skip
 SERVES_FIELDS = frozenset(
@@ -280,6 +285,14 @@ def _serves(value: object, variables: tuple[Variable, ...], problems: list[str])
     )
 
 
+def _session(value: object, problems: list[str]) -> sessions.GatewaySession | None:
+    try:
+        return sessions.parse(value)
+    except sessions.SessionRefused as error:
+        problems.append(str(error))
+        return None
+
+
 @dataclass(frozen=True, slots=True)
 class Template:
     name: str
@@ -299,6 +312,7 @@ class Template:
     idle_timeout_seconds: int | None
     secrets: tuple[str, ...] = ()
     serves: Serves | None = None
+    gateway_session: sessions.GatewaySession | None = None
 
     @classmethod
     def parse(cls, document: object) -> Template:
@@ -356,6 +370,7 @@ class Template:
             idle_timeout_seconds=idle,
             secrets=secret_names(document.get("secrets"), problems),
             serves=_serves(document.get("serves"), variables, problems),
+            gateway_session=_session(document.get("gateway_session"), problems),
         )
         if problems:
             raise TemplateInvalid(problems)
@@ -409,6 +424,8 @@ class Template:
             spec["secrets"] = names
         if self.image:
             spec["image"] = self.image
+        if self.gateway_session is not None:
+            spec["gateway_session"] = self.gateway_session.as_json()
         return spec
 
     def as_json(self) -> dict[str, Any]:
@@ -437,6 +454,8 @@ class Template:
             document["secrets"] = list(self.secrets)
         if self.serves is not None:
             document["serves"] = self.serves.as_json()
+        if self.gateway_session is not None:
+            document["gateway_session"] = self.gateway_session.as_json()
         return document
 
 

@@ -31,6 +31,26 @@ DOCUMENTS: tuple[dict[str, Any], ...] = (
         "idle_timeout_seconds": 3600,
     },
     {
+        "name": "agent-sandbox",
+        "version": "1",
+        "title": "Agent sandbox",
+        "kind": "agent",
+        "description": "A sandbox for a coding agent (Codex CLI, aider, OpenHands, ...): JupyterLab's "
+        "terminal and files in a container, the project's shared files at their usual path, your vault "
+        "secrets in the environment, and OPENAI_BASE_URL and OPENAI_API_KEY set to the tenant's gateway "
+        "with a key of the session's own: it spends at most its quota and dies when the session stops.",
+        "image": "localhost/klique-agent-sandbox:1",
+        "command": [
+            "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", "--port={port}", "--ServerApp.token=",
+            "--ServerApp.password=", "--ServerApp.root_dir=/work", "--ServerApp.trust_xheaders=True",
+            "--ServerApp.allow_remote_access=True", "--allow-root",
+        ],
+        "health": {"path": "/api", "startup_seconds": 300},
+        "gpus": "0",
+        "gateway_session": {"tokens": 2000000},
+        "idle_timeout_seconds": 3600,
+    },
+    {
         "name": "code-server",
         "version": "4",
         "title": "VS Code in the browser",

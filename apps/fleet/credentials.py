@@ -25,6 +25,7 @@ from apps.fleet.models import AgentToken
 from apps.resources.models import Pool
 from apps.scheduling import wake
 from apps.scheduling.models import Task, TaskState
+from protocol import sessions
 from tenants.selectors import tenant_for_host
 
 if TYPE_CHECKING:
@@ -186,8 +187,8 @@ def agent_bind(*, tenant: Tenant, token: AgentToken, agent_id: str, instance: st
     )
 
 
-def _signature(schema_name: str, task_id: object, lease_id: object) -> str:
-    message = f"task-token:{schema_name}:{task_id}:{lease_id}".encode()
+def _signature(schema_name: str, task_id: object, lease_id: object, purpose: str = "task-token") -> str:
+    message = f"{purpose}:{schema_name}:{task_id}:{lease_id}".encode()
     digest = hmac.new(str(settings.SECRET_KEY).encode(), message, hashlib.sha256).digest()
     return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
@@ -196,6 +197,13 @@ def task_token(*, schema_name: str, task: Task) -> str:
     """A token that lets one run of one task report and upload outputs, from its compute nodes; it is
     good while that run is active (the lease it was dispatched under) and dies with it."""
     return f"{TASK_TOKEN_KIND}_{task.pk.hex}_{_signature(schema_name, task.pk, task.lease_id)}"
+
+
+def session_key(*, schema_name: str, task: Task) -> str:
+    """A run's key for the tenant's gateway (protocol.sessions): the same for the same run (an assignment
+    sent again), another for the next; the gateway keeps only its hash, and it dies with the run."""
+    signature = _signature(schema_name, task.pk, task.lease_id, purpose="gateway-session")
+    return f"{sessions.KEY_KIND}_{task.pk.hex}_{signature}"
 
 
 def task_authenticate(*, schema_name: str, presented: str, task_id: str) -> Task:

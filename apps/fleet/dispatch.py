@@ -23,11 +23,12 @@ from apps.scheduling.engine import UNITS_PER_GPU
 from apps.scheduling.lifecycle import task_finish, transition
 from apps.scheduling.models import ACTIVE_STATES, ENDED_STATES, RunOutcome, Task, TaskRun, TaskState
 from apps.vault.services import mask, secret_names_quietly, secret_values_for, secret_values_to_mask
-from protocol import messages
+from gateway import services as gateway
+from protocol import messages, sessions
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
-from apps.fleet.credentials import task_token
+from apps.fleet.credentials import session_key, task_token
 from apps.fleet.errors import AgentRejected, StaleLease
 from apps.fleet.selectors import pool_task, run_of
 from apps.fleet.session import LEASE_SECONDS, agent_alive
@@ -78,8 +79,29 @@ def _dispatch_placed(*, pool: Pool, schema_name: str, agent_id: str) -> list[dic
             lease_id=lease,
             lease_expires_at=now + timedelta(seconds=LEASE_SECONDS),
         )
-        assigned.append(_assign(task, run, schema_name, secrets))
+        assigned.append(_assign(task, run, schema_name, _with_session(task, schema_name, secrets)))
     return assigned
+
+
+def _with_session(task: Task, schema_name: str, secrets: dict[str, str]) -> dict[str, str]:
+    """The run's secrets with its gateway session's key, where its task asks for one (protocol.sessions):
+    registered with the gateway under the run's lease, so it dies with the run."""
+    try:
+        session = sessions.parse((task.spec or {}).get("gateway_session"))
+    except sessions.SessionRefused:
+        session = None  # checked at submission; a spec changed since gets no key
+    if session is None:
+        return secrets
+    key = session_key(schema_name=schema_name, task=task)
+    gateway.session_open(
+        task_id=task.pk,
+        key=key,
+        user=task.submitter,
+        project=task.project,
+        label=f"session {task.name}",
+        tokens=session.tokens,
+    )
+    return {**secrets, sessions.KEY_VARIABLE: key}
 
 
 @transaction.atomic
@@ -100,7 +122,7 @@ def _handed(*, pool: Pool, schema_name: str, agent_id: str) -> list[dict[str, An
             continue
         secrets = _secrets(task, now)
         if secrets is not None:
-            assigned.append(_assign(task, run, schema_name, secrets))
+            assigned.append(_assign(task, run, schema_name, _with_session(task, schema_name, secrets)))
     return assigned
 
 
@@ -259,14 +281,18 @@ _masks: OrderedDict[tuple[str, str], tuple[float, list[str]]] = OrderedDict()
 def _masked_values(task: Task) -> list[str]:
     """The values of the task's secrets, kept a minute in this process (log chunks come in bursts); a task
     that names no secret costs nothing."""
-    if not secret_names_quietly(task.spec):
+    session = "gateway_session" in (task.spec or {}) and task.lease_id is not None
+    if not secret_names_quietly(task.spec) and not session:
         return []
-    key = (str(getattr(connection, "schema_name", "")), str(task.pk))
+    key = (str(getattr(connection, "schema_name", "")), f"{task.pk}:{task.lease_id}")
     now = time.monotonic()
     kept = _masks.get(key)
     if kept is not None and now - kept[0] < MASK_SECONDS:
         return kept[1]
     values = secret_values_to_mask(task)
+    if session:  # the run's gateway key, written by a careless program, is masked like a secret
+        schema = str(getattr(connection, "schema_name", ""))
+        values = sorted([*values, session_key(schema_name=schema, task=task)], key=len, reverse=True)
     _masks[key] = (now, values)
     _masks.move_to_end(key)
     while len(_masks) > 512:

@@ -51,6 +51,7 @@ from apps.scheduling.runs import (
     run_begin,
     run_request_stop,
 )
+from gateway import services as gateway
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SCHEDULER = "scheduler"
+IN_A_RUN = frozenset({TaskState.DISPATCHING, TaskState.RUNNING})  # states in which a run's lease is live
 TIME_LIMIT_REASON = "time_limit"
 
 # Which state may follow which. PREEMPTED passes straight on to QUEUED (at the front of the queue).
@@ -91,6 +93,8 @@ def transition(task: Task, *, to_state: str, actor: str, message: str = "", **fi
     )
     if task.state == TaskState.RUNNING and task.started_at is not None:
         meter_run(task, ended_at=now)
+    if task.state in IN_A_RUN and to_state not in IN_A_RUN and "gateway_session" in (task.spec or {}):
+        gateway.session_close(task.pk)  # the run's gateway key dies with it (protocol.sessions)
     task.state = to_state
     for name, value in fields.items():
         setattr(task, name, value)

@@ -30,6 +30,7 @@ from apps.scheduling.selectors import compute_resources_for
 from apps.vault.services import secrets_check
 from protocol import environment as task_environment
 from protocol import images as task_images
+from protocol import sessions as task_sessions
 from protocol import volumes as task_volumes
 
 if TYPE_CHECKING:
@@ -207,6 +208,10 @@ def _check_environment(spec: dict[str, Any]) -> None:
             task_images.checked(spec["image"], paths=True)
         except task_images.ImageRefused as error:
             raise InvalidInput(str(error), field="spec.image") from None
+    try:
+        task_sessions.parse(spec.get("gateway_session"))
+    except task_sessions.SessionRefused as error:
+        raise InvalidInput(str(error), field="spec.gateway_session") from None
     try:  # which volumes the pool offers is its agent's to say, when the task is placed there
         task_volumes.wanted(spec.get("volumes"))
     except task_volumes.VolumeRefused as error:

@@ -70,7 +70,7 @@ def test_a_member_launches_an_app_that_is_a_task_of_theirs(api: Api, world: Worl
 @pytest.mark.parametrize(
     ("body", "status", "said"),
     [
-        ({"entry": "nothing"}, 404, "the catalogue has code-server, jupyterlab"),
+        ({"entry": "nothing"}, 404, "the catalogue has agent-sandbox, code-server, jupyterlab"),
         ({"entry": "notebook", "variables": {"LD_PRELOAD": "/x.so"}}, 400, "not a variable of notebook"),
         ({"entry": "notebook", "variables": {"NOTEBOOK_DIR": ["a"]}}, 400, "variables.NOTEBOOK_DIR: text"),
         ({"entry": "notebook", "compute_resource": "Dev: 4 GPUs"}, 400, "No compute resource 'Dev: 4 GPUs'"),

@@ -28,7 +28,17 @@ def problems(document: object) -> list[str]:
 
 
 def test_every_shipped_entry_is_a_valid_template() -> None:
-    assert set(shipped.TEMPLATES) == {"jupyterlab", "code-server", "vllm", "sglang", "llama-cpp"}
+    assert set(shipped.TEMPLATES) == {
+        "jupyterlab",
+        "agent-sandbox",
+        "code-server",
+        "vllm",
+        "sglang",
+        "llama-cpp",
+    }
+    sandbox = shipped.TEMPLATES["agent-sandbox"]
+    assert sandbox.gateway_session is not None
+    assert sandbox.spec({}, instance="0" * 8)["gateway_session"] == {"tokens": 2000000}
     for document in shipped.DOCUMENTS:
         assert Template.parse(Template.parse(document).as_json()) == Template.parse(document)
 
