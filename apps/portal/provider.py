@@ -20,6 +20,7 @@ from django.views.decorators.http import require_http_methods, require_POST
 from apps.accounts.models import Role, User
 from apps.accounts.services import SignInLimited, sign_in_check, sign_in_failed, sign_in_succeeded
 from apps.audit.services import record
+from apps.catalogue import selectors as catalogue
 from apps.core.errors import KliqueError
 from apps.provider import services as tenancy
 from apps.provider.selectors import usage_by_tenant
@@ -71,6 +72,8 @@ def _tenants() -> list[dict[str, Any]]:
     for row in usage_by_tenant(since=since):
         usage[row["tenant"]]["gpu_hours"] += float(row["gpu_hours"])
         usage[row["tenant"]]["cost"] += float(row["cost_usd"])
+    tenants = list(tenant_list().order_by("slug"))
+    apps = catalogue.apps_by_tenant(tenants)
     return [
         {
             "slug": tenant.slug,
@@ -81,8 +84,9 @@ def _tenants() -> list[dict[str, Any]]:
             "in_use": round(tenant.gpu_units_in_use / UNITS_PER_GPU, 3),
             "gpu_hours": round(usage[tenant.slug]["gpu_hours"], 2),
             "cost": round(usage[tenant.slug]["cost"], 2),
+            "apps": apps.get(tenant.slug, (0, 0)),
         }
-        for tenant in tenant_list().order_by("slug")
+        for tenant in tenants
     ]
 
 

@@ -35,6 +35,7 @@ def test_the_center_lists_every_tenant_with_usage_and_draws_it(page: Any, portal
     listed = page.locator("tr[data-tenant]").evaluate_all("rows => rows.map(row => row.dataset.tenant)")
     assert {"acme", "globex", "portal"} <= set(listed)
     assert page.locator("tr[data-tenant='portal'] .in-use").inner_text() == "4.0"
+    assert page.locator("tr[data-tenant='portal'] .apps").inner_text() == "0 / 0"  # running / all
     wait_for(page, "document.getElementById('usage-chart').chart !== undefined")
     series = page.evaluate("document.getElementById('usage-chart').chart.data.datasets.map(d => d.label)")
     assert "acme" in series  # acme's ledger has usage (the world's gateway call)
