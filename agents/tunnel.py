@@ -6,14 +6,20 @@ The tunnel names the app's run (task and lease) and is reconnected with backoff 
 lasts; the plane refuses it (4404) once the lease is not the task's live run, and then it stops trying.
 An app that never answers its health check within its startup time is stopped, with a reason that says
 so and the last lines of its log.
+
+A websocket to the app outlives a tunnel that drops: its end at the app stays open for
+tunnel.RESUME_SECONDS, what the app sends meanwhile is kept, and the route opens it again on the next
+tunnel (protocol.tunnel says how).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -43,6 +49,21 @@ def tunnel_address(url: str) -> tuple[str, dict[str, Any]]:
     return address, {}
 
 
+@dataclass
+class _Websocket:
+    """A websocket to the app through the tunnel, which moves to the next tunnel when one drops."""
+
+    resume: str  # the id the route gave it
+    queue: asyncio.Queue[tunnel.Frame]  # frames from the route
+    stream: int | None = None  # its stream on the tunnel now; None while the tunnel is away
+    upstream: Any = None
+    subprotocol: str | None = None
+    outbox: tunnel.Outbox = field(default_factory=tunnel.Outbox)
+    received: int = 0  # messages received from the route
+    detached_at: float = 0.0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # sends, in order, also across a resume
+
+
 class AppTunnel:
     """One app run's tunnel. `run()` lasts until the run ends (the task cancels it) or the plane refuses
     the tunnel."""
@@ -65,6 +86,8 @@ class AppTunnel:
         self.streams: dict[int, asyncio.Queue[tunnel.Frame]] = {}
         self.credit: dict[int, asyncio.Semaphore] = {}
         self.tasks: set[asyncio.Task[None]] = set()
+        self.websockets: dict[str, _Websocket] = {}  # by the id the route gave each
+        self.websocket_tasks: set[asyncio.Task[None]] = set()
         self.socket: Any = None
         self.client: httpx.AsyncClient | None = None
 
@@ -78,7 +101,11 @@ class AppTunnel:
                 await self.fail(problem)
                 return
             await self.say(f"klique: the app answers on port {self.app.port}; its route is open")
-            await self._connect_forever()
+            try:
+                await self._connect_forever()
+            finally:
+                for task in list(self.websocket_tasks):
+                    task.cancel()
 
     async def _wait_healthy(self) -> str:
         """ "" once the app answers its health check (any answer below 500), else why it did not."""
@@ -130,10 +157,15 @@ class AppTunnel:
             delay = min(delay * 2, 15.0)
 
     def _drop_streams(self) -> None:
+        """The tunnel dropped: its requests are given up; its websockets wait for the route to resume them."""
         for task in list(self.tasks):
             task.cancel()
         self.streams.clear()
         self.credit.clear()
+        now = asyncio.get_running_loop().time()
+        for socket_ in self.websockets.values():
+            if socket_.stream is not None:
+                socket_.stream, socket_.detached_at = None, now
 
     async def _serve(self, socket_: Any) -> None:
         async for raw in socket_:
@@ -160,10 +192,48 @@ class AppTunnel:
         except tunnel.FrameError as error:
             self._spawn(self._send(tunnel.frame(item.stream, tunnel.RESET, {"reason": str(error)})))
             return
+        resume = head.get("resume")
+        if head.get("websocket") and "received" in head:
+            self._spawn(self._resume(item.stream, resume, head.get("received")))
+            return
         self.streams[item.stream] = asyncio.Queue()
         self.credit[item.stream] = asyncio.Semaphore(tunnel.WINDOW)
-        serve = self._websocket if head.get("websocket") else self._http
-        self._spawn(self._finally_forget(item.stream, serve(item.stream, head, headers)))
+        if head.get("websocket"):
+            socket_ = _Websocket(resume if isinstance(resume, str) else "", self.streams[item.stream])
+            socket_.stream = item.stream
+            if socket_.resume:
+                self.websockets[socket_.resume] = socket_
+            # Not one of the tunnel's tasks: it outlives a tunnel.
+            task = asyncio.ensure_future(self._websocket(socket_, head, headers))
+            self.websocket_tasks.add(task)
+            task.add_done_callback(lambda done: self._forget_websocket(socket_, done))
+            return
+        self._spawn(self._finally_forget(item.stream, self._http(item.stream, head, headers)))
+
+    async def _resume(self, stream: int, resume: object, received: object) -> None:
+        """The route opens a websocket again on this tunnel: answer with what this side received, then
+        send again what the route did not."""
+        socket_ = self.websockets.get(resume) if isinstance(resume, str) else None
+        counted = isinstance(received, int) and not isinstance(received, bool)
+        if socket_ is not None and counted:
+            async with socket_.lock:  # nothing the app sends slips between what is sent again and after
+                missed = socket_.outbox.after(received) if socket_.stream is None else None  # type: ignore[arg-type]
+                if missed is not None:
+                    socket_.stream = stream
+                    self.streams[stream] = socket_.queue
+                    answer = {"status": 101, "subprotocol": socket_.subprotocol, "received": socket_.received}
+                    await self._send(tunnel.frame(stream, tunnel.HEAD, answer))
+                    for kind, payload in missed:
+                        await self._send(tunnel.Frame(stream, kind, payload).encode())
+                    return
+        await self._send(tunnel.frame(stream, tunnel.RESET, {"reason": "the websocket cannot be resumed"}))
+
+    def _forget_websocket(self, socket_: _Websocket, task: asyncio.Task[None]) -> None:
+        self.websocket_tasks.discard(task)
+        if self.websockets.get(socket_.resume) is socket_:
+            del self.websockets[socket_.resume]
+        if socket_.stream is not None and self.streams.get(socket_.stream) is socket_.queue:
+            del self.streams[socket_.stream]
 
     def _spawn(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)
@@ -232,7 +302,11 @@ class AppTunnel:
         finally:
             await answer.aclose()
 
-    async def _websocket(self, stream: int, head: dict[str, Any], headers: list[tuple[bytes, bytes]]) -> None:
+    async def _websocket(
+        self, socket_: _Websocket, head: dict[str, Any], headers: list[tuple[bytes, bytes]]
+    ) -> None:
+        stream = socket_.stream
+        assert stream is not None
         target = str(head.get("target") or "/")
         protocols = [
             part.strip() for name, value in headers if name == b"sec-websocket-protocol"
@@ -257,37 +331,62 @@ class AppTunnel:
                 tunnel.frame(stream, tunnel.RESET, {"reason": f"the app refused the websocket ({error})"})
             )
             return
+        socket_.upstream, socket_.subprotocol = upstream, upstream.subprotocol
         async with upstream:
-            await self._send(
-                tunnel.frame(stream, tunnel.HEAD, {"status": 101, "subprotocol": upstream.subprotocol})
-            )
-            down = asyncio.ensure_future(self._websocket_down(stream, upstream))
+            async with socket_.lock:
+                await self._send(
+                    tunnel.frame(stream, tunnel.HEAD, {"status": 101, "subprotocol": upstream.subprotocol})
+                )
+            down = asyncio.ensure_future(self._websocket_down(socket_))
             try:
-                queue = self.streams[stream]
-                while True:
-                    item = await queue.get()
-                    if item.kind == tunnel.TEXT:
-                        await upstream.send(item.payload.decode(errors="replace"))
-                    elif item.kind == tunnel.DATA:
-                        await upstream.send(item.payload)
-                    else:
-                        return
+                await self._websocket_up(socket_, down)
             except websockets.ConnectionClosed:
                 return
             finally:
                 down.cancel()
 
-    async def _websocket_down(self, stream: int, upstream: Any) -> None:
+    async def _websocket_up(self, socket_: _Websocket, down: asyncio.Future[None]) -> None:
+        """The route's messages to the app, until either side closes or the tunnel stays away too long."""
+        loop = asyncio.get_running_loop()
+        while not down.done():
+            try:
+                item = await asyncio.wait_for(socket_.queue.get(), 1.0)
+            except TimeoutError:
+                away = socket_.stream is None and loop.time() - socket_.detached_at > tunnel.RESUME_SECONDS
+                if away:
+                    logger.info("app %s: a websocket was not resumed; closing it", self.task_id)
+                    return
+                continue
+            if item.kind in (tunnel.TEXT, tunnel.DATA):
+                socket_.received += 1
+                if item.kind == tunnel.TEXT:
+                    await socket_.upstream.send(item.payload.decode(errors="replace"))
+                else:
+                    await socket_.upstream.send(item.payload)
+                if socket_.received % tunnel.ACK_EVERY == 0 and socket_.stream is not None:
+                    await self._send(tunnel.ack(socket_.stream, socket_.received))
+            elif item.kind == tunnel.ACK:
+                with contextlib.suppress(tunnel.FrameError):
+                    socket_.outbox.acknowledged(tunnel.ack_count(item))
+            else:  # END or RESET: the client is gone
+                return
+
+    async def _websocket_down(self, socket_: _Websocket) -> None:
+        """The app's messages to the route; kept until acknowledged, to send again after a resume."""
+        upstream = socket_.upstream
         try:
             async for message in upstream:
                 kind = tunnel.TEXT if isinstance(message, str) else tunnel.DATA
-                data = message.encode() if isinstance(message, str) else message
-                await self._send(tunnel.frame(stream, kind, data))
+                await self._to_route(socket_, kind, message.encode() if isinstance(message, str) else message)
         except websockets.ConnectionClosed:
             pass
         code = upstream.close_code or 1000
         with contextlib.suppress(websockets.WebSocketException):
-            await self._send(tunnel.frame(stream, tunnel.END, {"code": code}))
-        queue = self.streams.get(stream)
-        if queue is not None:
-            await queue.put(tunnel.Frame(stream, tunnel.END))
+            await self._to_route(socket_, tunnel.END, json.dumps({"code": code}).encode())
+
+    async def _to_route(self, socket_: _Websocket, kind: int, payload: bytes) -> None:
+        async with socket_.lock:
+            socket_.outbox.record(kind, payload)
+            if socket_.stream is not None:
+                with contextlib.suppress(websockets.WebSocketException):
+                    await self._send(tunnel.Frame(socket_.stream, kind, payload).encode())

@@ -13,9 +13,18 @@ one request to the app (or one websocket through the route); the plane numbers t
     HEAD   agent -> plane  {"status", "headers"}: the app's answer begins (for a websocket: accepted)
     RESET  both            {"reason"}: the stream is given up; the other side ends it at once
     CREDIT plane -> agent  4 bytes: how many more DATA frames of the stream the plane can take now
+    ACK    both            8 bytes: how many messages of a websocket this side has received so far
 
 Flow control: the agent sends at most WINDOW DATA frames of a stream ahead of the plane's credits, so a
 slow client holds back the app's answer, not the plane's memory.
+
+A websocket outlives its tunnel. Its OPEN names it (`"resume": <id>`), and each side keeps the messages it
+sent until the other acknowledges them (an ACK every ACK_EVERY messages). When the tunnel drops, the agent
+keeps the app's end open for RESUME_SECONDS. The route keeps the client's end open and opens the stream
+again on the agent's next tunnel, with the same id and the count of messages it received
+(`"received": n`). The agent answers HEAD with its own count, and each side sends again what the other
+did not receive: no message is lost or doubled. A side that holds more than RESUME_MESSAGES or
+RESUME_BYTES unacknowledged cannot resume, and the websocket closes (1012) as it would without this.
 """
 
 from __future__ import annotations
@@ -25,8 +34,12 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-OPEN, DATA, END, HEAD, RESET, CREDIT, TEXT = 1, 2, 3, 4, 5, 6, 7
-KINDS = frozenset({OPEN, DATA, END, HEAD, RESET, CREDIT, TEXT})
+OPEN, DATA, END, HEAD, RESET, CREDIT, TEXT, ACK = 1, 2, 3, 4, 5, 6, 7, 8
+KINDS = frozenset({OPEN, DATA, END, HEAD, RESET, CREDIT, TEXT, ACK})
+RESUME_SECONDS = 60.0  # how long the agent keeps an app's websocket whose tunnel dropped
+RESUME_MESSAGES = 1024  # unacknowledged messages a side keeps to send again
+RESUME_BYTES = 16 * 1024 * 1024
+ACK_EVERY = 16
 MAX_CHUNK = 64 * 1024
 MAX_MESSAGE = 1024 * 1024  # one websocket message through the route
 MAX_FRAME = MAX_MESSAGE + 5
@@ -128,3 +141,53 @@ def headers(value: object) -> list[tuple[bytes, bytes]]:
 def header_list(pairs: list[tuple[bytes, bytes]]) -> list[list[str]]:
     """ASGI headers as the frames carry them."""
     return [[name.decode("latin-1"), value.decode("latin-1")] for name, value in pairs]
+
+
+def ack_payload(received: int) -> bytes:
+    return struct.pack("!Q", received)
+
+
+def ack(stream: int, received: int) -> bytes:
+    return frame(stream, ACK, ack_payload(received))
+
+
+def ack_count(item: Frame) -> int:
+    if len(item.payload) != 8:
+        raise FrameError("an ACK frame carries an 8-byte count.")
+    return int(struct.unpack("!Q", item.payload)[0])
+
+
+class Outbox:
+    """One side of a websocket through the tunnel: the messages it sent that the other side has not
+    acknowledged yet, numbered from 1, to send again after a tunnel drops."""
+
+    def __init__(self) -> None:
+        self.sent = 0  # messages sent so far
+        self.kept: list[tuple[int, int, bytes]] = []  # (number, kind, payload), oldest first
+        self.size = 0
+        self.overflowed = False  # more kept than allowed: this websocket cannot resume
+
+    def record(self, kind: int, payload: bytes) -> None:
+        self.sent += 1
+        if self.overflowed:
+            return
+        self.kept.append((self.sent, kind, payload))
+        self.size += len(payload)
+        if len(self.kept) > RESUME_MESSAGES or self.size > RESUME_BYTES:
+            self.overflowed, self.kept, self.size = True, [], 0
+
+    def acknowledged(self, count: int) -> None:
+        while self.kept and self.kept[0][0] <= count:
+            self.size -= len(self.kept.pop(0)[2])
+
+    def after(self, count: int) -> list[tuple[int, bytes]] | None:
+        """What the other side did not receive, having received `count`; None where that is lost."""
+        if count > self.sent:
+            return None
+        if (
+            self.overflowed
+            or (self.kept and self.kept[0][0] > count + 1)
+            or (not self.kept and count < self.sent)
+        ):
+            return None
+        return [(kind, payload) for number, kind, payload in self.kept if number > count]

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import html
 import logging
+import secrets
 from http.cookies import SimpleCookie
 from typing import Any
 from urllib.parse import parse_qs
@@ -33,7 +34,7 @@ from apps.accounts.services import TokenRejected, token_authenticate
 from apps.catalogue import addresses, selectors, services, tickets
 from apps.catalogue.admissions import ADMISSIONS, Admission
 from apps.catalogue.models import AppInstance
-from apps.core.tunnels import ACCEPT_SECONDS, ACCEPTED, TUNNEL_DROPPED, Stream
+from apps.core.tunnels import ACCEPT_SECONDS, ACCEPTED, Stream, dropped
 from apps.core.tunnels import reason as _reason
 from protocol import tunnel
 from tenants.selectors import tenant_for_host
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 MAX_BODY = 256 * 1024 * 1024  # the largest request body the route passes on
 ANSWER_SECONDS = 300.0  # the longest pause in the app's answer (its first byte, or between chunks)
 ENTER_PATH = "/_klique/enter"
+RESUME_POLL_SECONDS = 0.5  # how often a websocket whose tunnel dropped looks for the next one
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 Scope = dict[str, Any]
@@ -287,7 +289,14 @@ class AppRoute:
         passed = _passed_headers(scope)
         if subprotocols := scope.get("subprotocols") or []:
             passed.append(["sec-websocket-protocol", ", ".join(subprotocols)])
-        head = {"method": "GET", "target": _target(scope), "headers": passed, "websocket": True}
+        head = {
+            "method": "GET",
+            "target": _target(scope),
+            "headers": passed,
+            "websocket": True,
+            "resume": secrets.token_hex(16),  # the agent keeps it under this id if the tunnel drops
+        }
+        relay = Relay(receive, send, stream, admission, head)
         try:
             await stream.open(head)
             kind, _ = await stream.next(ACCEPT_SECONDS)
@@ -301,9 +310,9 @@ class AppRoute:
             await send(
                 {"type": "websocket.accept", "subprotocol": chosen if isinstance(chosen, str) else None}
             )
-            await _relay_websocket(receive, send, stream)
+            await relay.run()
         finally:
-            await stream.close()
+            await relay.stream.close()
 
 
 async def services_tunnel_stale(admission: Admission) -> None:
@@ -346,7 +355,7 @@ async def _answer(send: Any, stream: Stream, *, retry: bool) -> bool:
     """The app's answer to the client; False (nothing sent) where the tunnel dropped before the app
     answered and `retry` allows the request to be admitted afresh (it had no body to send again)."""
     kind, payload = await stream.next(ANSWER_SECONDS)
-    if kind == tunnel.RESET and retry and _reason(payload) == TUNNEL_DROPPED:
+    if kind == tunnel.RESET and retry and dropped(payload):
         return False
     if kind != tunnel.HEAD:
         if payload == b"413":
@@ -380,45 +389,154 @@ async def _answer(send: Any, stream: Stream, *, retry: bool) -> bool:
             raise ConnectionAbortedError(_reason(payload))
 
 
-async def _relay_websocket(receive: Any, send: Any, stream: Stream) -> None:
-    """Messages both ways until either side closes; a dropped tunnel closes the client's socket (1012:
-    the client reconnects, and meets the tunnel its agent opened again)."""
+class Relay:
+    """A websocket through the route: the client's messages up, the app's down, until either side closes.
+    When the tunnel drops, the client's socket stays open: the relay waits for the agent's next tunnel
+    and opens the websocket again there, each side sending again what the other missed
+    (protocol.tunnel). Where that cannot be done in time, the client's socket closes with 1012 and the
+    client reconnects."""
 
-    async def upward() -> None:
+    def __init__(self, receive: Any, send: Any, stream: Stream, admission: Admission, head: dict[str, Any]):
+        self.receive, self.send, self.stream = receive, send, stream
+        self.admission, self.head = admission, head
+        self.outbox = tunnel.Outbox()  # the client's messages the agent has not acknowledged
+        self.received = 0  # the app's messages received
+        self.attached = True
+        self.ended = False  # an END went either way: the agent lets the app's end go by itself
+        self.lock = asyncio.Lock()  # the client's messages go up in order, also across a resume
+
+    async def run(self) -> None:
+        client = asyncio.create_task(self._upward())
+        try:
+            while not client.done():
+                getter = asyncio.create_task(self.stream.frames.get())
+                done, _ = await asyncio.wait({getter, client}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    return
+                kind, payload = getter.result()
+                if kind in (tunnel.DATA, tunnel.TEXT):
+                    self.received += 1
+                    if kind == tunnel.DATA:
+                        await self.send({"type": "websocket.send", "bytes": payload})
+                    else:
+                        await self.send({"type": "websocket.send", "text": payload.decode(errors="replace")})
+                    if self.received % tunnel.ACK_EVERY == 0:
+                        await self.stream.send(tunnel.ACK, tunnel.ack_payload(self.received))
+                elif kind == tunnel.ACK:
+                    with contextlib.suppress(tunnel.FrameError):
+                        self.outbox.acknowledged(tunnel.ack_count(tunnel.Frame(0, kind, payload)))
+                elif kind == tunnel.END:
+                    self.received += 1
+                    self.ended = True
+                    await self._close(_close_code(payload))
+                    return
+                elif kind != tunnel.RESET or not dropped(payload):  # the agent gave it up
+                    await self._close(1011)
+                    return
+                elif not await self._resume():  # the tunnel dropped, and the next one did not take it
+                    await self._close(1012)
+                    return
+        finally:
+            client.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await client
+            if self.attached and not self.ended:  # the agent must not keep the app's end open for nobody
+                with contextlib.suppress(Exception):
+                    await self.stream.send(tunnel.RESET, b'{"reason": "the client went away"}')
+
+    async def _close(self, code: int) -> None:
+        await self.send({"type": "websocket.close", "code": code if 1000 <= code < 5000 else 1000})
+
+    async def _upward(self) -> None:
         while True:
-            message = await receive()
+            message = await self.receive()
             if message["type"] == "websocket.disconnect":
-                await stream.send(tunnel.END, b'{"code": %d}' % int(message.get("code", 1000)))
+                async with self.lock:
+                    if self.attached:
+                        await self.stream.send(tunnel.END, b'{"code": %d}' % int(message.get("code", 1000)))
+                        self.ended = True
                 return
             if message.get("bytes") is not None:
-                await stream.send(tunnel.DATA, message["bytes"][: tunnel.MAX_MESSAGE])
+                kind, data = tunnel.DATA, message["bytes"][: tunnel.MAX_MESSAGE]
             elif message.get("text") is not None:
-                await stream.send(tunnel.TEXT, message["text"].encode()[: tunnel.MAX_MESSAGE])
-
-    client = asyncio.create_task(upward())
-    try:
-        while not client.done():
-            getter = asyncio.create_task(stream.frames.get())
-            done, _ = await asyncio.wait({getter, client}, return_when=asyncio.FIRST_COMPLETED)
-            if getter not in done:
-                getter.cancel()
-                return
-            kind, payload = getter.result()
-            if kind == tunnel.DATA:
-                await send({"type": "websocket.send", "bytes": payload})
-            elif kind == tunnel.TEXT:
-                await send({"type": "websocket.send", "text": payload.decode(errors="replace")})
+                kind, data = tunnel.TEXT, message["text"].encode()[: tunnel.MAX_MESSAGE]
             else:
-                code = 1012 if kind == tunnel.RESET else 1000
-                if kind == tunnel.END:
-                    with contextlib.suppress(tunnel.FrameError, ValueError, TypeError):
-                        code = int(tunnel.Frame(0, kind, payload).document().get("code", 1000))
-                await send({"type": "websocket.close", "code": code if 1000 <= code < 5000 else 1000})
-                return
-    finally:
-        client.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await client
+                continue
+            async with self.lock:
+                self.outbox.record(kind, data)
+                if self.attached:
+                    await self.stream.send(kind, data)
+
+    async def _resume(self) -> bool:
+        """Open the websocket again on the agent's next tunnel; False where it cannot be, in time."""
+        async with self.lock:
+            self.attached = False
+        old = self.stream
+        await old.close()
+        if self.outbox.overflowed:
+            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + tunnel.RESUME_SECONDS
+        while loop.time() < deadline:
+            channel = await _current_tunnel(self.admission)
+            if channel is None:  # the app stopped
+                return False
+            if channel and channel != old.channel:
+                resumed = await self._reopen(channel)
+                if resumed is not None:
+                    return resumed
+            await asyncio.sleep(RESUME_POLL_SECONDS)
+        return False
+
+    async def _reopen(self, channel: str) -> bool | None:
+        """True once resumed on `channel`; False where the agent cannot resume it; None to try again."""
+        stream = Stream(get_channel_layer(), channel)
+        await stream.open({**self.head, "received": self.received})
+        kind, payload = await stream.next(ACCEPT_SECONDS)
+        if kind == ACCEPTED:
+            kind, payload = await stream.next(ACCEPT_SECONDS)
+        theirs = None
+        if kind == tunnel.HEAD:
+            with contextlib.suppress(tunnel.FrameError):
+                theirs = tunnel.Frame(0, kind, payload).document().get("received")
+        counted = isinstance(theirs, int) and not isinstance(theirs, bool)
+        async with self.lock:  # nothing the client sends slips between what is sent again and after
+            missed = self.outbox.after(theirs) if counted else None  # type: ignore[arg-type]
+            if missed is not None:
+                self.stream, self.attached = stream, True
+                for missed_kind, missed_payload in missed:
+                    await stream.send(missed_kind, missed_payload)
+        if missed is None:
+            await stream.close()
+            return False if kind in (tunnel.HEAD, tunnel.RESET) and payload else None
+        logger.info("a websocket of app %s moved to its agent's new tunnel", self.admission.app_id)
+        return True
+
+
+def _close_code(payload: bytes) -> int:
+    with contextlib.suppress(tunnel.FrameError, ValueError, TypeError):
+        return int(tunnel.Frame(0, tunnel.END, payload).document().get("code", 1000))
+    return 1000
+
+
+async def _current_tunnel(admission: Admission) -> str | None:
+    """The app's tunnel now ("" while its agent reconnects it); None once the app is stopping or stopped."""
+
+    def read() -> str | None:
+        try:
+            with schema_context(admission.schema):
+                app = AppInstance.objects.select_related("task").filter(pk=admission.app_id).first()
+                if app is None or selectors.app_state(app).state in (selectors.STOPPED, selectors.STOPPING):
+                    return None
+                return app.tunnel_channel
+        finally:
+            close_old_connections()
+
+    try:
+        return await sync_to_async(read, thread_sensitive=False)()
+    except DatabaseError:
+        return ""
 
 
 def admissions_key(scope: Scope) -> tuple[str, str, str] | None:

@@ -22,7 +22,7 @@ from django_tenants.utils import schema_context
 from apps.catalogue import services
 from apps.catalogue.admissions import ADMISSIONS
 from apps.core.errors import NotFound
-from apps.core.tunnels import ACCEPTED, TUNNEL_DROPPED
+from apps.core.tunnels import ACCEPTED, DROPPED
 from apps.core.websocket import header
 from apps.fleet import credentials, errors
 from protocol import tunnel
@@ -78,7 +78,7 @@ class TunnelConsumer(AsyncWebsocketConsumer):
     async def disconnect(self, code: int) -> None:
         ADMISSIONS.forget(self.channel_name)
         for reply in list(self.by_reply):
-            await self._to_route(reply, tunnel.RESET, TUNNEL_DROPPED.encode())
+            await self._to_route(reply, tunnel.RESET, DROPPED)
         if self.app_id is not None:
             with contextlib.suppress(DatabaseError):
                 await database_sync_to_async(self._closed)()
@@ -117,7 +117,7 @@ class TunnelConsumer(AsyncWebsocketConsumer):
             logger.info("app %s: a frame for its agent could not be sent (%s)", self.app_id, error)
             reply = self.streams.get(stream)
             if reply is not None:
-                await self._to_route(reply, tunnel.RESET, TUNNEL_DROPPED.encode())
+                await self._to_route(reply, tunnel.RESET, DROPPED)
                 self._ended(stream, tunnel.RESET, "route")
             return False
         return True

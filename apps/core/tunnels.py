@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from typing import Any
 
 from protocol import tunnel
 
 ACCEPTED = 0  # a frame kind of the plane's own: the tunnel took the stream (the request stops waiting)
 TUNNEL_DROPPED = "The app's tunnel dropped; its agent reconnects it. Try again."
+# The RESET the tunnel's consumer sends for each stream when its agent's socket goes: said as such, so that
+# a request is sent again (or a websocket resumed) on this and on nothing else a RESET may say.
+DROPPED = json.dumps({"reason": TUNNEL_DROPPED, "dropped": True}).encode()
 ACCEPT_SECONDS = 10.0  # how long a tunnel may take to take a request before it is given up on
 
 
@@ -55,6 +59,14 @@ class Stream:
             self.reader.cancel()  # the layer unsubscribes the reply channel
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self.reader
+
+
+def dropped(payload: bytes) -> bool:
+    """Whether a RESET is the tunnel's drop (not the app's or the agent's own refusal)."""
+    try:
+        return tunnel.Frame(0, tunnel.RESET, payload).document().get("dropped") is True
+    except tunnel.FrameError:
+        return False
 
 
 def reason(payload: bytes) -> str:

@@ -5,6 +5,7 @@ serve apps refusing them."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from pathlib import Path
@@ -116,3 +117,80 @@ def test_an_ended_tunnel_forgets_itself_not_a_newer_runs(tmp_path: Path) -> None
         assert agent.tunnels == {}
 
     asyncio.run(scenario())
+
+
+class Sent:
+    """The tunnel's socket to the plane, as a list of the frames sent on it."""
+
+    def __init__(self) -> None:
+        self.frames: list[Any] = []
+
+    async def send(self, data: bytes) -> None:
+        from protocol import tunnel
+
+        self.frames.append(tunnel.Frame.decode(data))
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        {"websocket": True, "resume": "nobody-knows-this", "received": 0},
+        {"websocket": True, "resume": "kept", "received": 5},  # more than the app was ever sent
+        {"websocket": True, "resume": "kept", "received": "0"},
+        {"websocket": True, "resume": "kept", "received": True},
+        {"websocket": True, "resume": ["kept"], "received": 0},
+    ],
+)
+def test_a_websocket_is_resumed_only_by_its_id_and_a_count_that_fits(head: dict[str, Any]) -> None:
+    from agents.tunnel import _Websocket
+    from protocol import tunnel
+
+    link = AppTunnel(
+        url="http://demo.localhost:1", credentials={}, task_id="t", lease_id="l",
+        app=AppSpec("0123abcd", 9999), fail=None, say=None,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+    async def scenario() -> list[Any]:
+        link.socket = Sent()
+        kept = _Websocket("kept", asyncio.Queue())  # its tunnel dropped: no stream now
+        kept.outbox.record(tunnel.TEXT, b"one")
+        link.websockets["kept"] = kept
+        link._open(tunnel.Frame(7, tunnel.OPEN, json.dumps(head).encode()))
+        await asyncio.gather(*link.tasks)
+        assert kept.stream is None
+        return list(link.socket.frames)
+
+    (refused,) = asyncio.run(scenario())
+    assert (refused.stream, refused.kind) == (7, tunnel.RESET)
+    assert refused.document() == {"reason": "the websocket cannot be resumed"}
+
+
+def test_a_resumed_websocket_hears_its_count_then_what_it_missed() -> None:
+    from agents.tunnel import _Websocket
+    from protocol import tunnel
+
+    link = AppTunnel(
+        url="http://demo.localhost:1", credentials={}, task_id="t", lease_id="l",
+        app=AppSpec("0123abcd", 9999), fail=None, say=None,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+    async def scenario() -> list[Any]:
+        link.socket = Sent()
+        kept = _Websocket("kept", asyncio.Queue(), subprotocol="chat", received=4)
+        for word in (b"one", b"two", b"three"):
+            kept.outbox.record(tunnel.TEXT, word)
+        link.websockets["kept"] = kept
+        head = {"websocket": True, "resume": "kept", "received": 1}
+        link._open(tunnel.Frame(9, tunnel.OPEN, json.dumps(head).encode()))
+        await asyncio.gather(*link.tasks)
+        assert kept.stream == 9
+        assert link.streams[9] is kept.queue
+        return list(link.socket.frames)
+
+    head, *again = asyncio.run(scenario())
+    assert head.kind == tunnel.HEAD
+    assert head.document() == {"status": 101, "subprotocol": "chat", "received": 4}
+    assert [(frame.stream, frame.kind, frame.payload) for frame in again] == [
+        (9, tunnel.TEXT, b"two"),
+        (9, tunnel.TEXT, b"three"),
+    ]

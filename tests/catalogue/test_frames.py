@@ -70,3 +70,38 @@ def test_credit_carries_a_count() -> None:
     assert tunnel.credit_count(tunnel.Frame.decode(tunnel.credit(3, 16))) == 16
     with pytest.raises(tunnel.FrameError):
         tunnel.credit_count(tunnel.Frame(3, tunnel.CREDIT, b"\x01"))
+
+
+def test_an_outbox_sends_again_exactly_what_the_other_side_missed() -> None:
+    box = tunnel.Outbox()
+    for number in range(1, 6):
+        box.record(tunnel.TEXT, str(number).encode())
+    assert box.after(5) == []
+    assert box.after(3) == [(tunnel.TEXT, b"4"), (tunnel.TEXT, b"5")]
+    assert box.after(0) == [(tunnel.TEXT, str(n).encode()) for n in range(1, 6)]
+    box.acknowledged(2)  # the other side has the first two for certain: they are let go
+    assert box.after(2) == [(tunnel.TEXT, b"3"), (tunnel.TEXT, b"4"), (tunnel.TEXT, b"5")]
+    assert box.after(1) is None  # the second was let go: that side cannot have missed it
+    assert box.after(6) is None  # more than was ever sent: not this websocket's count
+    box.acknowledged(5)
+    assert box.after(5) == []
+    assert box.after(4) is None
+
+
+def test_an_outbox_that_keeps_too_much_gives_up_resuming() -> None:
+    by_count = tunnel.Outbox()
+    for _ in range(tunnel.RESUME_MESSAGES + 1):
+        by_count.record(tunnel.DATA, b"x")
+    assert by_count.overflowed
+    assert by_count.after(by_count.sent) is None
+    by_size = tunnel.Outbox()
+    by_size.record(tunnel.DATA, b"x" * (tunnel.RESUME_BYTES + 1))
+    assert by_size.overflowed
+    assert by_size.kept == []  # nothing held for a resume that cannot come
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x00" * 4, b"\x00" * 9])
+def test_an_ack_carries_an_eight_byte_count(payload: bytes) -> None:
+    with pytest.raises(tunnel.FrameError):
+        tunnel.ack_count(tunnel.Frame(1, tunnel.ACK, payload))
+    assert tunnel.ack_count(tunnel.Frame.decode(tunnel.ack(3, 2**40))) == 2**40

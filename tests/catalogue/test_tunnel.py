@@ -16,7 +16,7 @@ from apps.accounts.models import User
 from apps.catalogue import services
 from apps.catalogue.models import AppInstance
 from apps.catalogue.tunnel import TunnelConsumer
-from apps.core.tunnels import ACCEPTED, TUNNEL_DROPPED
+from apps.core.tunnels import ACCEPTED, DROPPED
 from apps.scheduling.cycle import run_cycle
 from config.asgi import application
 from protocol import tunnel
@@ -177,6 +177,6 @@ def test_a_frame_for_an_agent_whose_socket_is_gone_resets_the_route_at_once() ->
 
     asyncio.run(scenario())
     kinds = [(channel, message["kind"], message["payload"]) for channel, message in layer.sent]
-    assert kinds == [("route.1", ACCEPTED, b""), ("route.1", tunnel.RESET, TUNNEL_DROPPED.encode())]
+    assert kinds == [("route.1", ACCEPTED, b""), ("route.1", tunnel.RESET, DROPPED)]
     assert consumer.streams == {}
     assert consumer.by_reply == {}

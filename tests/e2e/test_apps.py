@@ -1,6 +1,7 @@
 """Apps through the whole of Klique: an entry added from a template, an app launched on a real bare-metal
 agent, reached through its internal route (HTTP with large bodies both ways, and a websocket), by the
-people it is shared with only; a tunnel that drops comes back; a stopped app's route says so."""
+people it is shared with only; a tunnel that drops comes back, and a websocket through it survives the drop;
+a stopped app's route says so."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import websockets
 
 from tests.e2e.conftest import ROOT, RackDemo
+from tests.e2e.cut_proxy import CutProxy
 from tests.e2e.test_agent_crash import Demo
 
 pytestmark = pytest.mark.e2e
@@ -192,3 +194,49 @@ def test_an_app_that_never_answers_or_exits_is_stopped_with_the_reason(rack_demo
     gone = wait_state(demo, echo["id"], "stopped")
     assert "exit code 3" in gone["detail"], gone
     assert route.get("/").status_code == 409
+
+
+def test_a_websocket_through_the_route_survives_its_tunnel_dropping(rack_demo: RackDemo) -> None:
+    """The agent reaches the plane through a proxy that cuts every connection at once, mid-conversation:
+    the client's websocket stays open, and every message, both ways, arrives once and in order."""
+    demo, running = rack_demo.demo, rack_demo.running
+    rack_demo.stop_agent()
+    proxy = CutProxy(running.port)
+    try:
+        plane = f"http://demo.localhost:{running.port}"
+        rack_demo.argv = [
+            f"http://demo.localhost:{proxy.port}" if word == plane else word for word in rack_demo.argv
+        ]
+        rack_demo.start_agent("agent-proxied.log")
+        demo.call("POST", "/api/v1/catalogue/", json=TEMPLATE)
+        app = demo.call(
+            "POST", "/api/v1/apps/", json={"entry": "echo-app", "compute_resource": "Research: rack"}
+        )
+        app = wait_state(demo, app["id"], "ready")
+        route = Route(running.port, app["url"], demo.token)
+
+        async def talk() -> list[str]:
+            async with websockets.connect(
+                f"ws://{route.host}/ws",
+                additional_headers={"Authorization": route.headers["Authorization"]},
+                open_timeout=20,
+                host="127.0.0.1",
+                port=running.port,
+            ) as socket_:
+                await socket_.send("0")
+                assert await socket_.recv() == "echo: 0"
+                for number in range(1, 21):
+                    await socket_.send(str(number))
+                proxy.cut()  # the agent's connections, its app's tunnel among them, reset at once
+                for number in range(21, 41):
+                    await socket_.send(str(number))
+                    await asyncio.sleep(0.05)
+                return [str(await asyncio.wait_for(socket_.recv(), 90)) for _ in range(40)]
+
+        assert asyncio.run(talk()) == [f"echo: {number}" for number in range(1, 41)]
+        assert proxy.cut_count >= 2  # the agent's own socket and the tunnel, at least
+        log = (rack_demo.folder / "agent-proxied.log").read_text()
+        assert "its tunnel closed" in log  # it did drop
+        running.wait_for("a websocket of app .* moved to its agent's new tunnel", timeout=10)
+    finally:
+        proxy.close()
