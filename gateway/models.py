@@ -127,6 +127,7 @@ class SelfHosted(models.Model):
         ASLEEP = "asleep"
 
     app_id = models.UUIDField(primary_key=True)
+    task_id = models.UUIDField(null=True)  # the app's task now: only its end takes the model out
     label = models.CharField(max_length=100)  # the app's name, for messages
     model_name = models.CharField(max_length=100, db_index=True)  # the group, as callers name it
     served_model = models.CharField(max_length=100)  # the name the server knows

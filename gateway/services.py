@@ -524,6 +524,7 @@ def selfhosted_refusal(*, owner: User, model_name: str, mode: str, app_id: Any =
 def selfhosted_register(
     *,
     app_id: Any,
+    task_id: Any,
     label: str,
     owner: User,
     model_name: str,
@@ -541,6 +542,7 @@ def selfhosted_register(
     row, _ = SelfHosted.objects.update_or_create(
         app_id=app_id,
         defaults={
+            "task_id": task_id,
             "label": label[:100],
             "owner": owner,
             "model_name": model_name,
@@ -577,6 +579,14 @@ def selfhosted_tunnel_gone(app_id: Any, channel: str, *, schema: str | None = No
 def selfhosted_remove(app_id: Any) -> None:
     """The app no longer serves its model: it leaves the gateway."""
     SelfHosted.objects.filter(app_id=app_id).delete()
+
+
+def selfhosted_ended(task_id: Any) -> None:
+    """An app's task ended: the model it served leaves the gateway, unless the app sleeps (stopped for
+    idleness, to start again at the next call). Only the app's own current task counts: a task's spec is
+    its submitter's to write."""
+    for row in SelfHosted.objects.filter(task_id=task_id).exclude(state=SelfHosted.State.ASLEEP):
+        row.delete()  # one by one: each delete moves the tenant's epoch (gateway.signals)
 
 
 def selfhosted_asleep(app_id: Any) -> bool:

@@ -152,6 +152,7 @@ def _register_model(app: AppInstance, template: Template) -> None:
     model = template.serves.model_name(app.variables)
     gateway.selfhosted_register(
         app_id=app.pk,
+        task_id=app.task_id,
         label=app.name,
         owner=app.owner,
         model_name=model,

@@ -93,8 +93,11 @@ def transition(task: Task, *, to_state: str, actor: str, message: str = "", **fi
     )
     if task.state == TaskState.RUNNING and task.started_at is not None:
         meter_run(task, ended_at=now)
-    if task.state in IN_A_RUN and to_state not in IN_A_RUN and "gateway_session" in (task.spec or {}):
+    spec = task.spec or {}
+    if task.state in IN_A_RUN and to_state not in IN_A_RUN and "gateway_session" in spec:
         gateway.session_close(task.pk)  # the run's gateway key dies with it (protocol.sessions)
+    if to_state in ENDED_STATES and "app" in spec:
+        gateway.selfhosted_ended(task.pk)  # a model the app served leaves the gateway, unless asleep
     task.state = to_state
     for name, value in fields.items():
         setattr(task, name, value)

@@ -228,3 +228,27 @@ def test_an_app_that_ended_on_its_own_takes_its_model_out_when_called(world: Wor
         Task.objects.filter(pk=str(app.task_id)).update(state=TaskState.FAILED)
         assert services.app_wake(tenant=tenant, app_id=str(app.pk)) is None
         assert not SelfHosted.objects.filter(app_id=app.pk).exists()
+
+
+def test_a_model_leaves_when_its_apps_task_ends_and_no_other_task_takes_it_out(world: World) -> None:
+    from apps.scheduling.lifecycle import transition
+    from apps.scheduling.services import TaskRequest, tasks_submit
+
+    tenant = world.tenant_a
+    app = launch_model(world, "bob")
+    with schema_context(tenant.schema_name):
+        run_with_tunnel(app)
+        bob = User.objects.get(username="bob")
+        # A task of bob's own whose spec names the app, as anyone may write: its end changes nothing.
+        request = TaskRequest(
+            compute_resource="Research: 4 GPUs",
+            name="posing",
+            spec={"command": ["x"], "app": {"instance": str(app.pk)}},
+        )
+        (posing,) = tasks_submit(tenant=tenant, user=bob, requests=[request])
+        transition(posing, to_state=TaskState.ABORTED, actor="bob", ended_at=timezone.now())
+        assert SelfHosted.objects.filter(app_id=app.pk).exists()
+        # The app's own task exits: its model leaves the gateway at once.
+        task = Task.objects.get(pk=str(app.task_id))
+        transition(task, to_state=TaskState.FAILED, actor="agent", ended_at=timezone.now())
+        assert not SelfHosted.objects.filter(app_id=app.pk).exists()

@@ -56,7 +56,15 @@ class CutProxy:
         self.loop.call_soon_threadsafe(close_all)
 
     def close(self) -> None:
-        self.cut()
-        self.loop.call_soon_threadsafe(self.server.close)
+        async def shut() -> None:
+            self.server.close()
+            for writer in list(self.writers):
+                writer.transport.abort()
+            pending = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shut(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)

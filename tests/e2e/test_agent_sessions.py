@@ -5,31 +5,25 @@ session's name, and dies with the session."""
 
 from __future__ import annotations
 
-import sys
 import time
 
 import openai
 import pytest
 
-from tests.e2e.conftest import ROOT, RackDemo
+from tests.e2e.conftest import RackDemo
+from tests.e2e.test_apps import TEMPLATE as APP_TEMPLATE
 from tests.e2e.test_apps import Route, wait_state
 from tests.e2e.test_model_endpoints import client
 
 pytestmark = pytest.mark.e2e
 
 TEMPLATE = {
+    **APP_TEMPLATE,  # the small app of the route's tests: its /env says what the session's key is
     "name": "sandbox",
-    "version": "1",
     "title": "Agent sandbox",
     "kind": "agent",
-    "command": [
-        sys.executable, "-m", "uvicorn", "--app-dir", str(ROOT / "tests" / "e2e"), "app_server:app",
-        "--host", "127.0.0.1", "--port", "{port}", "--no-access-log", "--lifespan", "off",
-    ],
-    "health": {"path": "/", "startup_seconds": 60},
-    "gpus": "1",
     "gateway_session": {"tokens": 60},
-}  # fmt: skip
+}
 
 
 def spend_until_refused(session: openai.OpenAI) -> openai.RateLimitError:

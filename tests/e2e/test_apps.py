@@ -65,14 +65,18 @@ class Route:
             raw.sendall(f"{head}Authorization: {self.headers['Authorization']}\r\n\r\n".encode() + b"x" * 100)
             return raw.recv(200).split(b"\r\n")[0] + b"\r\n"
 
-    async def websocket_echo(self, words: list[str]) -> list[str]:
-        async with websockets.connect(
+    def websocket(self) -> Any:
+        """A websocket to the app's /ws (an echo), through the route."""
+        return websockets.connect(
             f"ws://{self.host}/ws",
             additional_headers={"Authorization": self.headers["Authorization"]},
             open_timeout=20,
             host="127.0.0.1",
             port=self.port,
-        ) as socket_:
+        )
+
+    async def websocket_echo(self, words: list[str]) -> list[str]:
+        async with self.websocket() as socket_:
             answers = []
             for word in words:
                 await socket_.send(word)
@@ -216,13 +220,7 @@ def test_a_websocket_through_the_route_survives_its_tunnel_dropping(rack_demo: R
         route = Route(running.port, app["url"], demo.token)
 
         async def talk() -> list[str]:
-            async with websockets.connect(
-                f"ws://{route.host}/ws",
-                additional_headers={"Authorization": route.headers["Authorization"]},
-                open_timeout=20,
-                host="127.0.0.1",
-                port=running.port,
-            ) as socket_:
+            async with route.websocket() as socket_:
                 await socket_.send("0")
                 assert await socket_.recv() == "echo: 0"
                 for number in range(1, 21):
