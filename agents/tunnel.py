@@ -32,6 +32,7 @@ from protocol.apps import AppSpec
 logger = logging.getLogger("klique.agent.tunnel")
 
 HEALTH_EVERY = 1.0  # seconds between health checks while the app starts
+CLOSE_SECONDS = 10.0  # how long an app's closed websocket waits for the route to say it has the close
 # The plane no longer serves this run's route (4404), or refuses the agent's token (4401): stop trying.
 REFUSED_BY_PLANE = frozenset({4401, 4404})
 Fail = Callable[[str], Awaitable[None]]
@@ -346,29 +347,40 @@ class AppTunnel:
                 down.cancel()
 
     async def _websocket_up(self, socket_: _Websocket, down: asyncio.Future[None]) -> None:
-        """The route's messages to the app, until either side closes or the tunnel stays away too long."""
+        """The route's messages to the app, until the route closes, or the app did and the route has its
+        close (its END, which a resume sends again if the tunnel drops first), or the tunnel stays away
+        too long."""
         loop = asyncio.get_running_loop()
-        while not down.done():
+        app_closed_at: float | None = None
+        while True:
+            if app_closed_at is None and down.done():
+                app_closed_at = loop.time()
             try:
                 item = await asyncio.wait_for(socket_.queue.get(), 1.0)
             except TimeoutError:
-                away = socket_.stream is None and loop.time() - socket_.detached_at > tunnel.RESUME_SECONDS
-                if away:
+                now = loop.time()
+                if socket_.stream is None and now - socket_.detached_at > tunnel.RESUME_SECONDS:
                     logger.info("app %s: a websocket was not resumed; closing it", self.task_id)
                     return
+                if (
+                    app_closed_at is not None
+                    and socket_.stream is not None
+                    and now - app_closed_at > CLOSE_SECONDS
+                ):
+                    return  # the route never said it has the close: it is gone
                 continue
             if item.kind in (tunnel.TEXT, tunnel.DATA):
                 socket_.received += 1
-                if item.kind == tunnel.TEXT:
-                    await socket_.upstream.send(item.payload.decode(errors="replace"))
-                else:
-                    await socket_.upstream.send(item.payload)
+                if not down.done():
+                    await socket_.upstream.send(
+                        item.payload.decode(errors="replace") if item.kind == tunnel.TEXT else item.payload
+                    )
                 if socket_.received % tunnel.ACK_EVERY == 0 and socket_.stream is not None:
                     await self._send(tunnel.ack(socket_.stream, socket_.received))
             elif item.kind == tunnel.ACK:
                 with contextlib.suppress(tunnel.FrameError):
                     socket_.outbox.acknowledged(tunnel.ack_count(item))
-            else:  # END or RESET: the client is gone
+            else:  # END or RESET: the client is gone, or has the app's close
                 return
 
     async def _websocket_down(self, socket_: _Websocket) -> None:

@@ -429,6 +429,8 @@ class Relay:
                 elif kind == tunnel.END:
                     self.received += 1
                     self.ended = True
+                    with contextlib.suppress(Exception):  # the agent lets the app's end go on this word
+                        await self.stream.send(tunnel.END)
                     await self._close(_close_code(payload))
                     return
                 elif kind != tunnel.RESET or not dropped(payload):  # the agent gave it up

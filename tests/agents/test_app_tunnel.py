@@ -194,3 +194,52 @@ def test_a_resumed_websocket_hears_its_count_then_what_it_missed() -> None:
         (9, tunnel.TEXT, b"two"),
         (9, tunnel.TEXT, b"three"),
     ]
+
+
+def test_an_apps_close_during_a_drop_reaches_the_client_after_the_resume() -> None:
+    """The app closes its websocket while the tunnel is away: its close is kept, sent again on the resume,
+    and the app's end is let go once the route says it has it."""
+    import websockets
+
+    from protocol import tunnel
+
+    async def closes_soon(connection: Any) -> None:
+        await asyncio.sleep(0.3)
+        await connection.close(4001, "done")
+
+    async def scenario() -> tuple[list[Any], bool, bool]:
+        async with websockets.serve(closes_soon, "127.0.0.1", 0) as server:
+            port = next(iter(server.sockets)).getsockname()[1]
+            link = AppTunnel(
+                url="http://demo.localhost:1", credentials={}, task_id="t", lease_id="l",
+                app=AppSpec("0123abcd", port), fail=None, say=None,  # type: ignore[arg-type]
+            )  # fmt: skip
+            link.socket = Sent()
+            head = {"websocket": True, "resume": "r1", "target": "/", "headers": []}
+            link._open(tunnel.Frame(1, tunnel.OPEN, json.dumps(head).encode()))
+            socket_ = link.websockets["r1"]
+            while not link.socket.frames:
+                await asyncio.sleep(0.01)  # its HEAD: the app took the websocket
+            link.socket = None  # the tunnel drops
+            link._drop_streams()
+            while socket_.outbox.sent == 0:
+                await asyncio.sleep(0.01)  # the app's close, kept
+            await asyncio.sleep(1.5)
+            kept = "r1" in link.websockets
+            link.socket = Sent()  # the next tunnel; the route resumes, having received nothing
+            link._open(tunnel.Frame(2, tunnel.OPEN, json.dumps({**head, "received": 0}).encode()))
+            while len(link.socket.frames) < 2:
+                await asyncio.sleep(0.01)
+            await link.streams[2].put(tunnel.Frame(2, tunnel.END))  # the route has the close
+            for _ in range(300):
+                if "r1" not in link.websockets:
+                    break
+                await asyncio.sleep(0.01)
+            return list(link.socket.frames), kept, "r1" in link.websockets
+
+    frames, kept, still_kept = asyncio.run(scenario())
+    assert kept  # not let go while the route could not have the close
+    head, close = frames
+    assert (head.kind, head.document()["received"]) == (tunnel.HEAD, 0)
+    assert (close.stream, close.kind, close.document()) == (2, tunnel.END, {"code": 4001})
+    assert not still_kept
