@@ -45,6 +45,8 @@ bench: install
 	$(BIN)/python bench/drain.py
 	$(BIN)/python bench/agents_connected.py
 	$(BIN)/python bench/tenants_at_rest.py
+	$(BIN)/python bench/app_route.py
+	$(BIN)/python bench/model_endpoint.py
 
 lock:
 	{ echo '# Pinned versions of everything Klique installs; `make lock` regenerates this from the virtual environment.'; \

@@ -18,12 +18,15 @@ Needs PostgreSQL and Redis on 127.0.0.1 (as `make test` does).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 from scratch import KLIQUE, ROOT, free_port, scratch_klique
@@ -34,14 +37,18 @@ APP = [
 ]  # fmt: skip
 
 
-def measure(client: httpx.Client, url: str, headers: dict[str, str], count: int) -> tuple[float, list[float]]:
+def measure(
+    client: httpx.Client, url: str, headers: dict[str, str], count: int, body: dict[str, Any] | None = None
+) -> tuple[float, list[float]]:
+    """Requests per second and each request's latency (ms): GET, or POST of `body` as JSON."""
+    method = "POST" if body is not None else "GET"
     for _ in range(50):  # warm up the connection, the channel layer's subscriptions, the caches
-        client.get(url, headers=headers).raise_for_status()
+        client.request(method, url, headers=headers, json=body).raise_for_status()
     latencies = []
     started = time.perf_counter()
     for _ in range(count):
         before = time.perf_counter()
-        client.get(url, headers=headers).raise_for_status()
+        client.request(method, url, headers=headers, json=body).raise_for_status()
         latencies.append((time.perf_counter() - before) * 1000)
     return count / (time.perf_counter() - started), latencies
 
@@ -62,10 +69,12 @@ def pool_token(client: httpx.Client) -> str:
     return str(answer.json()["token"])
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=2000)
-    args = parser.parse_args()
+@contextlib.contextmanager
+def app_running(
+    entry: dict[str, Any], launch: dict[str, Any]
+) -> Iterator[tuple[int, dict[str, Any], dict[str, Any]]]:
+    """A real Klique (web and worker) with a bare-metal agent, and an app of `entry` launched and ready:
+    (the plane's port, the demo's tokens, the app as the API shows it with its port in `port`)."""
     port = free_port()
     with scratch_klique(redis_db=12) as (environment, demo), tempfile.TemporaryDirectory() as folder:
         quiet = {"env": environment, "cwd": ROOT, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
@@ -90,9 +99,8 @@ def main() -> int:
                 "--work-dir", str(Path(folder) / "agent"),
             ]  # fmt: skip
             children.append(subprocess.Popen(agent, **quiet))  # type: ignore[call-overload]
-            entry = {"name": "hello", "version": "1", "command": APP, "gpus": "1", "compute_resource": "Apps"}
             plane.post("/api/v1/catalogue/", json=entry).raise_for_status()
-            app = plane.post("/api/v1/apps/", json={"entry": "hello"}).json()
+            app = plane.post("/api/v1/apps/", json={"entry": entry["name"], **launch}).json()
             deadline = time.monotonic() + 120
             while (app := plane.get(f"/api/v1/apps/{app['id']}/").json())["state"] != "ready":
                 if time.monotonic() > deadline:
@@ -100,27 +108,42 @@ def main() -> int:
                 time.sleep(0.2)
             logged = " ".join(line for chunk in plane.get(f"/api/v1/tasks/{app['task_id']}/logs/").json()
                               for line in chunk["lines"])  # fmt: skip
-            spec_port = int(re.search(r"the app answers on port (\d+)", logged)[1])  # type: ignore[index]
-            with httpx.Client(timeout=30) as client:
-                direct_rps, direct = measure(client, f"http://127.0.0.1:{spec_port}/", {}, args.requests)
-                host = app["url"].split("//", 1)[1].rstrip("/")
-                routed = {"Host": host, "Authorization": f"Bearer {demo['admin_token']}"}
-                route_rps, through = measure(client, f"http://127.0.0.1:{port}/", routed, args.requests)
+            app["port"] = int(re.search(r"the app answers on port (\d+)", logged)[1])  # type: ignore[index]
+            yield port, demo, app
         finally:
             for child in reversed(children):
                 child.terminate()
                 child.wait(timeout=30)
 
+
+def report(rows: list[tuple[str, float, list[float]]], what: str) -> None:
+    print(f"{'':44}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}")
+    for name, rps, latencies in rows:
+        print(f"{name:44}{rps:>9.0f}{percentile(latencies, 0.5):>9.2f}{percentile(latencies, 0.99):>9.2f}")
+    (_, base_rps, base), (_, rps, latencies) = rows[0], rows[-1]
+    added = [percentile(latencies, share) - percentile(base, share) for share in (0.5, 0.99)]
+    print(f"{what} adds {added[0]:.2f} ms at p50 and {added[1]:.2f} ms at p99")
+    print(f"ratio: {rps / base_rps:.3f} ({rps:.0f} / {base_rps:.0f})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    args = parser.parse_args()
+    entry = {"name": "hello", "version": "1", "command": APP, "gpus": "1", "compute_resource": "Apps"}
+    with app_running(entry, {}) as (port, demo, app), httpx.Client(timeout=30) as client:
+        direct_rps, direct = measure(client, f"http://127.0.0.1:{app['port']}/", {}, args.requests)
+        host = app["url"].split("//", 1)[1].rstrip("/")
+        routed = {"Host": host, "Authorization": f"Bearer {demo['admin_token']}"}
+        route_rps, through = measure(client, f"http://127.0.0.1:{port}/", routed, args.requests)
     print(f"requests: {args.requests} each, sequential, one keep-alive connection, one web process")
-    print(f"{'':38}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}")
-    for name, rps, latencies in (
-        ("baseline  GET / to the app directly", direct_rps, direct),
-        ("Klique    GET / through its route", route_rps, through),
-    ):
-        print(f"{name:38}{rps:>9.0f}{percentile(latencies, 0.5):>9.2f}{percentile(latencies, 0.99):>9.2f}")
-    added = [percentile(through, share) - percentile(direct, share) for share in (0.5, 0.99)]
-    print(f"the route adds {added[0]:.2f} ms at p50 and {added[1]:.2f} ms at p99")
-    print(f"ratio: {route_rps / direct_rps:.3f} ({route_rps:.0f} / {direct_rps:.0f})")
+    report(
+        [
+            ("baseline  GET / to the app directly", direct_rps, direct),
+            ("Klique    GET / through its route", route_rps, through),
+        ],
+        "the route",
+    )
     return 0
 
 
