@@ -88,8 +88,7 @@ class TunnelTransport(httpx.AsyncBaseTransport):
                 continue
             for start in range(0, len(body), tunnel.MAX_CHUNK):
                 await stream.send(tunnel.DATA, body[start : start + tunnel.MAX_CHUNK])
-            if body:
-                await stream.send(tunnel.END)
+            await stream.send(tunnel.END)  # the agent reads to END, with a body or without
             kind, payload = await stream.next(answer_seconds)
             if kind != tunnel.HEAD:
                 with contextlib.suppress(Exception):

@@ -32,7 +32,7 @@ class FakeTunnel:
         opened = await layer.receive(channel)
         self.head, reply = opened["head"], opened["reply"]
         await layer.send(reply, {"type": "route.frame", "kind": ACCEPTED, "payload": b""})
-        while self.head.get("body"):
+        while True:  # the request's body, if any, then its END (which the agent waits for either way)
             frame = await layer.receive(channel)
             if frame["kind"] == tunnel.END:
                 break
@@ -51,7 +51,9 @@ def head(status: int = 200, content_type: str = "application/json") -> tuple[int
     return tunnel.HEAD, json.dumps({"status": status, "headers": [["content-type", content_type]]}).encode()
 
 
-async def call(fake: FakeTunnel, *, stream: bool = False, read: int | None = None) -> tuple[Any, ...]:
+async def call(
+    fake: FakeTunnel, *, read: int | None = None, method: str = "POST", json_body: Any = None
+) -> tuple[Any, ...]:
     layer = get_channel_layer()
     channel = await layer.new_channel("tunnel.")
     transport = TunnelTransport()
@@ -60,7 +62,10 @@ async def call(fake: FakeTunnel, *, stream: bool = False, read: int | None = Non
     serving = asyncio.create_task(fake.serve(layer, channel))
     async with httpx.AsyncClient(transport=transport) as client:
         request = client.build_request(
-            "POST", URL, json={"model": "m"}, headers={"authorization": "Bearer klq_secret", "x-a": "1"}
+            method,
+            URL,
+            json={"model": "m"} if method == "POST" else json_body,
+            headers={"authorization": "Bearer klq_secret", "x-a": "1"},
         )
         try:
             response = await client.send(request, stream=True)
@@ -119,3 +124,11 @@ def test_a_caller_that_goes_away_stops_the_apps_answer() -> None:
     status, body = asyncio.run(call(fake, read=100))
     assert (status, body) == (200, b"y" * 100)
     assert fake.after == [tunnel.RESET]
+
+
+def test_a_request_without_a_body_still_ends_its_stream() -> None:
+    fake = FakeTunnel([head(), (tunnel.DATA, b'{"data": []}'), (tunnel.END, b"")])
+    assert asyncio.run(call(fake, method="GET")) == (200, b'{"data": []}')
+    assert fake.head["method"] == "GET"
+    assert fake.head["body"] is False
+    assert fake.body == b""
