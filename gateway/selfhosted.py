@@ -16,14 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import ParamSpec, TypeVar
+from collections.abc import AsyncIterator
 
 import httpx
-from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
-from django.db import close_old_connections
 
+from apps.core.threads import in_db_thread as _db
 from apps.core.tunnels import ACCEPT_SECONDS, ACCEPTED, Stream, reason
 from gateway import services
 from protocol import tunnel
@@ -32,8 +30,6 @@ CHANNEL_SECONDS = 2.0  # how long a tunnel's channel is used without asking the 
 TOUCH_SECONDS = 30.0  # how often a call marks its app as used, at most
 POLL_SECONDS = 0.5  # how often a call waiting for a starting app looks for its tunnel
 MAX_START_SECONDS = 1800.0  # the longest a call waits for an app to start
-P = ParamSpec("P")
-R = TypeVar("R")
 PASSED = frozenset({b"content-type", b"accept", b"content-length", b"user-agent"})
 
 
@@ -45,18 +41,6 @@ def _parts(url: httpx.URL) -> tuple[str, str, str]:
     """(schema, app id, the path and query the app is asked for) from a deployment's address."""
     _, schema, app_id, rest = url.raw_path.decode("latin-1").split("/", 3)
     return schema, app_id, "/" + rest
-
-
-def _db(function: Callable[P, R]) -> Callable[P, Awaitable[R]]:
-    """`function` in a thread of its own, its database connection closed after it."""
-
-    def run(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return function(*args, **kwargs)
-        finally:
-            close_old_connections()
-
-    return sync_to_async(run, thread_sensitive=False)
 
 
 class TunnelTransport(httpx.AsyncBaseTransport):

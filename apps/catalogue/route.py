@@ -22,11 +22,10 @@ from http.cookies import SimpleCookie
 from typing import Any
 from urllib.parse import parse_qs
 
-from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.contrib.sessions.backends.db import SessionStore
-from django.db import DatabaseError, close_old_connections
+from django.db import DatabaseError
 from django_tenants.utils import schema_context
 
 from apps.accounts.models import User
@@ -34,6 +33,7 @@ from apps.accounts.services import TokenRejected, token_authenticate
 from apps.catalogue import addresses, selectors, services, tickets
 from apps.catalogue.admissions import ADMISSIONS, Admission
 from apps.catalogue.models import AppInstance
+from apps.core.threads import in_db_thread
 from apps.core.tunnels import ACCEPT_SECONDS, ACCEPTED, Stream, dropped
 from apps.core.tunnels import reason as _reason
 from protocol import tunnel
@@ -222,16 +222,9 @@ class AppRoute:
 
     async def _admission(self, scope: Scope) -> Admission:
         try:
-            return await sync_to_async(self._admit_closing, thread_sensitive=False)(scope)
+            return await in_db_thread(_admit)(scope)
         except DatabaseError:
             return Admission(503, "Klique's database is unavailable; try again shortly.")
-
-    @staticmethod
-    def _admit_closing(scope: Scope) -> Admission:
-        try:
-            return _admit(scope)
-        finally:
-            close_old_connections()
 
     async def _http(
         self, scope: Scope, receive: Any, send: Any, admission: Admission, *, retry: bool
@@ -319,14 +312,11 @@ async def services_tunnel_stale(admission: Admission) -> None:
     """A tunnel channel that took nothing: its web process is gone. Forget it, so the page says so."""
 
     def forget() -> None:
-        try:
-            with schema_context(admission.schema):
-                services.tunnel_closed(app_id=admission.app_id, channel=admission.channel)
-        finally:
-            close_old_connections()
+        with schema_context(admission.schema):
+            services.tunnel_closed(app_id=admission.app_id, channel=admission.channel)
 
     with contextlib.suppress(DatabaseError):
-        await sync_to_async(forget, thread_sensitive=False)()
+        await in_db_thread(forget)()
 
 
 async def _upload(receive: Any, stream: Stream) -> None:
@@ -526,17 +516,14 @@ async def _current_tunnel(admission: Admission) -> str | None:
     """The app's tunnel now ("" while its agent reconnects it); None once the app is stopping or stopped."""
 
     def read() -> str | None:
-        try:
-            with schema_context(admission.schema):
-                app = AppInstance.objects.select_related("task").filter(pk=admission.app_id).first()
-                if app is None or selectors.app_state(app).state in (selectors.STOPPED, selectors.STOPPING):
-                    return None
-                return app.tunnel_channel
-        finally:
-            close_old_connections()
+        with schema_context(admission.schema):
+            app = AppInstance.objects.select_related("task").filter(pk=admission.app_id).first()
+            if app is None or selectors.app_state(app).state in (selectors.STOPPED, selectors.STOPPING):
+                return None
+            return app.tunnel_channel
 
     try:
-        return await sync_to_async(read, thread_sensitive=False)()
+        return await in_db_thread(read)()
     except DatabaseError:
         return ""
 

@@ -119,6 +119,14 @@ def test_an_ended_tunnel_forgets_itself_not_a_newer_runs(tmp_path: Path) -> None
     asyncio.run(scenario())
 
 
+def tunnel_to(port: int) -> AppTunnel:
+    """An app's tunnel for an app on `port`, driven frame by frame by the test (no plane)."""
+    return AppTunnel(
+        url="http://demo.localhost:1", credentials={}, task_id="t", lease_id="l",
+        app=AppSpec("0123abcd", port), fail=None, say=None,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
 class Sent:
     """The tunnel's socket to the plane, as a list of the frames sent on it."""
 
@@ -145,10 +153,7 @@ def test_a_websocket_is_resumed_only_by_its_id_and_a_count_that_fits(head: dict[
     from agents.tunnel import _Websocket
     from protocol import tunnel
 
-    link = AppTunnel(
-        url="http://demo.localhost:1", credentials={}, task_id="t", lease_id="l",
-        app=AppSpec("0123abcd", 9999), fail=None, say=None,  # type: ignore[arg-type]
-    )  # fmt: skip
+    link = tunnel_to(9999)
 
     async def scenario() -> list[Any]:
         link.socket = Sent()
@@ -169,10 +174,7 @@ def test_a_resumed_websocket_hears_its_count_then_what_it_missed() -> None:
     from agents.tunnel import _Websocket
     from protocol import tunnel
 
-    link = AppTunnel(
-        url="http://demo.localhost:1", credentials={}, task_id="t", lease_id="l",
-        app=AppSpec("0123abcd", 9999), fail=None, say=None,  # type: ignore[arg-type]
-    )  # fmt: skip
+    link = tunnel_to(9999)
 
     async def scenario() -> list[Any]:
         link.socket = Sent()
@@ -210,10 +212,7 @@ def test_an_apps_close_during_a_drop_reaches_the_client_after_the_resume() -> No
     async def scenario() -> tuple[list[Any], bool, bool]:
         async with websockets.serve(closes_soon, "127.0.0.1", 0) as server:
             port = next(iter(server.sockets)).getsockname()[1]
-            link = AppTunnel(
-                url="http://demo.localhost:1", credentials={}, task_id="t", lease_id="l",
-                app=AppSpec("0123abcd", port), fail=None, say=None,  # type: ignore[arg-type]
-            )  # fmt: skip
+            link = tunnel_to(port)
             link.socket = Sent()
             head = {"websocket": True, "resume": "r1", "target": "/", "headers": []}
             link._open(tunnel.Frame(1, tunnel.OPEN, json.dumps(head).encode()))
