@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +29,22 @@ DEFAULT_SETTINGS = "config.settings.local"
 
 
 class ProcessSet:
-    """Child processes started in their own sessions, so that this process alone decides how they stop."""
+    """Child processes started in their own sessions, so that this process alone decides how they stop.
+    One that ends by itself may be started again (`restart`), a few times in a while at most."""
+
+    RESTARTS = 5  # at most this many starts again of one child ...
+    RESTART_WINDOW_SECONDS = 300.0  # ... within this long; more means it cannot run, and `up` stops
 
     def __init__(self) -> None:
         self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self._how: dict[str, tuple[list[str], dict[str, str] | None, Path | None]] = {}
+        self._restarts: dict[str, list[float]] = {}
 
     def start(
         self, name: str, argv: Sequence[str], env: dict[str, str] | None = None, log: Path | None = None
     ) -> None:
         """Start a child; its output goes to this process's, or to `log` (a stand-in's chatter)."""
+        self._how[name] = (list(argv), env, log)
         if log is None:
             self.children[name] = subprocess.Popen(list(argv), start_new_session=True, env=env)
             return
@@ -48,6 +55,17 @@ class ProcessSet:
 
     def first_exited(self) -> str | None:
         return next((name for name, child in self.children.items() if child.poll() is not None), None)
+
+    def restart(self, name: str) -> bool:
+        """Start an ended child again as it was first started; False when it has ended too often lately."""
+        now = time.monotonic()
+        recent = [at for at in self._restarts.get(name, []) if now - at < self.RESTART_WINDOW_SECONDS]
+        if len(recent) >= self.RESTARTS:
+            return False
+        self._restarts[name] = [*recent, now]
+        argv, env, log = self._how[name]
+        self.start(name, argv, env, log)
+        return True
 
     def stop(self, grace_seconds: float = 20) -> None:
         for child in self.children.values():
@@ -61,6 +79,11 @@ class ProcessSet:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
+
+
+# Started again when they end by themselves: their work is in the database and the broker, so a new one
+# picks up where the old one was (a worker that ended itself, stalled after a Redis restart, comes back).
+RESTARTED = frozenset({"web", "worker", "beat"})
 
 
 def _server_environment() -> None:
@@ -319,6 +342,21 @@ def _banner(demo: dict[str, Any] | None, port: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def supervise(children: ProcessSet, stopping: Callable[[], bool]) -> bool:
+    """Watch the children until asked to stop (False), starting an ended web, worker or beat again; True
+    when one ended that cannot be started again (the others are then stopped)."""
+    while not stopping():
+        if (exited := children.first_exited()) is not None:
+            code = children.children[exited].returncode
+            if exited in RESTARTED and children.restart(exited):
+                print(f"The {exited} process ended (exit code {code}); starting it again.", file=sys.stderr)
+                continue
+            print(f"The {exited} process stopped (exit code {code}); stopping the others.", file=sys.stderr)
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def command_up(args: argparse.Namespace) -> int:
     """Run everything on one machine: embedded services where none is configured, then web, worker, beat."""
     _server_environment()
@@ -362,11 +400,8 @@ def command_up(args: argparse.Namespace) -> int:
             _wait_for_demo_agent(demo, args.port, children, pools)
             subprocess.run(_manage_argv("demo_setup", "--tasks"), check=True, capture_output=True, text=True)
         print(_banner(demo, args.port), flush=True)
-        while not stopping:
-            if (exited := children.first_exited()) is not None:
-                print(f"The {exited} process stopped; stopping the others.", file=sys.stderr, flush=True)
-                return 1
-            time.sleep(0.2)
+        if supervise(children, lambda: stopping):
+            return 1
         print("Stopping Klique...", flush=True)
         return 0
     except (PreflightError, EmbeddedServiceError) as error:

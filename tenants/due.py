@@ -15,6 +15,10 @@ nothing.
   Redis (restarted without its data), work that no event announces (a token turning purgeable with time,
   an objective's window sliding) and a tenant that existed before marks did are all found within one
   sweep: pages of `KLIQUE_DUE_WALK_PAGE` tenants every `KLIQUE_DUE_WALK_SECONDS`.
+- **Marks lost at once.** A sweep of ten thousand tenants takes most of an hour, too long for queued work
+  to wait after Redis restarted empty. A key (`klique:due:kept`) lives beside the marks; the walk that
+  finds it gone knows the marks went with it, and asks every tenant's `cycle` predicate in that one pass
+  (one query a tenant), so work in play is scheduled again within a walk's tick.
 
 Marking is best effort: when Redis does not answer, the change itself is committed and the walk finds it.
 """
@@ -32,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 KINDS = ("cycle", "gateway_calls", "objectives", "storage", "token_purge")
 CURSOR = "klique:due-walk:cursor"
+KEPT = "klique:due:kept"  # there while Redis keeps the marks; gone with them
 _client: redis.Redis | None = None
 
 # kind -> is work of that kind due in the current schema? (registered by the app that does the work)
@@ -79,6 +84,12 @@ def cursor() -> str:
     return value.decode() if isinstance(value, bytes) else (value or "")
 
 
+def lost() -> bool:
+    """Whether the marks were lost since the last walk asked (Redis restarted without its data, or this
+    deployment's first walk). Asking sets the key again: True once per loss."""
+    return bool(client().set(KEPT, "1", nx=True))
+
+
 def mark_on_commit(schema_name: str, kind: str) -> None:
     transaction.on_commit(lambda: mark(schema_name, kind))
 
@@ -106,6 +117,7 @@ def settle(schema_name: str, kind: str, work: Callable[[], object]) -> object:
     return result
 
 
-def due_here() -> list[str]:
-    """The kinds whose predicate holds in the current schema (what the walk marks)."""
-    return [kind for kind, test in _predicates.items() if test()]
+def due_here(kinds: Iterable[str] | None = None) -> list[str]:
+    """The kinds (of `kinds`, or all) whose predicate holds in the current schema (what the walk marks)."""
+    names = _predicates.keys() if kinds is None else [kind for kind in kinds if kind in _predicates]
+    return [kind for kind in names if _predicates[kind]()]

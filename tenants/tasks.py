@@ -4,6 +4,7 @@ announced."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 from celery import current_app, shared_task
@@ -12,6 +13,8 @@ from django_tenants.utils import tenant_context
 
 from tenants import due
 from tenants.selectors import tenant_list
+
+logger = logging.getLogger(__name__)
 
 
 @shared_task(name="tenants.for_each_tenant")
@@ -43,12 +46,30 @@ def for_marked_tenants(task_name: str, kinds: Iterable[str]) -> int:
     return len(active)
 
 
+def _remark_cycles() -> None:
+    """The marks are gone (Redis restarted empty): mark now every tenant with work in play, so that its
+    queued tasks, leases and lost agents are seen to within a tick, not within a whole sweep."""
+    in_play = []
+    for tenant in tenant_list().filter(status="active").order_by("schema_name").iterator(chunk_size=500):
+        with tenant_context(tenant):
+            if due.due_here(["cycle"]):
+                in_play.append(tenant.schema_name)
+    due.mark(in_play, "cycle")
+    logger.warning(
+        "the marks of periodic work were lost (Redis restarted without its data); %d of the tenants have "
+        "work in play and are marked for a scheduling cycle",
+        len(in_play),
+    )
+
+
 @shared_task(name="tenants.walk_due")
 def walk_due(page: int | None = None) -> int:
     """Visit the next page of tenants (by schema name, wrapping round) and mark, in each, the kinds of
     periodic work its predicates say are due. Returns how many tenants were visited."""
     size = page or settings.KLIQUE_DUE_WALK_PAGE
     client = due.client()
+    if due.lost():
+        _remark_cycles()
     cursor = due.cursor()
     tenants = list(
         tenant_list().filter(status="active", schema_name__gt=cursor).order_by("schema_name")[:size]

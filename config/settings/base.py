@@ -47,6 +47,9 @@ KLIQUE_CYCLE_SAFETY_NET_SECONDS = env.integer("KLIQUE_CYCLE_SAFETY_NET_SECONDS",
 # The walk (tenants/due.py): this many tenants visited every so many seconds; 10,000 tenants in 50 minutes.
 KLIQUE_DUE_WALK_PAGE = env.integer("KLIQUE_DUE_WALK_PAGE", default=200, minimum=1)
 KLIQUE_DUE_WALK_SECONDS = env.integer("KLIQUE_DUE_WALK_SECONDS", default=60, minimum=1)
+# A worker that takes no message this long while its queue holds some and it has a free slot ends itself,
+# to be started again (config/watchdog.py: its consumer was lost with a Redis restart); 0 turns this off.
+KLIQUE_WORKER_STALL_SECONDS = env.integer("KLIQUE_WORKER_STALL_SECONDS", default=60, minimum=0)
 
 SHARED_APPS = [
     "django_tenants",

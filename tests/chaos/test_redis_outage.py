@@ -1,6 +1,8 @@
 """Redis killed by PID under a running `klique up` (its broker, channel layer and counters) and started
 again on its port: an abort given during the outage is honoured, a live log follower sees every line and
-the end, and the pool's next task runs once the stopped run has let its GPU go."""
+the end, and the pool's next task runs once the stopped run has let its GPU go. Celery's consumer does
+not always survive the restart (config/watchdog.py): then the worker ends itself and `klique up` starts it
+again, and the marks of periodic work, lost with Redis's data, are found by the next walk."""
 
 from __future__ import annotations
 
@@ -79,7 +81,10 @@ def test_an_abort_during_a_redis_outage_is_honoured_and_a_follower_misses_nothin
     fresh_database: str, redis: Redis, tmp_path: Path
 ) -> None:
     environment = clean_environment(
-        DATABASE_URL=fresh_database, REDIS_URL=redis.url, KLIQUE_CYCLE_SAFETY_NET_SECONDS="1"
+        DATABASE_URL=fresh_database,
+        REDIS_URL=redis.url,
+        KLIQUE_CYCLE_SAFETY_NET_SECONDS="1",
+        KLIQUE_WORKER_STALL_SECONDS="20",  # a worker whose consumer the outage took ends, and comes back
     )
     running = start_up(environment, tmp_path / "data")
     agent = follower = None

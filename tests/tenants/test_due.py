@@ -31,6 +31,7 @@ def clean(world: World, db: None) -> Iterator[None]:
         due.client().delete(*[due.key(kind) for kind in due.KINDS], due.CURSOR)
 
     wipe()
+    due.client().set(due.KEPT, "1")  # the marks are Redis's own: none was lost
     yield
     wipe()
 
@@ -164,6 +165,33 @@ def test_the_walk_marks_work_in_play_and_objectives_to_measure(clean: None, worl
         assert WaitObjective.objects.get(name="due-p90").state == WaitObjective.State.OK
     assert "acme" not in marks("objectives")
     assert "acme" in marks("cycle")  # its objectives are measured each minute its tasks are in play
+
+
+def test_marks_lost_with_redis_are_found_in_one_walk_for_every_tenant_with_work_in_play(
+    clean: None, world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis restarted empty: the next walk, whatever its page, marks the cycle of every tenant with tasks
+    in play (not only its page's), once; tenants at rest stay unmarked."""
+    with schema_context("acme"):
+        at_rest()
+        Task.objects.filter(pk=world.task_a).update(state=TaskState.QUEUED)
+    with schema_context("globex"):
+        at_rest()
+    due.client().delete(due.KEPT)  # as Redis comes back from a restart without its data
+    due.client().set(due.CURSOR, "acme")  # this tick's page is past acme
+
+    with caplog.at_level("WARNING", logger="tenants.tasks"):
+        assert walk_due(page=1) == 1
+    assert marks("cycle") == {"acme"}
+    assert "the marks of periodic work were lost" in caplog.text
+    assert due.client().get(due.KEPT) is not None
+
+    due.client().delete(due.key("cycle"))
+    due.client().set(due.CURSOR, "acme")
+    caplog.clear()
+    walk_due(page=1)  # the loss was seen once: from now on, pages as before
+    assert marks("cycle") == set()
+    assert "were lost" not in caplog.text
 
 
 def test_marks_of_tenants_gone_or_suspended_are_dropped(clean: None, sent: list[Any]) -> None:
