@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ from asgiref.testing import ApplicationCommunicator
 from django.core.handlers.asgi import ASGIHandler
 from django.db import connections
 
-from apps.core.handlers import SyncChainASGIHandler
+from apps.core.handlers import RequestThreads, SyncChainASGIHandler
 from tests.world import HOST_A, HOST_B, HOST_PROVIDER, World
 
 
@@ -29,6 +30,14 @@ def _close_thread_connections() -> Iterator[None]:
     """The handlers query from asgiref's worker threads; close their connections after each test."""
     yield
     asyncio.run(sync_to_async(connections.close_all)())
+
+
+@pytest.fixture
+def handler() -> Iterator[SyncChainASGIHandler]:
+    """Ours, its kept request threads ended after the test (each closing its connections)."""
+    ours = SyncChainASGIHandler()
+    yield ours
+    ours.threads.close()
 
 
 async def ask(
@@ -98,12 +107,20 @@ REQUESTS = [
 
 @pytest.mark.parametrize(("method", "path", "host", "who", "body", "status"), REQUESTS)
 def test_it_answers_as_django_s_handler_does(
-    world: World, db: None, method: str, path: str, host: str, who: str | None, body: bytes, status: int
+    world: World,
+    db: None,
+    handler: SyncChainASGIHandler,
+    method: str,
+    path: str,
+    host: str,
+    who: str | None,
+    body: bytes,
+    status: int,
 ) -> None:
     token = world.tokens[who] if who else None
 
     async def both() -> tuple[dict[str, Any], dict[str, Any]]:
-        ours = await ask(SyncChainASGIHandler(), method, path, host, token, body)
+        ours = await ask(handler, method, path, host, token, body)
         django = await ask(ASGIHandler(), method, path, host, token, body)
         return ours, django
 
@@ -116,7 +133,7 @@ def test_it_answers_as_django_s_handler_does(
 
 
 def test_a_view_is_reached_without_a_hop_back_to_the_event_loop(
-    world: World, db: None, monkeypatch: pytest.MonkeyPatch
+    world: World, db: None, monkeypatch: pytest.MonkeyPatch, handler: SyncChainASGIHandler
 ) -> None:
     hops: list[str] = []
     original = sync.AsyncToSync.__call__
@@ -130,9 +147,65 @@ def test_a_view_is_reached_without_a_hop_back_to_the_event_loop(
     async def once(application: Any) -> dict[str, Any]:
         return await ask(application, "GET", "/api/v1/me/", HOST_A, world.tokens["alice"], b"")
 
-    assert asyncio.run(once(SyncChainASGIHandler()))["status"] == 200
+    assert asyncio.run(once(handler))["status"] == 200
     ours = list(hops)
     hops.clear()
     assert asyncio.run(once(ASGIHandler()))["status"] == 200
     assert not any("get_response" in hop for hop in ours), ours
     assert any("get_response" in hop for hop in hops), hops  # Django's own hops back, to reach the view
+
+
+def test_a_request_thread_serves_the_next_request_and_holds_no_connection_between(
+    world: World, db: None, handler: SyncChainASGIHandler
+) -> None:
+    """Requests one after another are served by one kept thread, not a new thread each; between them the
+    thread holds no database connection (Django closes it at the request's end, as with a new thread)."""
+    served: list[int] = []
+    original = handler.get_response
+
+    def recorded(request: Any) -> Any:
+        served.append(threading.get_ident())
+        return original(request)
+
+    handler.get_response = recorded  # type: ignore[method-assign]
+
+    async def three() -> list[int]:
+        statuses = []
+        for who in ("alice", "bob", "alice"):
+            answer = await ask(handler, "GET", "/api/v1/me/", HOST_A, world.tokens[who], b"")
+            statuses.append(answer["status"])
+        return statuses
+
+    assert asyncio.run(three()) == [200, 200, 200]
+    assert len(set(served)) == 1
+    assert len(handler.threads.idle) == 1
+    kept = handler.threads.idle[0]
+    # Closed by Django's request_finished in that thread (CONN_MAX_AGE 0 here, as in `klique web`, whose
+    # pool takes the connection back): had the response been closed in another thread, it would be open.
+    assert kept.submit(lambda: connections["default"].connection is None).result()
+
+
+def test_a_thread_still_busy_after_its_request_is_not_kept() -> None:
+    """A client that left while its view ran: the request is over, the view still runs in its thread."""
+    threads = RequestThreads(keep=4)
+    thread = threads.take()
+    release = threading.Event()
+    running = thread.submit(release.wait, 10)
+    threads.give(thread, finished=True)
+    assert threads.idle == []  # the next request must not queue behind the old view
+    release.set()
+    assert running.result(5) is True
+
+
+def test_a_failed_request_s_thread_is_not_kept_and_at_most_keep_idle_threads_are() -> None:
+    threads = RequestThreads(keep=2)
+    failed = threads.take()
+    threads.give(failed, finished=False)
+    assert threads.idle == []
+    taken = [threads.take() for _ in range(3)]
+    assert len({id(thread) for thread in taken}) == 3
+    for thread in taken:
+        threads.give(thread, finished=True)
+    assert threads.idle == taken[:2]
+    assert threads.take() is taken[1]  # the most recently used first: its caches are warm
+    threads.close()
