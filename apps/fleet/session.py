@@ -245,6 +245,7 @@ def agent_heartbeat(
     ]
     if let_go:
         TaskRun.objects.filter(pk__in=let_go).update(released_at=now)
+        runs.run_stop_released(tenant)
     leases = [lease for lease in (as_uuid(lease) for _, lease in held) if lease is not None]
     known = {
         (str(run.task_id), str(run.pk)): run

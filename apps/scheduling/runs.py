@@ -22,6 +22,7 @@ from django.utils import timezone
 
 from apps.core.events import publish_event
 from apps.resources.models import Pool
+from apps.scheduling import wake
 from apps.scheduling.meter import meter_segment
 from apps.scheduling.models import RunOutcome, Task, TaskEvent, TaskRun, TaskState
 
@@ -92,6 +93,7 @@ def run_ended_aside(tenant: Tenant, task: Task, run: TaskRun, *, body: dict[str,
     code = body.get("exit_code") if isinstance(body.get("exit_code"), int) else None
     if run.outcome == RunOutcome.STOPPED or run.stop:
         run_ended(run, outcome=RunOutcome.STOPPED, exit_code=code, now=now)
+        run_stop_released(tenant)
         return f"attempt {run.attempt} stopped, as asked"
     unmetered_from = run.ended_at  # where the plane stopped counting it, when it gave it up
     run.outcome, run.exit_code, run.released_at = RunOutcome.DUPLICATE, code, now
@@ -119,6 +121,13 @@ def run_ended_aside(tenant: Tenant, task: Task, run: TaskRun, *, body: dict[str,
         data={"task": str(task.pk), "attempt": run.attempt, "agent": agent_id},
     )
     return f"attempt {run.attempt} recorded as a duplicate run"
+
+
+def run_stop_released(tenant: Tenant) -> None:
+    """A stopped run's agent let it go: its GPUs are free from now (the cycle counted them as held), so
+    the tasks waiting for them (the preemptor, the queue behind an abort) are placed now, not at the next
+    safety-net cycle."""
+    wake.request_cycle(tenant)
 
 
 def run_request_stop(task: Task, *, kind: str, grace_seconds: float = 0.0) -> TaskRun | None:

@@ -316,6 +316,48 @@ def test_an_abort_is_asked_for_until_the_agent_lets_the_run_go_and_its_gpus_wait
     ]
 
 
+@pytest.mark.parametrize("let_go_by", ["its result", "a heartbeat without it"])
+def test_a_stopped_run_let_go_asks_for_a_cycle_at_once(fleet: dict[str, Any], let_go_by: str) -> None:
+    """The GPUs of an aborted (or preempted) run are free only when its agent lets it go; the tasks waiting
+    for them are placed by the cycle that release asks for, not by the next safety-net cycle."""
+    asked: list[str] = []
+
+    async def scenario() -> tuple[int, int, int]:
+        client = agent(fleet["token"].secret)
+        (assign,) = await start(client)
+
+        def cancel() -> None:
+            fay = User.objects.get(username="fay")
+            task_cancel(tenant=fleet["tenant"], user=fay, task=Task.objects.get(pk=assign["task_id"]))
+
+        await in_fleet(cancel)
+        await receive(client, "abort")
+        before = len(asked)
+        await client.send_json_to({"type": "heartbeat", "held": [run_of(assign)]})  # still holds it
+        await receive(client, "abort")
+        holding = len(asked)
+        if let_go_by == "its result":
+            await client.send_json_to({"type": "result", **run_of(assign), "seq": 2, "exit_code": -15})
+            await receive(client, "ack")
+        else:
+            await client.send_json_to({"type": "heartbeat", "held": []})
+            assert await client.receive_nothing(timeout=0.5)
+        released = len(asked)
+        await client.disconnect()
+        return before, holding, released
+
+    def record(tenant: Any) -> None:
+        asked.append(tenant.schema_name)
+
+    with mock.patch.object(wake, "request_cycle", side_effect=record):
+        before, holding, released = asyncio.run(scenario())
+    assert holding == before  # a heartbeat that still holds the run frees nothing
+    assert released > holding
+    assert set(asked) == {"fleet"}
+    _, task_runs, _ = rows(fleet["task"])
+    assert task_runs[0].released_at is not None
+
+
 def test_a_database_error_mid_message_closes_with_1011_and_at_connect_refuses_the_handshake(
     fleet: dict[str, Any],
 ) -> None:
