@@ -83,7 +83,9 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             )
         if self.agent_id:
             with contextlib.suppress(DatabaseError):  # the heartbeat's age says it anyway
-                await database_sync_to_async(self._in_schema)(session.agent_gone, agent_id=self.agent_id)
+                await database_sync_to_async(self._in_schema)(
+                    session.agent_gone, tenant=self.tenant, agent_id=self.agent_id
+                )
 
     def _in_schema(self, function: Any, **arguments: Any) -> Any:
         assert self.schema_name is not None

@@ -182,8 +182,12 @@ def _held_elsewhere(
     return messages.Stop(run.stop or "abort", holding.task_id, holding.lease_id, run.stop_grace_seconds)
 
 
-def agent_gone(*, agent_id: str) -> None:
+def agent_gone(*, tenant: Tenant, agent_id: str) -> None:
+    """The agent's connection closed. The stopped runs it had not let go of no longer hold GPUs in the
+    cycle's view (it counts only connected agents'), so a cycle is asked for when there were any."""
     Agent.objects.filter(pk=agent_id).update(connected=False)
+    if TaskRun.objects.filter(agent_id=agent_id, released_at=None).exclude(stop="").exists():
+        runs.run_stop_released(tenant)
 
 
 def _count(value: object) -> int | None:
