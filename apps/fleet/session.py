@@ -30,6 +30,7 @@ reports are dispatch.py's, outputs outputs.py's, tokens credentials.py's.
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
@@ -63,9 +64,16 @@ MAX_GPU_CLASSES = 64  # GPU classes and MIG profiles one agent may report
 def pool_heartbeat(*, tenant: Tenant, pool: Pool) -> Pool:
     """Record that the pool's agent is alive (each hello and heartbeat of its agents). A pool that comes
     back online is an event for the scheduler: its capacity is usable again. A pool whose heartbeats stop is
-    noticed by beat's periodic cycle, which reads online-ness from the heartbeat's age."""
+    noticed by beat's periodic cycle, which reads online-ness from the heartbeat's age.
+
+    The pool's row is written at most once per sixth of its timeout (15 s of 90): a pool of many agents
+    would otherwise write one row at each of their heartbeats. What is recorded is then at most that much
+    plus a heartbeat's interval old, well within the timeout, so a live pool never looks offline."""
     now = timezone.now()
     was_online = pool.is_online(now)
+    fresh = timedelta(seconds=pool.heartbeat_timeout_seconds / 6)
+    if was_online and pool.last_heartbeat_at is not None and now - pool.last_heartbeat_at < fresh:
+        return pool
     pool.last_heartbeat_at = now
     pool.save(update_fields=["last_heartbeat_at"])
     if not was_online:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from datetime import timedelta
 
 import pytest
 import redis
 from django.conf import settings
+from django.utils import timezone
 from django_tenants.utils import schema_context
 from rest_framework.test import APIClient
 
@@ -125,3 +127,29 @@ def test_a_pool_coming_back_online_asks_for_a_cycle(
         pool.refresh_from_db()
         pool_heartbeat(tenant=world.tenant_a, pool=pool)
     assert asked == ["acme"]
+
+
+def test_a_pool_of_many_agents_writes_its_heartbeat_at_most_once_per_sixth_of_its_timeout(
+    world: World, db: None
+) -> None:
+    """Each agent's heartbeat is its own row; the pool's row is written only when what it holds is older than
+    a sixth of the timeout (15 s of 90), so a live pool never looks offline and a thousand agents do not
+    write one row a thousand times a heartbeat."""
+    from apps.fleet.session import pool_heartbeat
+
+    with schema_context("acme"):
+        pool = Pool.objects.get(name="h100")
+        recent = timezone.now() - timedelta(seconds=5)
+        Pool.objects.filter(pk=pool.pk).update(last_heartbeat_at=recent, heartbeat_timeout_seconds=90)
+        pool.refresh_from_db()
+        pool_heartbeat(tenant=world.tenant_a, pool=pool)  # another agent's heartbeat, 5 s after
+        assert Pool.objects.get(pk=pool.pk).last_heartbeat_at == recent
+
+        older = timezone.now() - timedelta(seconds=16)
+        Pool.objects.filter(pk=pool.pk).update(last_heartbeat_at=older)
+        pool.refresh_from_db()
+        pool_heartbeat(tenant=world.tenant_a, pool=pool)
+        written = Pool.objects.get(pk=pool.pk).last_heartbeat_at
+        assert written is not None
+        assert written > older
+        assert pool.is_online(timezone.now())
