@@ -57,12 +57,10 @@ class Watchdog:
     ) -> None:
         self.client, self.keys, self.slots, self.busy = client, queue_keys(queues), slots, busy
         self.stall_seconds, self.clock = stall_seconds, clock
-        self.since: float | None = None  # when the stall began to be seen; None: not seen now
-        self.received_at = clock()
+        self.since: float | None = None  # since when it has looked deaf; None: it does not now
 
     def received(self) -> None:
-        """The consumer took a message (Celery's task_received signal)."""
-        self.received_at = self.clock()
+        """The consumer took a message (Celery's task_received signal): it is not deaf."""
         self.since = None
 
     def waiting(self) -> int | None:
@@ -82,7 +80,7 @@ class Watchdog:
         if not waiting or self.busy() >= self.slots:
             self.since = None
             return False
-        if self.since is None or self.since < self.received_at:
+        if self.since is None:
             self.since = now
         return now - self.since >= self.stall_seconds
 
