@@ -175,12 +175,6 @@ def snapshot(
     return state, shown
 
 
-def _publish_use(tenant: Tenant) -> None:
-    """The GPUs the tenant's work holds after this cycle, on its public row for the provider's pages."""
-    held = Task.objects.filter(state__in=ACTIVE_STATES).aggregate(units=Sum("size_units"))["units"] or 0
-    type(tenant).objects.filter(pk=tenant.pk).update(gpu_units_in_use=held)
-
-
 def _held_by_budgets(now: datetime) -> dict[str, str]:
     """Queued tasks that may not start because a budget in USD they draw from is spent (one wallet pays
     for a project's GPU time and its gateway calls): task id -> the budget's sentence."""
@@ -265,7 +259,7 @@ def run_cycle(tenant: Tenant) -> CycleResult:
             publish_event(
                 tenant=tenant, kind="tasks.scheduled", data={"placed": placed, "preempted": preempted}
             )
-        _publish_use(tenant)
+        lifecycle.use_publish(tenant)
         _tell_agents(tenant, decision, stopped)
     elapsed = (time.perf_counter() - started) * 1000
     logger.info(

@@ -24,7 +24,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import connection, transaction
-from django.db.models import DurationField, ExpressionWrapper, F, Q, Value
+from django.db.models import DurationField, ExpressionWrapper, F, Q, Sum, Value
 from django.utils import timezone
 
 from apps.accounts.models import User
@@ -110,7 +110,7 @@ def transition(task: Task, *, to_state: str, actor: str, message: str = "", **fi
     return task
 
 
-@transaction.atomic
+@transaction.atomic(savepoint=False)  # no savepoint when nested: a failure undoes the caller's too
 def task_finish(
     *,
     tenant: Tenant,
@@ -120,17 +120,19 @@ def task_finish(
     actor: str,
     lost: str = "",
     detail: str = "",
+    locked: bool = False,
 ) -> Task:
     """Record a run's end. A failed run is queued again while attempts remain (retry policy). `lost` says
     why a run that never reported its end was given up (its pool went silent); `detail` is its agent's word
     on a failure outside the task's own command (its image is not on the host): the task's reason keeps
-    either."""
-    task = Task.objects.select_for_update().get(pk=task.pk)
+    either. `locked`: the caller read `task` with its row locked in this transaction, so it is current."""
+    if not locked:
+        task = Task.objects.select_for_update().get(pk=task.pk)
     how = f"was lost ({lost})" if lost else f"failed with exit code {exit_code}"
     if detail and not lost:
         how += f" ({detail.rstrip('.')})"
     if succeeded:
-        transition(task, to_state=TaskState.COMPLETED, actor=actor, exit_code=exit_code, pool=task.pool)
+        transition(task, to_state=TaskState.COMPLETED, actor=actor, exit_code=exit_code)
     elif task.attempts < task.max_attempts:
         transition(task, to_state=TaskState.FAILED, actor=actor, message=f"attempt {task.attempts} {how}")
         # A retry is a new run of the same task: it re-enters the queue, keeping its place by submit time.
@@ -161,8 +163,17 @@ def task_finish(
             reason_code=LOST_REASON if lost else "failed",
             reason=f"All {task.max_attempts} attempts failed; the last {how}.",
         )
-    wake.request_cycle(tenant)
+    if Task.objects.filter(state=TaskState.QUEUED).exists():
+        wake.request_cycle(tenant)  # its GPUs go to the work that waits
+    else:
+        use_publish(tenant)  # nothing waits: a cycle would only have said how many GPUs are in use
     return task
+
+
+def use_publish(tenant: Tenant) -> None:
+    """The GPUs the tenant's work holds now, on its public row for the provider's pages."""
+    held = Task.objects.filter(state__in=ACTIVE_STATES).aggregate(units=Sum("size_units"))["units"] or 0
+    type(tenant).objects.filter(pk=tenant.pk).update(gpu_units_in_use=held)
 
 
 def tasks_end_for_removed_resources(*, resources: list[ComputeResource], actor: User) -> int:
@@ -185,7 +196,7 @@ def tasks_end_for_removed_resources(*, resources: list[ComputeResource], actor: 
     return ended
 
 
-@transaction.atomic
+@transaction.atomic(savepoint=False)  # no savepoint when nested: a failure undoes the caller's too
 def leases_expire() -> int:
     """Tasks handed out but not acknowledged in time go back to the queue. Returns how many."""
     now = timezone.now()
@@ -373,7 +384,7 @@ def run_adopt(tenant: Tenant, task: Task, run: TaskRun, *, agent_id: str, ended:
     )
 
 
-@transaction.atomic
+@transaction.atomic(savepoint=False)  # no savepoint when nested: a failure undoes the caller's too
 def tasks_of_silent_pools(*, tenant: Tenant) -> int:
     """Runs dispatched to or running in a pool whose agents all stopped heartbeating beyond the pool's
     timeout (in a cloud pool each agent is judged alone), or on an agent that did, are lost: a dispatch

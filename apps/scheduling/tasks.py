@@ -10,7 +10,7 @@ from django.conf import settings
 from apps.scheduling import meter, objectives, webhooks
 from apps.scheduling.cycle import run_cycle
 from apps.scheduling.selectors import tasks_in_play
-from apps.scheduling.wake import CYCLE_TASK, send_cycle
+from apps.scheduling.wake import CYCLE_TASK, cycle_ended, cycle_starting, send_cycle
 from tenants import due
 from tenants.tenancy import tenant_task
 
@@ -26,8 +26,11 @@ due.predicate("objectives")(objectives.measure_due)
 def scheduling_cycle(tenant: Tenant) -> dict[str, object]:
     """One cycle for the tenant. Idempotent: a second run on the same state decides nothing new. When
     another worker holds the tenant's cycle, ask for one more afterwards so no event is lost."""
+    cycle_starting(tenant.schema_name)  # the requests made while it runs share one cycle after it
     result = run_cycle(tenant)
-    if not result.ran:
+    if result.ran:
+        cycle_ended(tenant.schema_name, result.milliseconds)
+    else:
         send_cycle(tenant.schema_name, countdown=settings.KLIQUE_CYCLE_DEBOUNCE_SECONDS)
     return {
         "ran": result.ran,

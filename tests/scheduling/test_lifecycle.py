@@ -13,13 +13,16 @@ from django.utils import timezone
 from django_tenants.utils import schema_context
 from rest_framework.test import APIClient
 
+from apps.accounts.models import User
 from apps.core.errors import InvalidInput
 from apps.resources.models import Pool
 from apps.scheduling import tasks as scheduling_tasks
 from apps.scheduling import wake
 from apps.scheduling.lifecycle import task_finish, transition
 from apps.scheduling.models import Task, TaskState
+from apps.scheduling.services import TaskRequest, tasks_submit
 from config.celery import app as celery_app
+from tenants.models import Tenant
 from tests.world import World
 
 
@@ -59,6 +62,40 @@ def test_a_finished_run_completes(world: World, db: None) -> None:
     assert (task.state, task.exit_code) == (TaskState.COMPLETED, 0)
 
 
+@pytest.mark.parametrize("waiting", [False, True], ids=["nothing waits", "work waits"])
+def test_a_run_that_ends_asks_for_a_cycle_only_when_work_waits(
+    world: World, db: None, monkeypatch: pytest.MonkeyPatch, waiting: bool
+) -> None:
+    """Its GPUs matter only to queued work. With none, the tenant's GPUs in use (the provider's pages)
+    are published at once instead, as the cycle would have."""
+    task = running(world)
+    with schema_context("acme"):
+        if waiting:
+            tasks_submit(
+                tenant=world.tenant_a,
+                user=User.objects.get(username="bob"),
+                requests=[TaskRequest(compute_resource="Research: 4 GPUs")],
+            )
+        Tenant.objects.filter(pk=world.tenant_a.pk).update(gpu_units_in_use=999)
+        asked: list[str] = []
+        monkeypatch.setattr(wake, "request_cycle", lambda tenant: asked.append(tenant.schema_name))
+        task_finish(tenant=world.tenant_a, task=task, succeeded=True, exit_code=0, actor="agent")
+        published = Tenant.objects.get(pk=world.tenant_a.pk).gpu_units_in_use
+    assert asked == (["acme"] if waiting else [])
+    assert published == (999 if waiting else 0)  # with work waiting, the cycle publishes it
+
+
+def test_a_failed_run_retried_asks_for_a_cycle(
+    world: World, db: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    task = running(world)
+    asked: list[str] = []
+    monkeypatch.setattr(wake, "request_cycle", lambda tenant: asked.append(tenant.schema_name))
+    with schema_context("acme"):
+        task = task_finish(tenant=world.tenant_a, task=task, succeeded=False, exit_code=3, actor="agent")
+    assert (task.state, asked) == (TaskState.QUEUED, ["acme"])  # it waits again itself
+
+
 def test_the_lifecycle_refuses_impossible_moves(world: World, db: None) -> None:
     with schema_context("acme"):
         task = Task.objects.get(pk=world.task_a)
@@ -66,7 +103,10 @@ def test_the_lifecycle_refuses_impossible_moves(world: World, db: None) -> None:
             transition(task, to_state=TaskState.RUNNING, actor="agent")
 
 
-def test_submitting_asks_for_one_debounced_cycle(
+KEYS = ("klique:cycle-lead:acme", "klique:cycle-trail:acme", "klique:cycle-cost:acme")
+
+
+def test_submitting_runs_a_cycle_at_once_and_the_next_requests_share_one_after_it(
     api: Callable[..., APIClient],
     world: World,
     monkeypatch: pytest.MonkeyPatch,
@@ -77,14 +117,71 @@ def test_submitting_asks_for_one_debounced_cycle(
         celery_app, "send_task", lambda name, args, countdown: sent.append((name, *args, countdown))
     )
     client = redis.Redis.from_url(settings.REDIS_URL)
-    client.delete("klique:cycle-requested:acme")
+    client.delete(*KEYS)
+    client.set(KEYS[2], 40)  # the last cycle took 40 ms
     with django_capture_on_commit_callbacks(execute=True):
-        for _ in range(3):
+        for _ in range(4):
             api("bob").post("/api/v1/tasks/", {"compute_resource": "Research: 4 GPUs"}, format="json")
-    assert sent == [(wake.CYCLE_TASK, "acme", settings.KLIQUE_CYCLE_DEBOUNCE_SECONDS)]
     assert scheduling_tasks.scheduling_cycle.name == wake.CYCLE_TASK in celery_app.tasks  # sent by its name
-    assert 0 < client.pttl("klique:cycle-requested:acme") <= settings.KLIQUE_CYCLE_DEBOUNCE_SECONDS * 1000
-    client.delete("klique:cycle-requested:acme")
+    # The first at once; the other three share one, after the first's foreseen run and its gap.
+    assert [(name, schema) for name, schema, _ in sent] == [(wake.CYCLE_TASK, "acme")] * 2
+    assert sent[0][2] == 0
+    assert 0 < sent[1][2] <= 0.040 * (1 + wake.GAP_FACTOR)  # type: ignore[operator]
+    # The trailing cycle's key lives no longer than its countdown: while it is there, that cycle has
+    # not started, and it reads every commit that found it.
+    assert 0 < client.pttl(KEYS[1]) <= sent[1][2] * 1000  # type: ignore[operator]
+    client.delete(*KEYS)
+
+
+@pytest.mark.parametrize("cost_ms", [5, 40, 10_000])
+def test_after_a_cycle_the_next_waits_a_gap_in_proportion_to_its_cost_at_most_the_window(
+    world: World,
+    db: None,
+    monkeypatch: pytest.MonkeyPatch,
+    django_capture_on_commit_callbacks: Callable[..., AbstractContextManager[object]],
+    cost_ms: int,
+) -> None:
+    from apps.scheduling.cycle import CycleResult
+
+    window_ms = settings.KLIQUE_CYCLE_DEBOUNCE_SECONDS * 1000
+    gap_ms = min(window_ms, cost_ms * wake.GAP_FACTOR)
+    sent: list[float] = []
+    monkeypatch.setattr(celery_app, "send_task", lambda name, args, countdown: sent.append(countdown))
+    monkeypatch.setattr(
+        scheduling_tasks, "run_cycle", lambda tenant: CycleResult(ran=True, milliseconds=cost_ms)
+    )
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    client.delete(*KEYS)
+    scheduling_tasks.scheduling_cycle.apply(args=("acme",)).get()  # beat's, say: no request made it
+    assert int(client.get(KEYS[2]) or 0) == cost_ms
+    assert 0 < client.pttl(KEYS[0]) <= gap_ms
+    with django_capture_on_commit_callbacks(execute=True):
+        wake.request_cycle(world.tenant_a)
+        wake.request_cycle(world.tenant_a)  # the second finds the first's on its way
+    assert len(sent) == 1
+    assert 0 < sent[0] * 1000 <= gap_ms
+    client.delete(KEYS[0], KEYS[1])
+    with django_capture_on_commit_callbacks(execute=True):
+        wake.request_cycle(world.tenant_a)  # a quiet spell: at once
+    assert sent[1:] == [0]
+    # The cycle it sent is foreseen to cost what the last one did: the lead holds for it and its gap.
+    assert 0 < client.pttl(KEYS[0]) <= min(window_ms, cost_ms * (1 + wake.GAP_FACTOR))
+    client.delete(*KEYS)
+
+
+def test_without_a_window_every_request_runs_a_cycle_at_once(
+    world: World,
+    db: None,
+    monkeypatch: pytest.MonkeyPatch,
+    django_capture_on_commit_callbacks: Callable[..., AbstractContextManager[object]],
+) -> None:
+    monkeypatch.setattr(settings, "KLIQUE_CYCLE_DEBOUNCE_SECONDS", 0)
+    sent: list[float] = []
+    monkeypatch.setattr(celery_app, "send_task", lambda name, args, countdown: sent.append(countdown))
+    for _ in range(3):
+        with django_capture_on_commit_callbacks(execute=True):
+            wake.request_cycle(world.tenant_a)
+    assert sent == [0, 0, 0]
 
 
 def test_a_cycle_that_finds_the_lock_taken_asks_for_another(
