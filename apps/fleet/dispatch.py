@@ -252,13 +252,16 @@ def report(*, tenant: Tenant, pool: Pool, agent_id: str, message: messages.Repor
         return ack(
             messages.STALE, f"Task {message.task_id} has no run {message.lease_id} in pool {pool.name}."
         )
-    seen = TaskReport.objects.filter(task=task, lease_id=run.pk, source="agent", seq=message.seq)
-    if seen.exists():
-        return ack(messages.DUPLICATE)
-    if not runs.is_current(task, run) and runs.reclaimable(task, run):  # e.g. its lease expired unanswered
-        ended = message.kind == TaskReport.Kind.RESULT
-        lifecycle.run_adopt(tenant, task, run, agent_id=agent_id, ended=ended)
-        agent_alive(tenant, pool, agent_id)  # what it reports proves it is there: not lost again next cycle
+    if not runs.is_current(task, run):
+        # The current run's reports are kept once by their insert (task_report); any other's are looked up
+        # first, so that a replay adopts or records nothing.
+        seen = TaskReport.objects.filter(task=task, lease_id=run.pk, source="agent", seq=message.seq)
+        if seen.exists():
+            return ack(messages.DUPLICATE)
+        if runs.reclaimable(task, run):  # e.g. its lease expired unanswered
+            ended = message.kind == TaskReport.Kind.RESULT
+            lifecycle.run_adopt(tenant, task, run, agent_id=agent_id, ended=ended)
+            agent_alive(tenant, pool, agent_id)  # what it reports proves it is there: not lost again
     if not runs.is_current(task, run):
         if message.kind == TaskReport.Kind.RESULT and run.released_at is None:
             return ack(
@@ -379,6 +382,7 @@ def task_report(
             exit_code=exit_code,
             actor="agent",
             detail=_one_line(body.get("reason")),
+            locked=True,  # by the caller, as every report's task is
         )
         _outputs_not_stored(task, body.get("outputs_failed"))
         if task.state in ENDED_STATES:  # a failed attempt that is retried is not the end of the task

@@ -445,7 +445,7 @@ def ingest(events: Iterable[Event], *, now: datetime | None = None) -> Report:
             rows.append(_row(event, directory))
         except Invalid as invalid:
             report.rejected.append((event.event_id, str(invalid)))
-    with transaction.atomic():
+    with transaction.atomic(savepoint=False):  # within a caller's transaction, its failure undoes this
         months = {row[5] for row in rows}
         Period.objects.bulk_create([Period(start=month) for month in months], ignore_conflicts=True)
         if rows:
@@ -462,32 +462,34 @@ def ingest(events: Iterable[Event], *, now: datetime | None = None) -> Report:
     return report
 
 
+SMALL_BATCH = 64  # up to this many rows go in one INSERT; more are copied (COPY), which costs a savepoint
+
+
 def _append(rows: list[tuple[Any, ...]], report: Report) -> list[tuple[Any, ...]]:
     """Append the rows the ledger does not hold yet; the rows appended.
 
-    New events, the usual case, are copied straight into the ledger. When the batch holds an id the ledger
-    has (a replay) or holds one twice, the copy fails on the primary key and the batch goes through a
-    staging table with ON CONFLICT DO NOTHING instead; then each row that was not appended is a duplicate
-    if the ledger holds the same content under its id, and is refused if it holds other content."""
-    try:
-        with transaction.atomic(), connection.cursor() as cursor:
-            with cursor.cursor.copy(f"COPY metering_ledgerevent ({', '.join(COLUMNS)}) FROM STDIN") as copy:
-                for row in rows:
-                    copy.write_row(row)
-            return rows
-    except (IntegrityError, psycopg.errors.UniqueViolation):  # Django's, or psycopg's own from COPY
-        pass
+    A small batch (a run's segment, a few calls) is one INSERT … ON CONFLICT DO NOTHING. A larger one is
+    copied straight into the ledger; when it holds an id the ledger has (a replay) or holds one twice, the
+    copy fails on the primary key and the batch goes through a staging table with ON CONFLICT DO NOTHING
+    instead. Either way, each row that was not appended is a duplicate if the ledger holds the same content
+    under its id, and is refused if it holds other content."""
+    if len(rows) <= SMALL_BATCH:
+        taken = _insert(rows)
+    else:
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                with cursor.cursor.copy(
+                    f"COPY metering_ledgerevent ({', '.join(COLUMNS)}) FROM STDIN"
+                ) as copy:
+                    for row in rows:
+                        copy.write_row(row)
+                return rows
+        except (IntegrityError, psycopg.errors.UniqueViolation):  # Django's, or psycopg's own from COPY
+            pass
+        taken = _staged(rows)
+    if len(taken) == len(rows):
+        return rows  # every row new, no id twice: the usual case, with no read
     with connection.cursor() as cursor:
-        cursor.execute(
-            "CREATE TEMP TABLE IF NOT EXISTS kq_ledger_staging "
-            "(LIKE metering_ledgerevent INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
-        )
-        cursor.execute("TRUNCATE kq_ledger_staging")
-        with cursor.cursor.copy(f"COPY kq_ledger_staging ({', '.join(COLUMNS)}) FROM STDIN") as copy:
-            for row in rows:
-                copy.write_row(row)
-        cursor.execute(_STAGED)
-        taken = {event_id for (event_id,) in cursor.fetchall()}
         cursor.execute(
             "SELECT event_id, digest FROM metering_ledgerevent WHERE event_id = ANY(%s)",
             [list({row[0] for row in rows})],
@@ -504,6 +506,35 @@ def _append(rows: list[tuple[Any, ...]], report: Report) -> list[tuple[Any, ...]
         else:
             report.rejected.append((event_id, CONFLICT))
     return appended
+
+
+_INSERT = f"INSERT INTO metering_ledgerevent ({', '.join(COLUMNS)}) VALUES "  # noqa: S608 -- constants only
+_ROW = "(" + ", ".join(["%s"] * len(COLUMNS)) + ")"
+
+
+def _insert(rows: list[tuple[Any, ...]]) -> set[str]:
+    """The ids of `rows` that went into the ledger, in one statement."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            _INSERT + ", ".join([_ROW] * len(rows)) + " ON CONFLICT (event_id) DO NOTHING RETURNING event_id",
+            [value for row in rows for value in row],
+        )
+        return {event_id for (event_id,) in cursor.fetchall()}
+
+
+def _staged(rows: list[tuple[Any, ...]]) -> set[str]:
+    """The ids of `rows` that went into the ledger, through the staging table."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE TEMP TABLE IF NOT EXISTS kq_ledger_staging "
+            "(LIKE metering_ledgerevent INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
+        )
+        cursor.execute("TRUNCATE kq_ledger_staging")
+        with cursor.cursor.copy(f"COPY kq_ledger_staging ({', '.join(COLUMNS)}) FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row(row)
+        cursor.execute(_STAGED)
+        return {event_id for (event_id,) in cursor.fetchall()}
 
 
 _KEY_OF = itemgetter(

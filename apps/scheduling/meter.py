@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from apps.metering.ledger import Report
 from apps.metering.runs import run_segment
+from apps.resources.models import ComputeResource
 from apps.scheduling.models import Task, TaskState
 
 logger = logging.getLogger(__name__)
@@ -27,14 +28,20 @@ METER_LOCK_TIMEOUT = "500ms"  # how long an hourly metering pass waits for a loc
 
 def meter_segment(task: Task, *, started_at: datetime, ended_at: datetime) -> Report:
     """One segment of the task's run in the task's pool (the caller sets `task.pool` to the run's)."""
-    resource = task.compute_resource
+    group = (  # one read, not the resource, its policy and its group in turn
+        ComputeResource.objects.filter(pk=task.compute_resource_id)
+        .values_list("policy__group__name", flat=True)
+        .first()
+        if task.compute_resource_id is not None
+        else ""
+    )
     return run_segment(
         task_id=str(task.pk),
         started_at=started_at,
         ended_at=ended_at,
         user_id=str(task.submitter_id),
         project_id=str(task.project_id) if task.project_id else "",
-        group=resource.policy.group.name if resource is not None else "",
+        group=group or "",
         pool_id=str(task.pool_id) if task.pool_id else "",
         compute_resource=task.compute_resource_name,
         units=task.size_units,
@@ -45,7 +52,9 @@ def meter_run(task: Task, *, ended_at: datetime) -> None:
     """What the run that ends now has not yet metered (all of it, or since the last whole hour that
     meter_running wrote) goes to the ledger as a GPU segment (data flow, step 5). Every way a run ends
     calls this in the transaction that ends it: the lifecycle's `transition` and `tasks_preempt`."""
-    with transaction.atomic():  # the row lock orders this after a meter_running pass on the same run
+    # The row lock orders this after a meter_running pass on the same run. No savepoint: a run ends inside
+    # its caller's transaction, whose failure undoes this too.
+    with transaction.atomic(savepoint=False):
         metered = (
             Task.objects.select_for_update()
             .filter(pk=task.pk)
@@ -85,12 +94,7 @@ def meter_running(*, now: datetime | None = None) -> int:
 
 def _meter_hours(pk: Any, last: datetime) -> int:
     """Write the whole hours of one running run up to `last`; how many segments."""
-    task = (
-        Task.objects.select_for_update(of=("self",))
-        .select_related("compute_resource__policy__group")
-        .filter(pk=pk, state=TaskState.RUNNING)
-        .first()
-    )
+    task = Task.objects.select_for_update(of=("self",)).filter(pk=pk, state=TaskState.RUNNING).first()
     if task is None or task.started_at is None:
         return 0  # it stopped meanwhile, and its stop metered it
     start = unmetered_from(task.started_at, task.metered_until)

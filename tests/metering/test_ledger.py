@@ -10,7 +10,7 @@ from fractions import Fraction
 import pytest
 from django_tenants.utils import schema_context
 
-from apps.metering.ledger import Event, gpu_hours, ingest
+from apps.metering.ledger import CONFLICT, SMALL_BATCH, Event, gpu_hours, ingest
 from apps.metering.models import LedgerEvent, Period, PriceBook, Rejection, Rollup
 from tenants.models import TenantUsageDay
 from tests.world import World
@@ -83,6 +83,30 @@ def test_replaying_the_same_events_changes_nothing(acme: World) -> None:
         list(Rollup.objects.values_list("grain", "kind", "events", "cost_nano_usd").order_by("grain", "kind"))
         == rollups
     )
+
+
+@pytest.mark.parametrize("size", [3, SMALL_BATCH + 6], ids=["one-insert", "copied"])
+def test_either_way_in_a_batch_keeps_each_event_once_and_refuses_a_changed_one(
+    acme: World, size: int
+) -> None:
+    """A small batch is one INSERT, a large one a COPY (through the staging table once it meets an id
+    the ledger holds): both keep new events once, count replays, and refuse other content under a
+    known id."""
+
+    def hourly() -> int:
+        return sum(Rollup.objects.filter(grain="hour", kind="tokens").values_list("events", flat=True))
+
+    before = hourly()
+    events = [tokens(f"call-{index}") for index in range(size)]
+    first = ingest(events, now=NOW)
+    assert (first.accepted, first.duplicates, first.rejected) == (size, 0, [])
+    changed = tokens("call-0", tokens_in=7)
+    again = ingest([*events, tokens("call-new"), tokens("call-new"), changed], now=NOW)
+    assert (again.accepted, again.duplicates) == (1, size + 1)
+    assert again.rejected == [("call-0", CONFLICT)]
+    assert LedgerEvent.objects.filter(event_id__startswith="call-").count() == size + 1
+    assert LedgerEvent.objects.get(event_id="call-0").tokens_in == 1000  # the first one stands
+    assert hourly() == before + size + 1
 
 
 def test_prices_come_from_the_price_book_exactly(acme: World) -> None:
