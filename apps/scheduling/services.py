@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from django.db import IntegrityError, transaction
+from django.db.models import prefetch_related_objects
 from django.utils import timezone
 
 from apps.accounts.models import ApiToken, Project, Role, User
@@ -218,12 +219,26 @@ def _check_environment(spec: dict[str, Any]) -> None:
         raise InvalidInput(str(error), field="spec.volumes") from None
 
 
-def _build(tenant: Tenant, user: User, request: TaskRequest, now: datetime) -> Task:
-    resource = compute_resource_open_to(user, request.compute_resource)
+Placing = dict[tuple[str, str | None], tuple[ComputeResource, Project | None]]
+
+
+def _where(user: User, request: TaskRequest, seen: Placing) -> tuple[ComputeResource, Project | None]:
+    """The request's compute resource and project, checked once per pair a submission names (a batch of
+    a thousand tasks to one queue reads them once)."""
+    key = (request.compute_resource, request.project)
+    if key not in seen:
+        resource = compute_resource_open_to(user, request.compute_resource)
+        prefetch_related_objects([resource], "projects", "profile__pools")  # each task's checks read them
+        project = _project(user, request.project)
+        _check_residency(resource, project)
+        seen[key] = (resource, project)
+    return seen[key]
+
+
+def _build(tenant: Tenant, user: User, request: TaskRequest, now: datetime, seen: Placing) -> Task:
+    resource, project = _where(user, request, seen)
     if not 1 <= request.max_attempts <= 20:
         raise InvalidInput("max_attempts is between 1 and 20.", field="max_attempts")
-    project = _project(user, request.project)
-    _check_residency(resource, project)
     _check_environment(request.spec or {})
     secrets_check(user=user, project=project, spec=request.spec or {})
     return Task(
@@ -258,11 +273,12 @@ def tasks_submit(
     now = timezone.now()
     made = _made_before(user, requests)
     tasks = []
+    seen: Placing = {}
     for index, request in enumerate(requests):
         if request.idempotency_key in made:
             continue
         try:
-            tasks.append(_build(tenant, user, request, now))
+            tasks.append(_build(tenant, user, request, now, seen))
         except InvalidInput as error:
             if len(requests) == 1:
                 raise

@@ -205,6 +205,8 @@ def secret_names(spec: object) -> list[str]:
 def secrets_check(*, user: User, project: Project | None, spec: object) -> None:
     """At submission: every secret the task names exists for its user, project or tenant."""
     names = secret_names(spec)
+    if not names:
+        return
     missing = sorted(set(names) - set(_resolve(user, project, names)))
     if not missing:
         return

@@ -6,6 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django_tenants.utils import schema_context
 from rest_framework.test import APIClient
 
@@ -57,6 +59,45 @@ def test_a_batch_is_all_or_none_and_names_the_bad_one(api: Callable[..., APIClie
     )
     assert list(response.json()["errors"]) == ["1.gpus"]
     assert api("bob").get("/api/v1/tasks/?mine=true").json()["count"] == before
+
+
+def test_a_large_batch_reads_each_queue_and_project_it_names_once(
+    api: Callable[..., APIClient], world: World
+) -> None:
+    """What a submission checks per compute resource and project (open to the user, a member, where it
+    may run) is read once per pair it names, not once per task: a thousand tasks cost what ten do."""
+
+    def queries(count: int) -> int:
+        batch = [{"compute_resource": "Research: 4 GPUs", "project": "apollo"}] * count
+        with CaptureQueriesContext(connection) as captured:
+            assert submit(api("bob"), batch).status_code == 201
+        return len(captured.captured_queries)
+
+    few, many = queries(10), queries(200)
+    assert many - few <= 2  # the inserts may take one more statement each; the checks none
+
+
+@pytest.mark.parametrize(
+    ("second", "fragment"),
+    [
+        ({"compute_resource": "Dev: 4 GPUs"}, "Task 2: No compute resource 'Dev: 4 GPUs' is open to bob"),
+        (
+            {"compute_resource": "Research: 4 GPUs", "project": "hermes"},
+            "Task 2: bob is not a member of a project 'hermes'",
+        ),
+        (
+            {"compute_resource": "Research: 4 GPUs", "gpus": "8"},
+            "Task 2: Research: 4 GPUs runs tasks of exactly",
+        ),
+    ],
+)
+def test_each_pair_in_a_batch_is_checked_on_its_own(
+    api: Callable[..., APIClient], world: World, second: dict[str, str], fragment: str
+) -> None:
+    batch = [{"compute_resource": "Research: 4 GPUs", "project": "apollo"}] * 2 + [second]
+    response = submit(api("bob"), batch)
+    assert response.status_code == 400
+    assert response.json()["detail"].startswith(fragment)
 
 
 @pytest.mark.parametrize(
