@@ -83,6 +83,26 @@ def _engine_pool(pool: Pool, now: datetime, stopping: int = 0, refusing: bool = 
 Shown = dict[str, tuple[str, str]]  # a queued task's id -> the reason code and text it shows now
 
 
+_SHARING = {sharing.value: sharing for sharing in engine.Sharing}
+
+# The snapshot's two large reads, as plain rows: ids as text and times as epoch seconds, as the engine
+# takes them. Django's rows, UUIDs and time zones cost more than the rest of a cycle at a deep queue
+# (a 5,000-task queue read in a quarter to a half of the time).
+_QUEUED = f"""
+SELECT id::text, compute_resource_id::text, size_units, extract(epoch FROM submitted_at)::float8, sharing,
+       priority, time_limit_seconds, reason_code, reason
+  FROM {Task._meta.db_table}
+ WHERE state = %s AND compute_resource_id IS NOT NULL
+"""  # noqa: S608 (the model's own table; every value is a parameter)
+_RUNNING = f"""
+SELECT id::text, compute_resource_id::text, pool_id::text, size_units,
+       extract(epoch FROM coalesce(started_at, placed_at))::float8, extract(epoch FROM started_at)::float8,
+       time_limit_seconds
+  FROM {Task._meta.db_table}
+ WHERE state = ANY(%s) AND pool_id IS NOT NULL
+"""  # noqa: S608 (the model's own table; every value is a parameter)
+
+
 def snapshot(
     tenant: Tenant, now: datetime, *, held: frozenset[str] = frozenset()
 ) -> tuple[engine.Snapshot, Shown]:
@@ -103,50 +123,26 @@ def snapshot(
         )
     queued = []
     shown: Shown = {}
-    for pk, resource, size, submitted, sharing, priority, limit, code, reason in Task.objects.filter(
-        state=TaskState.QUEUED, compute_resource__isnull=False
-    ).values_list(
-        "pk",
-        "compute_resource_id",
-        "size_units",
-        "submitted_at",
-        "sharing",
-        "priority",
-        "time_limit_seconds",
-        "reason_code",
-        "reason",
-    ):
-        key = str(pk)
-        if key in held:
-            continue
-        queued.append(
-            engine.Task(
-                key, str(resource), size, submitted.timestamp(), engine.Sharing(sharing), priority, limit
+    with connection.cursor() as cursor:
+        cursor.execute(_QUEUED, [TaskState.QUEUED])
+        for key, resource, size, submitted, sharing, priority, limit, code, reason in cursor.fetchall():
+            if key in held:
+                continue
+            queued.append(engine.Task(key, resource, size, submitted, _SHARING[sharing], priority, limit))
+            shown[key] = (code, reason)
+        cursor.execute(_RUNNING, [list(ACTIVE_STATES)])
+        running = tuple(
+            engine.Allocation(
+                key,
+                resource,
+                pool,
+                size,
+                begun if begun is not None else now.timestamp(),
+                # A run not started yet ends its limit after it starts, at the earliest now.
+                None if limit is None else (started if started is not None else now.timestamp()) + limit,
             )
+            for key, resource, pool, size, begun, started, limit in cursor.fetchall()
         )
-        shown[key] = (code, reason)
-    running = tuple(
-        engine.Allocation(
-            str(pk),
-            str(resource),
-            str(pool),
-            size,
-            (started or placed or now).timestamp(),
-            # A run not started yet ends its limit after it starts, at the earliest now.
-            None if limit is None else (started or now).timestamp() + limit,
-        )
-        for pk, resource, pool, size, started, placed, limit in Task.objects.filter(
-            state__in=ACTIVE_STATES, pool__isnull=False
-        ).values_list(
-            "pk",
-            "compute_resource_id",
-            "pool_id",
-            "size_units",
-            "started_at",
-            "placed_at",
-            "time_limit_seconds",
-        )
-    )
     stopping = _stopping_units()
     refusing = agents().refusing()  # an autoscaler that cannot start instances: its pool takes no work
     state = engine.Snapshot(

@@ -7,6 +7,7 @@ join (apps.fleet.consumers); a notice to it is sent once the current transaction
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -45,9 +46,9 @@ def _keys(schema_name: str) -> list[str]:
 
 
 # After a cycle of d ms the next starts no sooner than GAP_FACTOR * d later: under a stream of events a
-# tenant's cycles take at most half a worker, and each places all that arrived meanwhile. A cycle whose
-# cost is not known yet is taken to cost GUESS_MS.
-GAP_FACTOR = 1
+# tenant's cycles take at most a third of a worker, and each places all that arrived meanwhile. A cycle
+# whose cost is not known yet is taken to cost GUESS_MS.
+GAP_FACTOR = 2
 GUESS_MS = 10
 
 # The lead's span (ms) from now: the cycle expected to start now, and the gap after it, at most the
@@ -142,5 +143,6 @@ def pool_group(schema_name: str, pool_id: object) -> str:
 def notify_pool(*, tenant: Tenant, pool_id: object, message: dict[str, Any]) -> None:
     """Send `message` to the pool's connected agents once the current transaction commits."""
     group = pool_group(tenant.schema_name, pool_id)
-    notice = {"type": "plane.message", "message": message}
+    # Its id lets the agents of one web process tell one notice, which each of them gets, from two.
+    notice = {"type": "plane.message", "message": message, "notice": uuid.uuid4().hex}
     transaction.on_commit(lambda: send_to_group(group, notice, what=f"a {message.get('type')} notice"))
