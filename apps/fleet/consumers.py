@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import OrderedDict
 from typing import Any
 
 from channels.db import database_sync_to_async
@@ -24,6 +25,13 @@ logger = logging.getLogger(__name__)
 # speaks another protocol version, 1011 the plane could not serve the message (its database is down):
 # the agent reconnects with backoff, and its outbox keeps what was not acknowledged.
 CLOSE_TOKEN, CLOSE_BOUND, CLOSE_PROTOCOL, CLOSE_UNAVAILABLE = 4401, 4403, 4400, 1011
+
+# Pools (by channel group) one of whose agents in this process is asking for placed work now; True when a
+# notice came while it asked, so it asks once more. And the dispatch notices that one agent here took up
+# already (each agent of the pool gets its own copy). One event loop per process: no lock is needed.
+_asking: dict[str, bool] = {}
+_taken_up: OrderedDict[str, None] = OrderedDict()
+TAKEN_UP_KEPT = 4096
 
 
 class AgentConsumer(AsyncJsonWebsocketConsumer):
@@ -206,6 +214,37 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         for message in assigned:
             await self.send_json(message)
 
+    async def _dispatch_once_here(self, notice: str) -> None:
+        """A dispatch notice reaches every agent of the pool, but the pool's placed tasks go to whichever
+        asks first: in this process, the first of its agents to get a notice asks, and asks once more
+        after if another notice came meanwhile; the others ask nothing. A cloud instance's agent is asked
+        for its own handed runs only, so it always asks. Every agent still asks after each heartbeat."""
+        token = self.token
+        assert token is not None
+        assert self.schema_name is not None
+        if token.instance_of_id is not None:
+            await self._dispatch()
+            return
+        if notice:
+            if notice in _taken_up:
+                return  # another agent of this process took this notice up
+            _taken_up[notice] = None
+            while len(_taken_up) > TAKEN_UP_KEPT:
+                _taken_up.popitem(last=False)
+        group = wake.pool_group(self.schema_name, token.pool_id)
+        if group in _asking:
+            _asking[group] = True  # the agent asking now asks again after
+            return
+        _asking[group] = False
+        try:
+            while True:
+                await self._dispatch()
+                if not _asking[group]:
+                    return
+                _asking[group] = False
+        finally:
+            del _asking[group]
+
     async def plane_message(self, event: dict[str, Any]) -> None:
         """A message for this pool's agents from elsewhere in the plane (dispatch, abort, preempt)."""
         message = event["message"]
@@ -216,7 +255,7 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         if message.get("type") == "dispatch":
             if self.agent_id is not None:
                 try:
-                    await self._dispatch()
+                    await self._dispatch_once_here(str(event.get("notice") or ""))
                 except DatabaseError:
                     self.failed = True
                     await self._close_with(CLOSE_UNAVAILABLE, "The control plane's database is unavailable.")
