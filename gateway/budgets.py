@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
@@ -64,6 +65,7 @@ for i = 1, n do
 end
 local hold = ARGV[3] .. '|' .. table.concat(holds, ',') .. '|' .. table.concat(keys, ',')
 redis.call('HSET', KEYS[2], ARGV[2], hold)
+redis.call('SADD', KEYS[3 + n], ARGV[6 + 3 * n])
 return {'ok', tostring(out)}
 """
 
@@ -164,6 +166,19 @@ def holds_key(schema: str) -> str:
     return f"kq:gw:{schema}:holds"
 
 
+# The schemas that may hold budget holds: a reservation adds its schema in the script that makes its hold,
+# and the sweep takes a schema away only when it has none left, in one script. So the sweep visits the
+# tenants that called the gateway lately, not every tenant.
+HOLDING = "kq:gw:holding"
+# Set once a sweep has walked every tenant: holds made before HOLDING was kept are found then.
+HOLDING_COMPLETE = "kq:gw:holding:complete"
+
+_FORGET = """
+if redis.call('HLEN', KEYS[1]) == 0 then return redis.call('SREM', KEYS[2], ARGV[1]) end
+return 0
+"""
+
+
 @dataclass(frozen=True)
 class Reserved:
     max_tokens: int
@@ -234,7 +249,10 @@ class Budgets:
             fixed = budget.cost(prompt_tokens, 0, price_in, price_out)
             per_out = budget.cost(0, replies, price_in, price_out)  # one more token in every reply
             arguments += [budget.limit, fixed, per_out]
-        result = await self._reserve(keys=[epoch_key(schema), holds_key(schema), *keys], args=arguments)
+        arguments.append(schema)
+        result = await self._reserve(
+            keys=[epoch_key(schema), holds_key(schema), *keys, HOLDING], args=arguments
+        )
         status = result[0].decode() if isinstance(result[0], bytes) else result[0]
         if status == "ok":
             return Reserved(max_tokens=int(result[1]), keys=keys)
@@ -271,7 +289,8 @@ class Budgets:
 
 
 def sweep(redis: Any, schema: str, *, now: float | None = None) -> int:
-    """Release holds older than HOLD_MAX_AGE (their process died mid-call); returns how many.
+    """Release holds older than HOLD_MAX_AGE (their process died mid-call); returns how many. A schema
+    left with no hold leaves HOLDING.
 
     A hold reads `<unix time>|<amounts>|<budget keys>`, so it says where to give its amounts back."""
     cutoff = (now or time.time()) - HOLD_MAX_AGE
@@ -281,4 +300,17 @@ def sweep(redis: Any, schema: str, *, now: float | None = None) -> int:
         started, _, keys = entry.decode().split("|")
         if int(started) < cutoff:
             released += bool(release(keys=[holds_key(schema), *keys.split(",")], args=[request_id]))
+    redis.register_script(_FORGET)(keys=[holds_key(schema), HOLDING], args=[schema])
+    return released
+
+
+def sweep_all(redis: Any, every_schema: Callable[[], list[str]], *, now: float | None = None) -> int:
+    """Sweep the schemas in HOLDING; the first time, every schema (`every_schema`), since holds made
+    before HOLDING was kept are not in it. How many holds were released."""
+    if redis.exists(HOLDING_COMPLETE):
+        schemas = [schema.decode() for schema in redis.sscan_iter(HOLDING)]
+    else:
+        schemas = every_schema()
+    released = sum(sweep(redis, schema, now=now) for schema in schemas)
+    redis.set(HOLDING_COMPLETE, 1)
     return released

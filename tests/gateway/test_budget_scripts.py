@@ -11,6 +11,8 @@ from typing import Any, TypeVar
 import pytest
 
 from gateway.budgets import (
+    HOLDING,
+    HOLDING_COMPLETE,
     Budget,
     Budgets,
     Exhausted,
@@ -21,6 +23,7 @@ from gateway.budgets import (
     holds_key,
     nano_per_token,
     sweep,
+    sweep_all,
 )
 from gateway.cache import async_redis, sync_redis
 
@@ -47,6 +50,7 @@ def clean() -> Any:
     def clear() -> None:
         for key in sync_redis().scan_iter(f"kq:gw:{SCHEMA}:*"):
             sync_redis().delete(key)
+        sync_redis().srem(HOLDING, SCHEMA)
 
     clear()
     yield
@@ -165,6 +169,48 @@ def test_the_sweep_gives_back_holds_of_calls_that_never_settled() -> None:
     assert sweep(sync_redis(), SCHEMA, now=time.time() + 3 * 3600) == 2
     assert sync_redis().hgetall(budget_key(SCHEMA, TOKENS, NOW)) == {b"spent": b"0", b"reserved": b"0"}
     assert sync_redis().hget(budget_key(SCHEMA, MONEY, NOW), "reserved") == b"0"
+
+
+def test_a_schema_is_swept_while_it_has_holds_and_leaves_the_sweep_with_its_last() -> None:
+    async def hold(budgets: Budgets) -> None:
+        await started(budgets, TOKENS)
+        await reserve(budgets, TOKENS, request_id="alive")
+
+    run(hold)
+    assert sync_redis().sismember(HOLDING, SCHEMA)  # made in the script that made the hold
+    assert sweep(sync_redis(), SCHEMA) == 0
+    assert sync_redis().sismember(HOLDING, SCHEMA)  # a young hold stays, and so does its schema
+
+    async def settle(budgets: Budgets) -> None:
+        await budgets.settle(
+            schema=SCHEMA, request_id="alive", keys=(budget_key(SCHEMA, TOKENS, NOW),), costs=[5]
+        )
+
+    run(settle)
+    assert sweep(sync_redis(), SCHEMA) == 0
+    assert not sync_redis().sismember(HOLDING, SCHEMA)  # none left: not visited again
+
+
+def test_the_periodic_sweep_visits_the_schemas_holding_after_one_walk_of_every_schema() -> None:
+    late = time.time() + 3 * 3600
+
+    async def dead_call(budgets: Budgets) -> None:
+        await started(budgets, TOKENS)
+        await reserve(budgets, TOKENS, request_id="dead")
+
+    run(dead_call)
+    sync_redis().srem(HOLDING, SCHEMA)  # as a hold made before HOLDING was kept
+    sync_redis().delete(HOLDING_COMPLETE)
+    assert sweep_all(sync_redis(), lambda: ["other_schema", SCHEMA], now=late) == 1  # found by the walk
+    assert sync_redis().exists(HOLDING_COMPLETE)
+
+    def every_schema() -> list[str]:
+        raise AssertionError("every tenant walked again")
+
+    run(dead_call)
+    assert sweep_all(sync_redis(), every_schema, now=late) == 1  # found through HOLDING
+    assert sync_redis().hgetall(budget_key(SCHEMA, TOKENS, NOW)) == {b"spent": b"0", b"reserved": b"0"}
+    assert not sync_redis().sismember(HOLDING, SCHEMA)
 
 
 def test_prices_become_whole_nano_dollars_rounded_up() -> None:
