@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -27,8 +28,10 @@ from tests.world import SECRET_VALUE_A, World
 class Endpoint(BaseHTTPRequestHandler):
     answers: list[int] = []  # one status per request, then 200
     received: list[dict[str, Any]] = []
+    delay = 0.0  # seconds before each answer
 
     def do_POST(self) -> None:
+        time.sleep(Endpoint.delay)
         body = self.rfile.read(int(self.headers["Content-Length"]))
         Endpoint.received.append({"headers": {k.lower(): v for k, v in self.headers.items()}, "body": body})
         self.send_response(Endpoint.answers.pop(0) if Endpoint.answers else 200)
@@ -41,7 +44,7 @@ class Endpoint(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def endpoint() -> Iterator[str]:
-    Endpoint.answers, Endpoint.received = [], []
+    Endpoint.answers, Endpoint.received, Endpoint.delay = [], [], 0.0
     server = ThreadingHTTPServer(("127.0.0.1", 0), Endpoint)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}/klique-events"
@@ -108,6 +111,43 @@ def test_an_endpoint_that_never_answers_well_is_given_up_on_with_its_last_error(
     assert (delivery.status, delivery.attempts) == ("failed", webhooks.MAX_ATTEMPTS)
     assert delivery.last_error == "the endpoint answered 500"
     assert len(Endpoint.received) == webhooks.MAX_ATTEMPTS
+
+
+def test_deliveries_are_sent_side_by_side_each_once(
+    acme: None,  # noqa: F811
+    world: World,
+    endpoint: str,
+) -> None:
+    """A slow endpoint holds up its own deliveries, not those queued behind them."""
+    EventWebhook.objects.all().delete()
+    webhooks.webhook_save(url=endpoint, secret_name="SHARED_TOKEN", kinds=["slo.breached"], actor="alice")
+    for index in range(8):
+        webhooks.announce("slo.breached", {"objective": f"o{index}"})
+    Endpoint.delay = 0.5
+    began = time.perf_counter()
+    assert webhooks.deliver_due(now=timezone.now()) == 8
+    assert time.perf_counter() - began < 8 * 0.5 / 2  # one after another would take 4 s
+    sent = sorted(json.loads(request["body"])["objective"] for request in Endpoint.received)
+    assert sent == [f"o{index}" for index in range(8)]
+    assert set(WebhookDelivery.objects.values_list("status", "attempts")) == {("delivered", 1)}
+
+
+def test_claimed_deliveries_are_not_sent_again_until_their_lease_is_over(
+    acme: None,  # noqa: F811
+    world: World,
+    endpoint: str,
+) -> None:
+    """A worker that dies between claiming and recording leaves its deliveries to the next one after
+    the lease, not at once beside it."""
+    EventWebhook.objects.all().delete()
+    webhooks.webhook_save(url=endpoint, secret_name="SHARED_TOKEN", kinds=["slo.breached"], actor="alice")
+    webhooks.announce("slo.breached", {"objective": "o"})
+    now = timezone.now()
+    assert len(webhooks._claim(now)) == 1  # and then the worker died
+    assert webhooks.deliver_due(now=now + timedelta(minutes=1)) == 0
+    assert Endpoint.received == []
+    assert webhooks.deliver_due(now=now + webhooks.SENDING_LEASE) == 1
+    assert len(Endpoint.received) == 1
 
 
 def test_a_webhook_wanting_other_kinds_is_not_sent_this_one(
