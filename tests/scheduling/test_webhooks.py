@@ -51,6 +51,12 @@ def endpoint() -> Iterator[str]:
     server.shutdown()
 
 
+def only_webhook(endpoint: str, kinds: tuple[str, ...] | list[str] = ("slo.breached",)) -> None:
+    """The tenant's one webhook: to `endpoint`, for `kinds`."""
+    EventWebhook.objects.all().delete()
+    webhooks.webhook_save(url=endpoint, secret_name="SHARED_TOKEN", kinds=list(kinds), actor="alice")
+
+
 def breach(world: World) -> None:
     now = timezone.now()
     record([600.0] * 37 + [2 * HOUR] * 3, now=now)
@@ -99,8 +105,7 @@ def test_an_endpoint_that_never_answers_well_is_given_up_on_with_its_last_error(
     world: World,
     endpoint: str,
 ) -> None:
-    EventWebhook.objects.all().delete()
-    webhooks.webhook_save(url=endpoint, secret_name="SHARED_TOKEN", kinds=["slo.breached"], actor="alice")
+    only_webhook(endpoint)
     Endpoint.answers = [500] * 20
     breach(world)
     moment = timezone.now()
@@ -119,8 +124,7 @@ def test_deliveries_are_sent_side_by_side_each_once(
     endpoint: str,
 ) -> None:
     """A slow endpoint holds up its own deliveries, not those queued behind them."""
-    EventWebhook.objects.all().delete()
-    webhooks.webhook_save(url=endpoint, secret_name="SHARED_TOKEN", kinds=["slo.breached"], actor="alice")
+    only_webhook(endpoint)
     for index in range(8):
         webhooks.announce("slo.breached", {"objective": f"o{index}"})
     Endpoint.delay = 0.5
@@ -139,8 +143,7 @@ def test_claimed_deliveries_are_not_sent_again_until_their_lease_is_over(
 ) -> None:
     """A worker that dies between claiming and recording leaves its deliveries to the next one after
     the lease, not at once beside it."""
-    EventWebhook.objects.all().delete()
-    webhooks.webhook_save(url=endpoint, secret_name="SHARED_TOKEN", kinds=["slo.breached"], actor="alice")
+    only_webhook(endpoint)
     webhooks.announce("slo.breached", {"objective": "o"})
     now = timezone.now()
     assert len(webhooks._claim(now)) == 1  # and then the worker died
@@ -155,8 +158,7 @@ def test_a_webhook_wanting_other_kinds_is_not_sent_this_one(
     world: World,
     endpoint: str,
 ) -> None:
-    EventWebhook.objects.all().delete()
-    webhooks.webhook_save(url=endpoint, secret_name="SHARED_TOKEN", kinds=["slo.recovered"], actor="alice")
+    only_webhook(endpoint, kinds=["slo.recovered"])
     breach(world)
     assert not WebhookDelivery.objects.exists()
 
