@@ -23,7 +23,7 @@ from apps.catalogue import services
 from apps.catalogue.admissions import ADMISSIONS
 from apps.core.errors import NotFound
 from apps.core.tunnels import ACCEPTED, DROPPED
-from apps.core.websocket import header
+from apps.core.websocket import DirectDispatch, header
 from apps.fleet import credentials, errors
 from protocol import tunnel
 
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 CLOSE_TOKEN, CLOSE_NOT_SERVED, CLOSE_UNAVAILABLE = 4401, 4404, 1011
 
 
-class TunnelConsumer(AsyncWebsocketConsumer):
+class TunnelConsumer(DirectDispatch, AsyncWebsocketConsumer):
     schema_name = ""
     app_id: Any = None
 

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 from typing import Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
-from django.db import DatabaseError, close_old_connections
+from django.db import DatabaseError, close_old_connections, transaction
 from django_tenants.utils import schema_context
 
 from apps.core.errors import InvalidInput, NotFound
-from apps.core.websocket import header
+from apps.core.websocket import DirectDispatch, header
 from apps.fleet import credentials, dispatch, errors, session
 from apps.fleet.models import AgentToken
 from apps.scheduling import wake
@@ -33,8 +35,24 @@ _asking: dict[str, bool] = {}
 _taken_up: OrderedDict[str, None] = OrderedDict()
 TAKEN_UP_KEPT = 4096
 
+# Messages an agent sent while the last were applied are applied together: accepted, rejected and reports
+# in one trip to the database thread and one transaction, at most BURST of them; each in its own savepoint
+# (its handler's atomic block), so one refused rolls back alone. The agent's messages wait here, in order,
+# at most INBOX of them; beyond that the socket is read no further until there is room.
+BURST = 32
+INBOX = 256
+BURSTABLE = (messages.Accepted, messages.Rejected, messages.Report)
 
-class AgentConsumer(AsyncJsonWebsocketConsumer):
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """What the agent is told about one message of a burst that the plane refused."""
+
+    kind: str
+    error: Exception
+
+
+class AgentConsumer(DirectDispatch, AsyncJsonWebsocketConsumer):
     """Speaks the agent protocol (protocol.messages; apps.fleet.session, dispatch, credentials) for one
     pool-scoped agent token.
 
@@ -54,6 +72,10 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
     failed: bool = False
 
     async def connect(self) -> None:
+        self.inbox: deque[Any] = deque()
+        self.room = asyncio.Event()
+        self.draining: asyncio.Task[None] | None = None
+        self.asking: set[asyncio.Task[None]] = set()  # dispatch notices being taken up
         try:
             self.tenant, self.token = await database_sync_to_async(self._authenticate)()
         except errors.AgentRejected as rejected:
@@ -85,6 +107,9 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
     async def disconnect(self, code: int) -> None:
         if self.token is None or self.schema_name is None:
             return
+        pending = [*self.asking, *([self.draining] if self.draining is not None else [])]
+        if pending:  # what the agent sent before it went is applied first, and asks end
+            await asyncio.wait(pending)
         with contextlib.suppress(Exception):  # the channel layer may be down; its group entry expires
             await self.channel_layer.group_discard(
                 wake.pool_group(self.schema_name, self.token.pool_id), self.channel_name
@@ -105,19 +130,56 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             raise
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
+        """Queue the message: a drain applies the queue in order, in bursts (BURST). While it is full the
+        socket is not read (the agent's send waits), as when each message was applied before the next."""
         if self.token is None or self.failed:
             return
-        kind = str(content.get("type"))[:30] if isinstance(content, dict) else ""
+        while len(self.inbox) >= INBOX and not self.failed:
+            self.room.clear()
+            await self.room.wait()
+        self.inbox.append(content)
+        if self.draining is None or self.draining.done():
+            self.draining = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        while self.inbox and not self.failed:
+            burst = self._next_burst()
+            self.room.set()
+            if len(burst) == 1 and not isinstance(burst[0][1], BURSTABLE):
+                kind, message = burst[0]
+                await self._serve(kind, self._handle(message))
+            else:
+                await self._serve(burst[0][0], self._handle_burst(burst))
+
+    def _next_burst(self) -> list[tuple[str, Any]]:
+        """The next message alone (a hello, a heartbeat, one that is malformed), or the run of accepted,
+        rejected and reports at the inbox's head, up to BURST of them."""
+        burst: list[tuple[str, Any]] = []
+        while self.inbox and len(burst) < BURST:
+            content = self.inbox[0]
+            kind = str(content.get("type"))[:30] if isinstance(content, dict) else ""
+            message: Any
+            try:
+                message = messages.parse_from_agent(content)
+            except messages.ProtocolError as error:
+                message = error
+            if burst and not isinstance(message, BURSTABLE):
+                break
+            self.inbox.popleft()
+            burst.append((kind, message))
+            if not isinstance(message, BURSTABLE):
+                break
+        return burst
+
+    async def _serve(self, kind: str, handling: Any) -> None:
+        """Await one message's (or burst's) handling; what the plane refuses is said to the agent, and a
+        failure to serve it closes the connection, the rest of the inbox unapplied."""
         try:
-            await self._handle(messages.parse_from_agent(content))
+            await handling
         except messages.ProtocolError as error:
             await self.send_json(messages.Error(f"Malformed {kind or 'message'}: {error}", kind).as_json())
-        except errors.StaleLease as stale:
-            await self.send_json(messages.Error(str(stale), kind).as_json())
-            if stale.stop is not None:
-                await self.send_json(stale.stop.as_json())
         except (errors.AgentRejected, InvalidInput, NotFound) as refused:
-            await self.send_json(messages.Error(str(refused), kind).as_json())
+            await self._refused(kind, refused)
         except DatabaseError as error:
             self.failed = True
             logger.warning(
@@ -132,6 +194,15 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
             await self._close_with(
                 CLOSE_UNAVAILABLE, f"The control plane failed to handle {kind}; reconnect."
             )
+        finally:
+            if self.failed:
+                self.inbox.clear()
+                self.room.set()
+
+    async def _refused(self, kind: str, refused: Exception) -> None:
+        await self.send_json(messages.Error(str(refused), kind).as_json())
+        if isinstance(refused, errors.StaleLease) and refused.stop is not None:
+            await self.send_json(refused.stop.as_json())
 
     async def _close_with(self, code: int, detail: str) -> None:
         with contextlib.suppress(Exception):
@@ -141,6 +212,8 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
     async def _handle(self, message: Any) -> None:
         token = self.token
         assert token is not None
+        if isinstance(message, messages.ProtocolError):
+            raise message
         if isinstance(message, messages.Hello):
             await self._hello(token, message)
         elif self.agent_id is None:
@@ -154,20 +227,61 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
                 await self.send_json(stop.as_json())
             for assignment in assigned:
                 await self.send_json(assignment)
-        elif isinstance(message, messages.Accepted):
-            await database_sync_to_async(self._in_schema)(
-                dispatch.lease_accepted, tenant=self.tenant, pool=token.pool, agent_id=self.agent_id,
-                accepted=message,
-            )  # fmt: skip
-        elif isinstance(message, messages.Rejected):
-            await database_sync_to_async(self._in_schema)(
-                dispatch.lease_rejected, tenant=self.tenant, pool=token.pool, rejected=message
+        else:  # accepted, rejected and reports come in bursts (_drain); one alone is a burst of one
+            await self._handle_burst([("", message)])
+
+    async def _handle_burst(self, burst: list[tuple[str, Any]]) -> None:
+        """Apply accepted, rejected and reports in one transaction, then answer each in order: a report with
+        its ack, a refusal with an error (and, for a stale lease, the stop). Nothing is answered before the
+        burst commits, so an ack always means kept."""
+        if self.agent_id is None:
+            raise errors.AgentRejected("Say hello first.")
+        try:
+            answers = await database_sync_to_async(self._in_schema)(self._apply, burst=burst)
+        except DatabaseError:
+            if len(burst) == 1:
+                raise
+            # One transaction for many rows can meet another that locks them in another order (a deadlock
+            # PostgreSQL breaks): apply them one by one instead, each in its own transaction, answering
+            # those applied before one that fails.
+            for one in burst:
+                await self._answer(await database_sync_to_async(self._in_schema)(self._apply, burst=[one]))
+            return
+        await self._answer(answers)
+
+    async def _answer(self, answers: list[Any]) -> None:
+        for answer in answers:
+            if isinstance(answer, Refusal):
+                await self._refused(answer.kind, answer.error)
+            elif answer is not None:
+                await self.send_json(answer.as_json())
+
+    def _apply(self, *, burst: list[tuple[str, Any]]) -> list[Any]:
+        """In the database thread: each message's answer (an Ack, a Refusal or None), all in one
+        transaction. Each handler is an atomic block of its own, a savepoint in this one, so a refused
+        message undoes its own writes alone; a database failure undoes the burst."""
+        token = self.token
+        assert token is not None
+        answers: list[Any] = []
+        with transaction.atomic():
+            for kind, message in burst:
+                try:
+                    answers.append(self._apply_one(token, message))
+                except (errors.AgentRejected, InvalidInput, NotFound) as refused:
+                    answers.append(Refusal(kind, refused))
+        return answers
+
+    def _apply_one(self, token: AgentToken, message: Any) -> messages.Ack | None:
+        if isinstance(message, messages.Accepted):
+            dispatch.lease_accepted(
+                tenant=self.tenant, pool=token.pool, agent_id=self.agent_id or "", accepted=message
             )
-        else:
-            ack = await database_sync_to_async(self._in_schema)(
-                dispatch.report, tenant=self.tenant, pool=token.pool, agent_id=self.agent_id, message=message
-            )
-            await self.send_json(ack.as_json())
+            return None
+        if isinstance(message, messages.Rejected):
+            return dispatch.lease_rejected(tenant=self.tenant, pool=token.pool, rejected=message)
+        return dispatch.report(
+            tenant=self.tenant, pool=token.pool, agent_id=self.agent_id or "", message=message
+        )
 
     async def _hello(self, token: AgentToken, hello: messages.Hello) -> None:
         client = self.scope.get("client") or ("", 0)
@@ -245,6 +359,13 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
         finally:
             del _asking[group]
 
+    async def _on_notice(self, notice: str) -> None:
+        try:
+            await self._dispatch_once_here(notice)
+        except DatabaseError:
+            self.failed = True
+            await self._close_with(CLOSE_UNAVAILABLE, "The control plane's database is unavailable.")
+
     async def plane_message(self, event: dict[str, Any]) -> None:
         """A message for this pool's agents from elsewhere in the plane (dispatch, abort, preempt)."""
         message = event["message"]
@@ -253,11 +374,9 @@ class AgentConsumer(AsyncJsonWebsocketConsumer):
                 await self._close_with(CLOSE_TOKEN, "This agent token was revoked.")
             return
         if message.get("type") == "dispatch":
-            if self.agent_id is not None:
-                try:
-                    await self._dispatch_once_here(str(event.get("notice") or ""))
-                except DatabaseError:
-                    self.failed = True
-                    await self._close_with(CLOSE_UNAVAILABLE, "The control plane's database is unavailable.")
+            if self.agent_id is not None:  # asked beside the socket's messages, not in their way
+                asking = asyncio.ensure_future(self._on_notice(str(event.get("notice") or "")))
+                self.asking.add(asking)
+                asking.add_done_callback(self.asking.discard)
             return
         await self.send_json(message)

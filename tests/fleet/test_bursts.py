@@ -1,0 +1,196 @@
+"""An agent's messages are taken off its socket at once and applied in bursts: what it sent while the
+database thread was busy is applied in one transaction, each message in a savepoint of its own, and
+answered in the order it was sent.
+
+Channels' consumers made a trip through the database thread before each message they dispatched, so a
+message waited for all the database work queued before it and arrived alone; one agent's reports then
+waited seconds behind each other in a drain."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from typing import Any
+from unittest import mock
+
+from asgiref.sync import sync_to_async
+from django.db import OperationalError, connections, transaction
+from django_tenants.utils import schema_context
+
+from apps.fleet.consumers import AgentConsumer
+from apps.fleet.models import TaskReport
+from apps.scheduling.models import Task, TaskState
+from tests.fleet.conftest import agent
+from tests.fleet.test_fencing import hello, receive, run_of, second_task
+
+
+def busy_database_thread() -> tuple[threading.Event, asyncio.Future[bool]]:
+    """Hold the consumers' database thread until the event is set (as a long burst or another agent's
+    work would)."""
+    release = threading.Event()
+    held = asyncio.ensure_future(sync_to_async(release.wait)())
+    return release, held
+
+
+def burst_sizes() -> tuple[list[int], Any]:
+    """Record the size of each burst the consumer applies."""
+    sizes: list[int] = []
+    real = AgentConsumer._apply
+
+    def counted(self: AgentConsumer, *, burst: list[tuple[str, Any]]) -> list[Any]:
+        sizes.append(len(burst))
+        return real(self, burst=burst)
+
+    return sizes, mock.patch.object(AgentConsumer, "_apply", counted)
+
+
+async def answers(client: Any, count: int) -> list[dict[str, Any]]:
+    return [await client.receive_json_from(timeout=10) for _ in range(count)]
+
+
+def states(*task_ids: str) -> list[str]:
+    with schema_context("fleet"):
+        found = [Task.objects.get(pk=task_id).state for task_id in task_ids]
+    connections.close_all()
+    return found
+
+
+def test_what_arrives_while_the_database_is_busy_is_applied_in_one_burst_and_answered_in_order(
+    fleet: dict[str, Any],
+) -> None:
+    second = second_task(fleet)
+    sizes, counting = burst_sizes()
+
+    async def scenario() -> list[dict[str, Any]]:
+        client = agent(fleet["token"].secret)
+        assert (await client.connect())[0]
+        await client.send_json_to(hello())
+        await receive(client, "welcome")
+        one, two = await receive(client, "assign"), await receive(client, "assign")
+        release, held = busy_database_thread()
+        await asyncio.sleep(0.1)
+        stranger = {"task_id": one["task_id"], "lease_id": str(uuid.uuid4())}
+        for message in (
+            {"type": "accepted", **run_of(one)},
+            {"type": "status", **run_of(one), "seq": 1, "state": "running"},
+            {"type": "accepted", **stranger},  # no such lease: refused, with a stop
+            {"type": "log", **run_of(one), "seq": 2, "lines": ["hello"]},
+            {"type": "accepted", **run_of(two)},
+            {"type": "status", **run_of(two), "seq": 1, "state": "running"},
+        ):
+            await client.send_json_to(message)
+        await asyncio.sleep(0.3)  # taken off the socket meanwhile, though the database thread is held
+        release.set()
+        await held
+        said = await answers(client, 5)
+        assert await client.receive_nothing(timeout=0.3)
+        await client.disconnect()
+        return said
+
+    with counting:
+        said = asyncio.run(scenario())
+    # The first is taken at once and waits for the thread; the five sent meanwhile go in one burst. With
+    # a trip through the thread before each message, each arrived alone: six bursts.
+    assert sizes == [1, 5]
+    assert [(m["type"], m.get("verdict"), m.get("seq")) for m in said] == [
+        ("ack", "applied", 1),
+        ("error", None, None),
+        ("abort", None, None),
+        ("ack", "applied", 2),
+        ("ack", "applied", 1),
+    ]
+    assert said[1]["about"] == "accepted"
+    assert states(fleet["task"], second) == [TaskState.RUNNING, TaskState.RUNNING]
+
+
+def test_a_malformed_message_is_answered_in_its_place_and_the_others_are_applied(
+    fleet: dict[str, Any],
+) -> None:
+    sizes, counting = burst_sizes()
+
+    async def scenario() -> list[dict[str, Any]]:
+        client = agent(fleet["token"].secret)
+        assert (await client.connect())[0]
+        await client.send_json_to(hello())
+        await receive(client, "welcome")
+        one = await receive(client, "assign")
+        release, held = busy_database_thread()
+        await asyncio.sleep(0.1)
+        for message in (
+            {"type": "accepted", **run_of(one)},
+            {"type": "status", **run_of(one), "seq": 0, "state": "running"},  # numbers start at 1
+            {"type": "status", **run_of(one), "seq": 1, "state": "running"},
+            {"type": "log", **run_of(one), "seq": 2, "lines": "not a list"},
+            {"type": "log", **run_of(one), "seq": 3, "lines": ["kept"]},
+        ):
+            await client.send_json_to(message)
+        await asyncio.sleep(0.3)
+        release.set()
+        await held
+        said = await answers(client, 4)
+        await client.disconnect()
+        return said
+
+    with counting:
+        said = asyncio.run(scenario())
+    assert [(m["type"], m.get("verdict"), m.get("seq")) for m in said] == [
+        ("error", None, None),
+        ("ack", "applied", 1),
+        ("error", None, None),
+        ("ack", "applied", 3),
+    ]
+    assert said[0]["detail"].startswith("Malformed status")
+    assert said[2]["detail"].startswith("Malformed log")
+    assert sizes == [1, 1, 1]  # accepted; then each message between two malformed ones
+    assert states(fleet["task"]) == [TaskState.RUNNING]
+    with schema_context("fleet"):
+        kept = sorted(TaskReport.objects.filter(task_id=fleet["task"]).values_list("seq", flat=True))
+    connections.close_all()
+    assert kept == [1, 3]
+
+
+def test_a_burst_that_fails_in_the_database_is_applied_again_one_message_at_a_time(
+    fleet: dict[str, Any],
+) -> None:
+    tried: list[int] = []
+    real = AgentConsumer._apply
+
+    def deadlocked(self: AgentConsumer, *, burst: list[tuple[str, Any]]) -> list[Any]:
+        tried.append(len(burst))
+        if len(burst) > 1:
+            with transaction.atomic():  # written, then undone with the rest: nothing of it stays
+                real(self, burst=burst[:1])
+                raise OperationalError("deadlock detected")
+        return real(self, burst=burst)
+
+    async def scenario() -> list[dict[str, Any]]:
+        client = agent(fleet["token"].secret)
+        assert (await client.connect())[0]
+        await client.send_json_to(hello())
+        await receive(client, "welcome")
+        one = await receive(client, "assign")
+        release, held = busy_database_thread()
+        await asyncio.sleep(0.1)
+        await client.send_json_to({"type": "accepted", **run_of(one)})
+        await client.send_json_to({"type": "status", **run_of(one), "seq": 1, "state": "running"})
+        await client.send_json_to({"type": "log", **run_of(one), "seq": 2, "lines": ["once"]})
+        await asyncio.sleep(0.3)
+        release.set()
+        await held
+        said = await answers(client, 2)
+        assert await client.receive_nothing(timeout=0.3)
+        await client.disconnect()
+        return said
+
+    with mock.patch.object(AgentConsumer, "_apply", deadlocked):
+        said = asyncio.run(scenario())
+    assert tried == [1, 2, 1, 1]  # the accepted alone; then the burst of two, failed, and each again
+    assert [(m["type"], m["verdict"], m["seq"]) for m in said] == [
+        ("ack", "applied", 1),
+        ("ack", "applied", 2),
+    ]
+    assert states(fleet["task"]) == [TaskState.RUNNING]
+    with schema_context("fleet"):
+        assert TaskReport.objects.filter(task_id=fleet["task"], seq=2).count() == 1
+    connections.close_all()
