@@ -26,7 +26,7 @@ from typing import Any
 
 import psycopg
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Q, Sum
+from django.db.models import Sum
 from django.utils import timezone
 
 from apps.accounts.models import Project, User
@@ -200,20 +200,36 @@ class Directory:
 
     def __init__(self, now: datetime, events: list[Event]) -> None:
         self.now = now
+        pooled = {event.pool for event in events if event.kind in POOLED_KINDS}
+        with connection.cursor() as cursor:  # one statement: a run's end reads this for its one segment
+            cursor.execute(
+                _DIRECTORY,
+                {
+                    **_references("user", {event.user for event in events}),
+                    **_references("project", {event.project for event in events if event.project}),
+                    **_references("pool", pooled),
+                },
+            )
+            users, projects, pools, closed, book = cursor.fetchone()
         self.users: dict[str, tuple[str, str]] = {}
-        named = _named({event.user for event in events}, "username")
-        for pk, username in User.objects.filter(named).values_list("pk", "username"):
-            self.users[username] = self.users[str(pk)] = (str(pk), username)
+        for pk, username in json.loads(users):
+            self.users[username] = self.users[pk] = (pk, username)
         self.projects: dict[str, tuple[str, str, str]] = {}
-        named = _named({event.project for event in events if event.project}, "name")
-        for pk, name, center in Project.objects.filter(named).values_list("pk", "name", "cost_center"):
-            self.projects[name] = self.projects[str(pk)] = (str(pk), name, center)
+        for pk, name, center in json.loads(projects):
+            self.projects[name] = self.projects[pk] = (pk, name, center)
         self.pools: dict[str, tuple[str, str]] = {}  # name or id -> (name, GPU class)
-        named = _named({event.pool for event in events if event.kind in POOLED_KINDS}, "name")
-        for pk, name, gpu_class in Pool.objects.filter(named).values_list("pk", "name", "gpu_class"):
-            self.pools[name] = self.pools[str(pk)] = (name, gpu_class)
-        self.closed = set(Period.objects.filter(closed_at__isnull=False).values_list("start", flat=True))
-        prices = PriceBook.objects.filter(pk=1).first() or PriceBook()
+        for pk, name, gpu_class in json.loads(pools):
+            self.pools[name] = self.pools[pk] = (name, gpu_class)
+        self.closed = set(closed)
+        default = PriceBook()
+        gpu_hour, tokens_million, gb_month, instance_hour = (
+            json.loads(book)
+            if book
+            else (default.gpu_hour, default.tokens_million, str(default.gb_month), default.instance_hour)
+        )
+        prices = PriceBook(
+            gpu_hour=gpu_hour, tokens_million=tokens_million, gb_month=gb_month, instance_hour=instance_hour
+        )
         # nano-USD per unit-millisecond, as a fraction: a GPU-hour is 840 units x 3,600,000 ms
         self.gpu_price = {}
         for name, price in prices.gpu_hour.items():
@@ -283,13 +299,29 @@ MAX_AMOUNT = 10**15  # tokens, bytes or nano-USD in one event: far above any rea
 MAX_COST = 2**62  # nano-USD in one ledger row (its column is a 64-bit integer)
 
 
-def _named(references: set[str], name_field: str) -> Q:
-    """Rows named by any of `references`, each a name or an id; no row for no reference."""
-    texts = {reference for reference in references if isinstance(reference, str) and reference}
-    ids = {identifier for identifier in (as_uuid(text) for text in texts) if identifier is not None}
-    if not texts:
-        return Q(pk__in=[])
-    return Q(**{f"{name_field}__in": texts}) | Q(pk__in=ids)
+def _references(kind: str, references: set[str]) -> dict[str, list[Any]]:
+    """The names and ids among `references` (each a name or an id), as _DIRECTORY's parameters."""
+    texts = sorted({reference for reference in references if isinstance(reference, str) and reference})
+    ids = [identifier for identifier in (as_uuid(text) for text in texts) if identifier is not None]
+    return {f"{kind}_names": texts, f"{kind}_ids": ids}
+
+
+# The users, projects and pools a batch names (by name or id), the closed periods and the price book, in
+# one round trip; each list as JSON text ([id, name, ...] per row), the price book as one JSON array.
+_DIRECTORY = f"""
+SELECT
+  (SELECT coalesce(json_agg(json_build_array(id::text, username)), '[]')::text FROM {User._meta.db_table}
+    WHERE username = ANY(%(user_names)s::text[]) OR id = ANY(%(user_ids)s::uuid[])),
+  (SELECT coalesce(json_agg(json_build_array(id::text, name, cost_center)), '[]')::text
+     FROM {Project._meta.db_table}
+    WHERE name = ANY(%(project_names)s::text[]) OR id = ANY(%(project_ids)s::uuid[])),
+  (SELECT coalesce(json_agg(json_build_array(id::text, name, gpu_class)), '[]')::text
+     FROM {Pool._meta.db_table}
+    WHERE name = ANY(%(pool_names)s::text[]) OR id = ANY(%(pool_ids)s::uuid[])),
+  ARRAY(SELECT start FROM {Period._meta.db_table} WHERE closed_at IS NOT NULL),
+  (SELECT json_build_array(gpu_hour, tokens_million, gb_month::text, instance_hour)::text
+     FROM {PriceBook._meta.db_table} WHERE id = 1)
+"""  # noqa: S608 -- the models' own tables
 
 
 def _check_sizes(event: Event) -> None:

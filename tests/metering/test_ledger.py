@@ -8,10 +8,14 @@ from decimal import Decimal
 from fractions import Fraction
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django_tenants.utils import schema_context
 
-from apps.metering.ledger import CONFLICT, SMALL_BATCH, Event, gpu_hours, ingest
+from apps.accounts.models import Project, User
+from apps.metering.ledger import CONFLICT, SMALL_BATCH, Directory, Event, gpu_hours, ingest
 from apps.metering.models import LedgerEvent, Period, PriceBook, Rejection, Rollup
+from apps.resources.models import Pool
 from tenants.models import TenantUsageDay
 from tests.world import World
 
@@ -120,6 +124,35 @@ def test_prices_come_from_the_price_book_exactly(acme: World) -> None:
     assert LedgerEvent.objects.get(event_id="a100").cost_nano_usd == 1_000_000_000  # the "*" price
     # 1,000 in at 0.15 and 500 out at 0.60 per million: the book's price, not the gateway's 123.
     assert LedgerEvent.objects.get(event_id="call").cost_nano_usd == 150_000 + 300_000
+
+
+def test_a_batch_reads_whom_and_what_it_names_by_name_or_id_in_one_statement(acme: World) -> None:
+    bob, apollo = User.objects.get(username="bob"), Project.objects.get(name="apollo")
+    h100 = Pool.objects.get(name="h100")
+    by_id = gpu("by-id", user=str(bob.pk), project=str(apollo.pk), pool=str(h100.pk))
+    Period.objects.create(start=datetime(2026, 10, 1, tzinfo=UTC).date(), closed_at=NOW)
+    with CaptureQueriesContext(connection) as queries:
+        directory = Directory(NOW, [gpu("by-name"), by_id, tokens("call")])
+    assert len(queries) == 1  # was five: users, projects, pools, periods and prices
+    assert directory.user(str(bob.pk)) == directory.user("bob") == (str(bob.pk), "bob")
+    assert directory.project(str(apollo.pk)) == directory.project("apollo")
+    assert directory.pools[str(h100.pk)] == directory.pools["h100"] == ("h100", "H100")
+    assert directory.closed == {datetime(2026, 10, 1, tzinfo=UTC).date()}
+    assert directory.gb_month == Fraction("0.02")
+    assert directory.tokens["chat"] == (Fraction("0.15"), Fraction("0.60"))
+    assert "baremetal" not in directory.pools  # only what the batch names
+    report = ingest([gpu("by-name"), by_id], now=NOW)
+    assert report.accepted == 2
+    rows = LedgerEvent.objects.filter(event_id__in=["by-name", "by-id"])
+    assert {(row.username, row.project_name, row.pool, row.cost_nano_usd) for row in rows} == {
+        ("bob", "apollo", "h100", 2_500_000_000)
+    }
+    PriceBook.objects.all().delete()
+    bare = Directory(NOW, [gpu("free")])
+    assert not bare.gpu_price
+    assert not bare.tokens
+    assert bare.gb_month == Fraction(0)
+    assert Directory(NOW, []).users == {}
 
 
 def test_an_id_seen_with_other_content_is_refused_and_kept_aside(acme: World) -> None:
