@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections import OrderedDict
-from datetime import datetime, timedelta
+from datetime import datetime
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -61,26 +60,22 @@ _ANY_PLACED = f"SELECT 1 FROM {Task._meta.db_table} WHERE pool_id = %s AND state
 @transaction.atomic
 def _dispatch_placed(*, pool: Pool, schema_name: str, agent_id: str) -> list[dict[str, Any]]:
     now = timezone.now()
-    assigned = []
     placed = Task.objects.select_for_update(skip_locked=True, of=("self",)).select_related(
         "compute_resource__profile", "submitter", "project"
     )
+    secrets = {}
     for task in placed.filter(pool=pool, state=TaskState.PLACED):
-        secrets = _secrets(task, now)
-        if secrets is None:
-            continue
-        lease = uuid.uuid4()
-        run = runs.run_begin(task, lease=lease, pool=pool, agent_id=agent_id, now=now)
-        transition(
-            task,
-            to_state=TaskState.DISPATCHING,
-            actor="scheduler",
-            message=f"attempt {run.attempt}, lease {lease}" + (f", agent {agent_id}" if agent_id else ""),
-            lease_id=lease,
-            lease_expires_at=now + timedelta(seconds=LEASE_SECONDS),
-        )
-        assigned.append(_assign(task, run, schema_name, _with_session(task, schema_name, secrets)))
-    return assigned
+        found = _secrets(task, now)
+        if found is not None:  # else it failed, saying why
+            secrets[task] = found
+    ready = list(secrets)
+    started = lifecycle.tasks_dispatch(
+        ready, pool=pool, agent_id=agent_id, now=now, lease_seconds=LEASE_SECONDS
+    )
+    return [
+        _assign(task, run, schema_name, _with_session(task, schema_name, secrets[task]))
+        for task, run in zip(ready, started, strict=True)
+    ]
 
 
 def _with_session(task: Task, schema_name: str, secrets: dict[str, str]) -> dict[str, str]:

@@ -24,7 +24,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import connection, transaction
-from django.db.models import DurationField, ExpressionWrapper, F, Q, Sum, Value
+from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum, Value
 from django.utils import timezone
 
 from apps.accounts.models import User
@@ -455,6 +455,48 @@ def tasks_place(placements: Iterable[engine.Placement], now: datetime) -> int:
         if str(task) in placed
     )
     return len(placed)
+
+
+def tasks_dispatch(
+    tasks: list[Task], *, pool: Pool, agent_id: str, now: datetime, lease_seconds: float
+) -> list[TaskRun]:
+    """Hand placed tasks, locked by the caller, to an agent: each becomes its next attempt, a run under a
+    lease of its own, and waits dispatching for the agent's answer until the lease expires. One statement
+    for each of the attempts' numbers, the runs, the events and the tasks, however many there are (a cycle
+    places a pool's freed GPUs at once). Returns each task's run, in order."""
+    for task in tasks:
+        if TaskState.DISPATCHING not in TRANSITIONS.get(task.state, frozenset()):
+            raise InvalidInput(f"Task {task.pk} is {task.state}; it cannot become {TaskState.DISPATCHING}.")
+    if not tasks:
+        return []
+    counted = TaskRun.objects.filter(task__in=tasks).values("task").annotate(runs=Count("pk"))
+    attempts = dict(counted.values_list("task", "runs"))
+    started = [
+        TaskRun(
+            lease_id=uuid.uuid4(),
+            task=task,
+            attempt=attempts.get(task.pk, 0) + 1,
+            pool=pool,
+            agent_id=agent_id,
+            size_units=task.size_units,
+            dispatched_at=now,
+        )
+        for task in tasks
+    ]
+    TaskRun.objects.bulk_create(started)
+    on = f", agent {agent_id}" if agent_id else ""
+    TaskEvent.objects.bulk_create(
+        _record(task, to_state=TaskState.DISPATCHING, actor=SCHEDULER, at=now,
+                message=f"attempt {run.attempt}, lease {run.pk}{on}")
+        for task, run in zip(tasks, started, strict=True)
+    )  # fmt: skip
+    expires = now + timedelta(seconds=lease_seconds)
+    for task, run in zip(tasks, started, strict=True):
+        task.state, task.lease_id, task.lease_expires_at = TaskState.DISPATCHING, run.pk, expires
+    Task.objects.bulk_update(tasks, ["state", "lease_id", "lease_expires_at"])
+    for task in tasks:
+        publish_here(kind=f"task.{TaskState.DISPATCHING}", data={"id": str(task.pk)})
+    return started
 
 
 @dataclass
