@@ -25,12 +25,26 @@ from tests.fleet.conftest import agent
 from tests.fleet.test_fencing import hello, receive, run_of, second_task
 
 
-def busy_database_thread() -> tuple[threading.Event, asyncio.Future[bool]]:
-    """Hold the consumers' database thread until the event is set (as a long burst or another agent's
-    work would)."""
+async def assigned(fleet: dict[str, Any], count: int = 1) -> tuple[Any, list[dict[str, Any]]]:
+    """An agent connected, welcomed and given `count` assignments."""
+    client = agent(fleet["token"].secret)
+    assert (await client.connect())[0]
+    await client.send_json_to(hello())
+    await receive(client, "welcome")
+    return client, [await receive(client, "assign") for _ in range(count)]
+
+
+async def sent_while_busy(client: Any, sent: list[dict[str, Any]]) -> None:
+    """Send the messages while the database thread is held (as a long burst or another agent's work would
+    hold it), wait, and let it go."""
     release = threading.Event()
     held = asyncio.ensure_future(sync_to_async(release.wait)())
-    return release, held
+    await asyncio.sleep(0.1)
+    for message in sent:
+        await client.send_json_to(message)
+    await asyncio.sleep(0.3)  # taken off the socket meanwhile, though the database thread is held
+    release.set()
+    await held
 
 
 def burst_sizes() -> tuple[list[int], Any]:
@@ -63,26 +77,19 @@ def test_what_arrives_while_the_database_is_busy_is_applied_in_one_burst_and_ans
     sizes, counting = burst_sizes()
 
     async def scenario() -> list[dict[str, Any]]:
-        client = agent(fleet["token"].secret)
-        assert (await client.connect())[0]
-        await client.send_json_to(hello())
-        await receive(client, "welcome")
-        one, two = await receive(client, "assign"), await receive(client, "assign")
-        release, held = busy_database_thread()
-        await asyncio.sleep(0.1)
+        client, (one, two) = await assigned(fleet, 2)
         stranger = {"task_id": one["task_id"], "lease_id": str(uuid.uuid4())}
-        for message in (
-            {"type": "accepted", **run_of(one)},
-            {"type": "status", **run_of(one), "seq": 1, "state": "running"},
-            {"type": "accepted", **stranger},  # no such lease: refused, with a stop
-            {"type": "log", **run_of(one), "seq": 2, "lines": ["hello"]},
-            {"type": "accepted", **run_of(two)},
-            {"type": "status", **run_of(two), "seq": 1, "state": "running"},
-        ):
-            await client.send_json_to(message)
-        await asyncio.sleep(0.3)  # taken off the socket meanwhile, though the database thread is held
-        release.set()
-        await held
+        await sent_while_busy(
+            client,
+            [
+                {"type": "accepted", **run_of(one)},
+                {"type": "status", **run_of(one), "seq": 1, "state": "running"},
+                {"type": "accepted", **stranger},  # no such lease: refused, with a stop
+                {"type": "log", **run_of(one), "seq": 2, "lines": ["hello"]},
+                {"type": "accepted", **run_of(two)},
+                {"type": "status", **run_of(two), "seq": 1, "state": "running"},
+            ],
+        )
         said = await answers(client, 5)
         assert await client.receive_nothing(timeout=0.3)
         await client.disconnect()
@@ -110,24 +117,17 @@ def test_a_malformed_message_is_answered_in_its_place_and_the_others_are_applied
     sizes, counting = burst_sizes()
 
     async def scenario() -> list[dict[str, Any]]:
-        client = agent(fleet["token"].secret)
-        assert (await client.connect())[0]
-        await client.send_json_to(hello())
-        await receive(client, "welcome")
-        one = await receive(client, "assign")
-        release, held = busy_database_thread()
-        await asyncio.sleep(0.1)
-        for message in (
-            {"type": "accepted", **run_of(one)},
-            {"type": "status", **run_of(one), "seq": 0, "state": "running"},  # numbers start at 1
-            {"type": "status", **run_of(one), "seq": 1, "state": "running"},
-            {"type": "log", **run_of(one), "seq": 2, "lines": "not a list"},
-            {"type": "log", **run_of(one), "seq": 3, "lines": ["kept"]},
-        ):
-            await client.send_json_to(message)
-        await asyncio.sleep(0.3)
-        release.set()
-        await held
+        client, (one,) = await assigned(fleet)
+        await sent_while_busy(
+            client,
+            [
+                {"type": "accepted", **run_of(one)},
+                {"type": "status", **run_of(one), "seq": 0, "state": "running"},  # numbers start at 1
+                {"type": "status", **run_of(one), "seq": 1, "state": "running"},
+                {"type": "log", **run_of(one), "seq": 2, "lines": "not a list"},
+                {"type": "log", **run_of(one), "seq": 3, "lines": ["kept"]},
+            ],
+        )
         said = await answers(client, 4)
         await client.disconnect()
         return said
@@ -165,19 +165,15 @@ def test_a_burst_that_fails_in_the_database_is_applied_again_one_message_at_a_ti
         return real(self, burst=burst)
 
     async def scenario() -> list[dict[str, Any]]:
-        client = agent(fleet["token"].secret)
-        assert (await client.connect())[0]
-        await client.send_json_to(hello())
-        await receive(client, "welcome")
-        one = await receive(client, "assign")
-        release, held = busy_database_thread()
-        await asyncio.sleep(0.1)
-        await client.send_json_to({"type": "accepted", **run_of(one)})
-        await client.send_json_to({"type": "status", **run_of(one), "seq": 1, "state": "running"})
-        await client.send_json_to({"type": "log", **run_of(one), "seq": 2, "lines": ["once"]})
-        await asyncio.sleep(0.3)
-        release.set()
-        await held
+        client, (one,) = await assigned(fleet)
+        await sent_while_busy(
+            client,
+            [
+                {"type": "accepted", **run_of(one)},
+                {"type": "status", **run_of(one), "seq": 1, "state": "running"},
+                {"type": "log", **run_of(one), "seq": 2, "lines": ["once"]},
+            ],
+        )
         said = await answers(client, 2)
         assert await client.receive_nothing(timeout=0.3)
         await client.disconnect()
