@@ -18,7 +18,7 @@ from django_tenants.utils import schema_context
 from apps.accounts.models import User
 from apps.accounts.services import TokenRejected, token_authenticate
 from apps.core.events import events_group
-from apps.core.websocket import WebsocketRejected, header
+from apps.core.websocket import DirectDispatch, WebsocketRejected, header
 from tenants.selectors import tenant_for_host
 
 
@@ -88,7 +88,7 @@ def _session_user(scope: dict[str, Any], schema_name: str, host: str) -> Any:
     return user
 
 
-class EventsConsumer(AsyncJsonWebsocketConsumer):
+class EventsConsumer(DirectDispatch, AsyncJsonWebsocketConsumer):
     """Streams the tenant's events (see apps.core.events) to any signed-in user of that tenant.
 
     The server speaks first: `welcome` on success, or `error` with a sentence and then a close with code

@@ -16,7 +16,7 @@ from django_tenants.utils import schema_context
 from apps.accounts.consumers import WebsocketIdentity, resolve_identity
 from apps.accounts.models import User
 from apps.core.events import logs_group
-from apps.core.websocket import WebsocketRejected
+from apps.core.websocket import DirectDispatch, WebsocketRejected
 from apps.fleet.selectors import task_logs
 from apps.scheduling.models import Task
 from apps.scheduling.selectors import may_read_output, output_readers
@@ -37,7 +37,7 @@ def _after(scope: dict[str, Any]) -> int:
         raise WebsocketRejected("after is the cursor of the last chunk read, a whole number.", 4400) from None
 
 
-class TaskLogsConsumer(AsyncJsonWebsocketConsumer):
+class TaskLogsConsumer(DirectDispatch, AsyncJsonWebsocketConsumer):
     """Streams one task's output: what it has written after the client's cursor (?after=, from the start
     without one), then each new chunk as its agent reports it, then {"type": "end", "state": ...} when
     the task ends. Same handshake as the events stream.

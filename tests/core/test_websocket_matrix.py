@@ -6,14 +6,17 @@ are refused with a close code and a sentence."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
 from django.db import connections
 
+from apps.core.events import events_group
 from config.asgi import application
 from tests.world import HOST_A, HOST_B, World
 
@@ -99,3 +102,30 @@ def test_a_task_of_another_tenant_is_not_there(world: World) -> None:
     message, closed = first_message(f"/ws/v1/tasks/{world.task_a}/logs/", world.tokens["charlie"], HOST_B)
     assert message == {"type": "error", "detail": "No such task in this tenant."}
     assert closed == {"type": "websocket.close", "code": 4404}
+
+
+def test_an_event_reaches_its_readers_while_the_database_thread_is_busy(world: World) -> None:
+    """Channels made a trip through the database thread before each message a consumer took: every event
+    for every open page waited behind the process's database work (the agents' reports among it)."""
+
+    async def scenario() -> tuple[dict[str, Any], bool]:
+        headers = [(b"host", HOST_A.encode()), (b"authorization", f"Bearer {world.tokens['alice']}".encode())]
+        client = WebsocketCommunicator(application, "/ws/v1/events/", headers=headers)
+        assert (await client.connect())[0]
+        assert (await client.receive_json_from(timeout=5))["type"] == "welcome"
+        release = threading.Event()
+        held = asyncio.ensure_future(sync_to_async(release.wait)())
+        event = {"type": "event", "kind": "task.running", "data": {"id": "x"}, "at": "now"}
+        await get_channel_layer().group_send(events_group("acme"), {"type": "event.message", "event": event})
+        try:
+            received = await client.receive_json_from(timeout=3)
+        finally:
+            waited = not held.done()
+            release.set()
+            await held
+        await client.disconnect()
+        return received, waited
+
+    received, waited = asyncio.run(scenario())
+    assert waited  # the thread was still held when the event arrived
+    assert (received["type"], received["kind"], received["data"]) == ("event", "task.running", {"id": "x"})
