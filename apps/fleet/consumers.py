@@ -210,6 +210,8 @@ class AgentConsumer(DirectDispatch, AsyncJsonWebsocketConsumer):
         await self.close(code=code)
 
     async def _handle(self, message: Any) -> None:
+        """A message that comes alone: a hello, a heartbeat or one that is malformed (the rest come in
+        bursts, _handle_burst)."""
         token = self.token
         assert token is not None
         if isinstance(message, messages.ProtocolError):
@@ -227,8 +229,6 @@ class AgentConsumer(DirectDispatch, AsyncJsonWebsocketConsumer):
                 await self.send_json(stop.as_json())
             for assignment in assigned:
                 await self.send_json(assignment)
-        else:  # accepted, rejected and reports come in bursts (_drain); one alone is a burst of one
-            await self._handle_burst([("", message)])
 
     async def _handle_burst(self, burst: list[tuple[str, Any]]) -> None:
         """Apply accepted, rejected and reports in one transaction, then answer each in order: a report with

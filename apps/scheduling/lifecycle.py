@@ -24,7 +24,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import connection, transaction
-from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum, Value
+from django.db.models import DurationField, ExpressionWrapper, F, Q, Sum, Value
 from django.utils import timezone
 
 from apps.accounts.models import User
@@ -50,6 +50,7 @@ from apps.scheduling.runs import (
     current_run,
     run_begin,
     run_request_stop,
+    runs_begin,
 )
 from gateway import services as gateway
 
@@ -469,21 +470,7 @@ def tasks_dispatch(
             raise InvalidInput(f"Task {task.pk} is {task.state}; it cannot become {TaskState.DISPATCHING}.")
     if not tasks:
         return []
-    counted = TaskRun.objects.filter(task__in=tasks).values("task").annotate(runs=Count("pk"))
-    attempts = dict(counted.values_list("task", "runs"))
-    started = [
-        TaskRun(
-            lease_id=uuid.uuid4(),
-            task=task,
-            attempt=attempts.get(task.pk, 0) + 1,
-            pool=pool,
-            agent_id=agent_id,
-            size_units=task.size_units,
-            dispatched_at=now,
-        )
-        for task in tasks
-    ]
-    TaskRun.objects.bulk_create(started)
+    started = runs_begin([(task, uuid.uuid4()) for task in tasks], pool=pool, agent_id=agent_id, now=now)
     on = f", agent {agent_id}" if agent_id else ""
     TaskEvent.objects.bulk_create(
         _record(task, to_state=TaskState.DISPATCHING, actor=SCHEDULER, at=now,

@@ -18,6 +18,7 @@ import uuid
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from django.db.models import Count
 from django.utils import timezone
 
 from apps.core.events import publish_event
@@ -38,16 +39,30 @@ PREEMPT_GRACE_SECONDS = 30.0  # a preempted run's time to checkpoint before it i
 
 def run_begin(task: Task, *, lease: uuid.UUID, pool: Pool, agent_id: str, now: datetime) -> TaskRun:
     """The run a dispatch starts: the task's next attempt, on this agent, under `lease`."""
-    attempt = TaskRun.objects.filter(task=task).count() + 1
-    return TaskRun.objects.create(
-        lease_id=lease,
-        task=task,
-        attempt=attempt,
-        pool=pool,
-        agent_id=agent_id,
-        size_units=task.size_units,
-        dispatched_at=now,
-    )
+    (run,) = runs_begin([(task, lease)], pool=pool, agent_id=agent_id, now=now)
+    return run
+
+
+def runs_begin(
+    leased: list[tuple[Task, uuid.UUID]], *, pool: Pool, agent_id: str, now: datetime
+) -> list[TaskRun]:
+    """The runs a dispatch starts, one per (task, lease): each task's next attempt, on this agent. One
+    statement numbers the attempts and one inserts the runs, however many there are."""
+    counted = TaskRun.objects.filter(task__in=[task for task, _ in leased]).values("task")
+    attempts = dict(counted.annotate(runs=Count("pk")).values_list("task", "runs"))
+    started = [
+        TaskRun(
+            lease_id=lease,
+            task=task,
+            attempt=attempts.get(task.pk, 0) + 1,
+            pool=pool,
+            agent_id=agent_id,
+            size_units=task.size_units,
+            dispatched_at=now,
+        )
+        for task, lease in leased
+    ]
+    return TaskRun.objects.bulk_create(started)
 
 
 def current_run(task: Task) -> TaskRun | None:
