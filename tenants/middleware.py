@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Protocol
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.utils.module_loading import import_string
 from django_tenants.utils import get_public_schema_name
 
 from apps.core.logging import tenant_var
-from tenants.selectors import tenant_enter
+from tenants.selectors import tenant_enter_reading
+
+
+class EnterRead(Protocol):
+    """A read of the tenant's own schema that a request needs at once, made in the round trip that
+    finds the tenant (settings.TENANT_ENTER_READ names it; apps.accounts.authentication.BearerRead reads
+    the bearer token's row)."""
+
+    @staticmethod
+    def query(request: HttpRequest) -> tuple[str, list[Any]] | None: ...
+
+    @staticmethod
+    def received(request: HttpRequest, row: tuple[Any, ...] | None) -> None: ...
 
 
 class TenantMiddleware:
@@ -21,11 +35,15 @@ class TenantMiddleware:
 
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
         self.get_response = get_response
+        name = getattr(settings, "TENANT_ENTER_READ", None)
+        self.read: EnterRead | None = import_string(name) if name else None
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
         # Not request.get_host(): an unknown host should hear about tenants, not about ALLOWED_HOSTS.
         host = request.META.get("HTTP_HOST", request.META.get("SERVER_NAME", "")).split(":")[0].lower()
-        tenant = tenant_enter(host)  # and the connection's schema with it
+        query = self.read.query(request) if self.read is not None else None
+        # The tenant, the connection's schema with it, and what the request reads at once in that schema.
+        tenant, row = tenant_enter_reading(host, *query) if query is not None else tenant_enter_reading(host)
         base = settings.KLIQUE_BASE_DOMAIN
         if tenant is None:
             return JsonResponse(
@@ -44,6 +62,8 @@ class TenantMiddleware:
                 status=403,
             )
         request.tenant = tenant  # type: ignore[attr-defined]
+        if query is not None and self.read is not None:
+            self.read.received(request, row)
         tenant.domain_url = host
         tenant_var.set(tenant.slug)
         if tenant.schema_name == get_public_schema_name():

@@ -104,7 +104,9 @@ def token_revoke(*, token: ApiToken) -> ApiToken:
 
 
 @functools.cache
-def _token_sql() -> str:
+def token_read_sql() -> str:
+    """The token of one prefix (`%s`) and its user, in the current schema, as `token_from_row` takes it.
+    Ends in its WHERE clause: tenants.selectors.tenant_enter_reading appends a guard to it."""
     return (
         f"SELECT {rows.columns(ApiToken, 't')}, {rows.columns(User, 'u')} "  # noqa: S608 -- names only
         f"FROM {ApiToken._meta.db_table} t JOIN {User._meta.db_table} u ON u.id = t.user_id "
@@ -112,11 +114,8 @@ def _token_sql() -> str:
     )
 
 
-def _token_with_user(prefix: str) -> ApiToken | None:
-    """The token of `prefix` in the current schema, its user with it (every API request asks)."""
-    with connection.cursor() as cursor:
-        cursor.execute(_token_sql(), [prefix])
-        row = cursor.fetchone()
+def token_from_row(row: tuple[Any, ...] | None) -> ApiToken | None:
+    """The token of a row of `token_read_sql`, its user with it."""
     if row is None:
         return None
     split = rows.width(ApiToken)
@@ -125,8 +124,27 @@ def _token_with_user(prefix: str) -> ApiToken | None:
     return token
 
 
-def token_authenticate(*, tenant: Tenant, presented: str) -> tuple[User, ApiToken]:
-    """The user a bearer token stands for in `tenant`, or TokenRejected saying why not."""
+def _token_with_user(prefix: str) -> ApiToken | None:
+    """The token of `prefix` in the current schema, its user with it."""
+    with connection.cursor() as cursor:
+        cursor.execute(token_read_sql(), [prefix])
+        return token_from_row(cursor.fetchone())
+
+
+@dataclass(frozen=True)
+class TokenRead:
+    """A token row already read for this request (in the round trip that found the tenant, see
+    apps.accounts.authentication.BearerRead): `token` is None where no token has `prefix`."""
+
+    prefix: str
+    token: ApiToken | None
+
+
+def token_authenticate(
+    *, tenant: Tenant, presented: str, read: TokenRead | None = None
+) -> tuple[User, ApiToken]:
+    """The user a bearer token stands for in `tenant`, or TokenRejected saying why not. `read`: the row of
+    the presented prefix, where the request has read it already in this tenant's schema."""
     prefix = parse_prefix(presented)
     if prefix is None:
         raise TokenRejected(
@@ -134,7 +152,7 @@ def token_authenticate(*, tenant: Tenant, presented: str) -> tuple[User, ApiToke
             "Copy the whole token as it was shown when it was created."
         )
     presented_hash = hash_token(presented)
-    token = _token_with_user(prefix)
+    token = read.token if read is not None and read.prefix == prefix else _token_with_user(prefix)
     if token is None or not hmac.compare_digest(token.secret_hash, presented_hash):
         owner = token_route_tenant(prefix=prefix, secret_hash=presented_hash)
         if owner is not None and owner.pk != tenant.pk:

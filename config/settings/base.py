@@ -95,6 +95,8 @@ PUBLIC_SCHEMA_NAME = "public"
 # `SET search_path` only when the connection's schema changes, not before every cursor (a round trip
 # each). django-tenants forgets what it set on a rollback, to a savepoint too, and on a new connection.
 TENANT_LIMIT_SET_CALLS = True
+# The bearer token's row is read in the round trip that finds the request's tenant (tenants.middleware).
+TENANT_ENTER_READ = "apps.accounts.authentication.BearerRead"
 ROOT_URLCONF = "config.urls"
 PUBLIC_SCHEMA_URLCONF = "config.urls_public"
 AUTH_USER_MODEL = "accounts.User"
