@@ -148,9 +148,10 @@ def database_settings(url: str, *, pool_size: int) -> dict[str, object]:
     database["ATOMIC_REQUESTS"] = True
     if pool_size:
         database["CONN_MAX_AGE"] = 0
-        # With a pool, Django's health checks are the pool's: each connection is checked (an empty query)
-        # as it leaves the pool, so after a PostgreSQL restart a broken one is replaced there instead of
-        # failing the request that drew it.
+        # With a pool, Django's health checks are the pool's: each connection is checked as it leaves
+        # the pool, so after a PostgreSQL restart a broken one is replaced there instead of failing the
+        # request that drew it (apps.core.postgresql: by a poll of its socket, a query only where it has
+        # something to read).
         database["CONN_HEALTH_CHECKS"] = True
         options = dict(database.get("OPTIONS") or {})  # type: ignore[call-overload]
         options["pool"] = {"min_size": 1, "max_size": pool_size, "timeout": 10}
@@ -163,6 +164,8 @@ DATABASES = {
     "default": database_settings(env.database_url(), pool_size=env.integer("KLIQUE_DB_POOL_SIZE", default=0))
 }
 DATABASE_ROUTERS = ["django_tenants.routers.TenantSyncRouter"]
+# The backend django-tenants' own is built on: Django's, with Klique's pool check (apps.core.postgresql).
+ORIGINAL_BACKEND = "apps.core.postgresql"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env.redis_url()
