@@ -7,12 +7,14 @@ from rest_framework import serializers
 from apps.accounts.models import ApiToken, Group, Project, ProjectMembership, Role, User
 from apps.audit.models import AuditEvent
 from apps.core.schema import GpusField
+from apps.core.serializers import PlainOut
 from apps.scheduling.engine import SizeError, to_gpus_text, units
 
 
-class UserOut(serializers.Serializer[User]):
+class UserOut(PlainOut):
     """A person. Its fields are declared, not read off the model: a ModelSerializer introspects the model
-    on every use, which costs more than the rest of a `GET /api/v1/me/` (bench/request_path.py)."""
+    on every use, which costs more than the rest of a `GET /api/v1/me/` (bench/request_path.py); and bound
+    once (apps.core.serializers)."""
 
     id = serializers.UUIDField(read_only=True)
     username = serializers.CharField(read_only=True)
