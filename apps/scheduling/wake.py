@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 from celery import current_app
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 
 from apps.core.events import send_to_group
 from tenants import due
@@ -87,25 +87,50 @@ def request_cycle(tenant: Tenant) -> None:
     share of a worker, each cycle placing all that came meanwhile.
 
     No change is missed: a request that sends nothing found a trailing cycle on its way, whose key lives
-    no longer than its countdown, so that cycle had not started and reads this commit."""
-    window_ms = _window_ms()
+    no longer than its countdown, so that cycle had not started and reads this commit. For the same
+    reason the requests of one transaction ask once (an agent's burst of reports ends many runs): the
+    request still pending at its commit covers every change the transaction made."""
     schema_name = tenant.schema_name
+    if _pending_in_this_transaction(schema_name):
+        return
+    transaction.on_commit(_CycleRequest(schema_name, _window_ms()))
 
-    def send() -> None:
+
+class _CycleRequest:
+    """The request that request_cycle leaves to run when its transaction commits."""
+
+    def __init__(self, schema_name: str, window_ms: int) -> None:
+        self.schema_name, self.window_ms = schema_name, window_ms
+        self.made = False  # (a test may run a transaction's callbacks without ending the transaction)
+
+    def __call__(self) -> None:
+        self.made = True
         try:
             client = _client()
-            client.sadd(due.key("cycle"), schema_name)  # beat's safety net visits it while work is due
-            if window_ms <= 0:
-                send_cycle(schema_name, countdown=0)
+            client.sadd(due.key("cycle"), self.schema_name)  # beat's safety net visits it while work is due
+            if self.window_ms <= 0:
+                send_cycle(self.schema_name, countdown=0)
                 return
-            delay_ms = client.eval(_REQUEST, 3, *_keys(schema_name), window_ms, GUESS_MS, 1 + GAP_FACTOR)
+            delay_ms = client.eval(
+                _REQUEST, 3, *_keys(self.schema_name), self.window_ms, GUESS_MS, 1 + GAP_FACTOR
+            )
             if delay_ms >= 0:
-                send_cycle(schema_name, countdown=delay_ms / 1000)
+                send_cycle(self.schema_name, countdown=delay_ms / 1000)
         except Exception:
             # Beat's periodic cycle picks the change up; the submit itself is committed.
             logger.warning("could not request a scheduling cycle", exc_info=True)
 
-    transaction.on_commit(send)
+
+def _pending_in_this_transaction(schema_name: str) -> bool:
+    """Whether the current transaction already asks for a cycle of `schema_name` when it commits. Django
+    drops what a rollback (to a savepoint too) undoes from its list, so a request still listed stands."""
+    if not connection.in_atomic_block:
+        return False
+    pending = (entry[1] for entry in connection.run_on_commit)  # (savepoints, callback, robust)
+    return any(
+        isinstance(callback, _CycleRequest) and callback.schema_name == schema_name and not callback.made
+        for callback in pending
+    )
 
 
 def cycle_starting(schema_name: str) -> None:

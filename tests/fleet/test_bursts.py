@@ -18,9 +18,12 @@ from asgiref.sync import sync_to_async
 from django.db import OperationalError, connections, transaction
 from django_tenants.utils import schema_context
 
+from apps.accounts.models import User
 from apps.fleet.consumers import AgentConsumer
 from apps.fleet.models import TaskReport
+from apps.scheduling import wake
 from apps.scheduling.models import Task, TaskState
+from apps.scheduling.services import TaskRequest, tasks_submit
 from tests.fleet.conftest import agent
 from tests.fleet.test_fencing import hello, receive, run_of, second_task
 
@@ -190,3 +193,40 @@ def test_a_burst_that_fails_in_the_database_is_applied_again_one_message_at_a_ti
     with schema_context("fleet"):
         assert TaskReport.objects.filter(task_id=fleet["task"], seq=2).count() == 1
     connections.close_all()
+
+
+def test_a_burst_that_ends_several_runs_asks_for_one_cycle(fleet: dict[str, Any]) -> None:
+    second = second_task(fleet)
+    with schema_context("fleet"):  # work that waits: each run's end asks for a cycle
+        tasks_submit(
+            tenant=fleet["tenant"],
+            user=User.objects.get(username="fay"),
+            requests=[TaskRequest(compute_resource="Research: 4 GPUs", spec={"command": ["true"]})],
+        )
+    connections.close_all()
+    sizes, counting = burst_sizes()
+    asked: list[str] = []
+
+    def ask(request: Any) -> None:
+        asked.append(request.schema_name)
+
+    async def scenario() -> list[dict[str, Any]]:
+        client, (one, two) = await assigned(fleet, 2)
+        for assign in (one, two):
+            await client.send_json_to({"type": "accepted", **run_of(assign)})
+            await client.send_json_to({"type": "status", **run_of(assign), "seq": 1, "state": "running"})
+        assert [m["verdict"] for m in await answers(client, 2)] == ["applied", "applied"]
+        asked.clear()
+        first = {"type": "log", **run_of(one), "seq": 2, "lines": ["done"]}  # taken alone, at once
+        ends = [{"type": "result", **run_of(assign), "seq": 3, "exit_code": 0} for assign in (one, two)]
+        await sent_while_busy(client, [first, *ends])
+        said = await answers(client, 3)
+        await client.disconnect()
+        return said
+
+    with counting, mock.patch.object(wake._CycleRequest, "__call__", ask):
+        said = asyncio.run(scenario())
+    assert sizes[-1] == 2  # both results in one burst, one transaction
+    assert [m["verdict"] for m in said] == ["applied", "applied", "applied"]
+    assert states(fleet["task"], second) == [TaskState.COMPLETED, TaskState.COMPLETED]
+    assert asked == ["fleet"]  # one request for the burst's commit, not one per ended run

@@ -9,6 +9,7 @@ from datetime import timedelta
 import pytest
 import redis
 from django.conf import settings
+from django.db import transaction
 from django.utils import timezone
 from django_tenants.utils import schema_context
 from rest_framework.test import APIClient
@@ -119,8 +120,8 @@ def test_submitting_runs_a_cycle_at_once_and_the_next_requests_share_one_after_i
     client = redis.Redis.from_url(settings.REDIS_URL)
     client.delete(*KEYS)
     client.set(KEYS[2], 40)  # the last cycle took 40 ms
-    with django_capture_on_commit_callbacks(execute=True):
-        for _ in range(4):
+    for _ in range(4):  # four requests, each its own commit
+        with django_capture_on_commit_callbacks(execute=True):
             api("bob").post("/api/v1/tasks/", {"compute_resource": "Research: 4 GPUs"}, format="json")
     assert scheduling_tasks.scheduling_cycle.name == wake.CYCLE_TASK in celery_app.tasks  # sent by its name
     # The first at once; the other three share one, after the first's foreseen run and its gap.
@@ -250,3 +251,47 @@ def test_a_pool_of_many_agents_writes_its_heartbeat_at_most_once_per_sixth_of_it
         assert written is not None
         assert written > older
         assert pool.is_online(timezone.now())
+
+
+def test_the_requests_of_one_transaction_ask_for_one_cycle_per_tenant(
+    world: World,
+    db: None,
+    monkeypatch: pytest.MonkeyPatch,
+    django_capture_on_commit_callbacks: Callable[..., AbstractContextManager[object]],
+) -> None:
+    monkeypatch.setattr(settings, "KLIQUE_CYCLE_DEBOUNCE_SECONDS", 0)  # every request that is made sends
+    sent: list[str] = []
+    monkeypatch.setattr(celery_app, "send_task", lambda name, args, countdown: sent.append(args[0]))
+    with django_capture_on_commit_callbacks(execute=True), transaction.atomic():
+        for _ in range(5):  # a burst of an agent's reports ends five runs
+            wake.request_cycle(world.tenant_a)
+        wake.request_cycle(world.tenant_b)
+        with transaction.atomic():  # a savepoint that is kept: its request is the transaction's
+            wake.request_cycle(world.tenant_b)
+    assert sorted(sent) == ["acme", "globex"]
+
+
+def refused_after_asking(tenant: Tenant) -> None:
+    """A message that asks for a cycle and is then refused: its savepoint is rolled back."""
+    with transaction.atomic():
+        wake.request_cycle(tenant)
+        raise RuntimeError("refused")
+
+
+def test_a_request_undone_by_a_rollback_does_not_hide_the_next(
+    world: World,
+    db: None,
+    monkeypatch: pytest.MonkeyPatch,
+    django_capture_on_commit_callbacks: Callable[..., AbstractContextManager[object]],
+) -> None:
+    monkeypatch.setattr(settings, "KLIQUE_CYCLE_DEBOUNCE_SECONDS", 0)
+    sent: list[str] = []
+    monkeypatch.setattr(celery_app, "send_task", lambda name, args, countdown: sent.append(args[0]))
+    with django_capture_on_commit_callbacks(execute=True), transaction.atomic():
+        with pytest.raises(RuntimeError):
+            refused_after_asking(world.tenant_a)
+        wake.request_cycle(world.tenant_a)  # the next message's: the first was undone with its savepoint
+    assert sent == ["acme"]
+    with django_capture_on_commit_callbacks(execute=True), transaction.atomic(), pytest.raises(RuntimeError):
+        refused_after_asking(world.tenant_a)
+    assert sent == ["acme"]  # nothing of that transaction stands: nothing to ask
