@@ -36,9 +36,10 @@ _taken_up: OrderedDict[str, None] = OrderedDict()
 TAKEN_UP_KEPT = 4096
 
 # Messages an agent sent while the last were applied are applied together: accepted, rejected and reports
-# in one trip to the database thread and one transaction, at most BURST of them; each in its own savepoint
-# (its handler's atomic block), so one refused rolls back alone. The agent's messages wait here, in order,
-# at most INBOX of them; beyond that the socket is read no further until there is room.
+# in one trip to the database thread and one transaction, at most BURST of them (where one is refused, the
+# burst is applied again with each in a savepoint of its own, so one refused rolls back alone). The agent's
+# messages wait here, in order, at most INBOX of them; beyond that the socket is read no further until
+# there is room.
 BURST = 32
 INBOX = 256
 BURSTABLE = (messages.Accepted, messages.Rejected, messages.Report)
@@ -258,15 +259,26 @@ class AgentConsumer(DirectDispatch, AsyncJsonWebsocketConsumer):
 
     def _apply(self, *, burst: list[tuple[str, Any]]) -> list[Any]:
         """In the database thread: each message's answer (an Ack, a Refusal or None), all in one
-        transaction. Each handler is an atomic block of its own, a savepoint in this one, so a refused
-        message undoes its own writes alone; a database failure undoes the burst."""
+        transaction; a database failure undoes the burst.
+
+        Messages are refused rarely (a lease that expired, a stranger's), so the burst is first applied
+        with no savepoints, two statements fewer per message. Where one is refused, that transaction is
+        undone whole and the burst applied again with each message in a savepoint of its own, so that a
+        refused message undoes its own writes alone and the others are kept."""
         token = self.token
         assert token is not None
+        try:
+            with transaction.atomic():
+                return [self._apply_one(token, message) for _, message in burst]
+        except (errors.AgentRejected, InvalidInput, NotFound) as refused:
+            if len(burst) == 1:
+                return [Refusal(burst[0][0], refused)]
         answers: list[Any] = []
         with transaction.atomic():
             for kind, message in burst:
                 try:
-                    answers.append(self._apply_one(token, message))
+                    with transaction.atomic():
+                        answers.append(self._apply_one(token, message))
                 except (errors.AgentRejected, InvalidInput, NotFound) as refused:
                     answers.append(Refusal(kind, refused))
         return answers

@@ -167,7 +167,7 @@ def _unnamed_run(task: Task | None, agent_id: str) -> TaskRun | None:
     return run
 
 
-@transaction.atomic
+@transaction.atomic(savepoint=False)  # no savepoint when nested: the caller isolates messages
 def lease_accepted(
     *, tenant: Tenant, pool: Pool, agent_id: str, accepted: messages.Accepted
 ) -> messages.Stop | None:
@@ -191,7 +191,7 @@ def lease_accepted(
     )
 
 
-@transaction.atomic
+@transaction.atomic(savepoint=False)  # no savepoint when nested: the caller isolates messages
 def lease_rejected(*, tenant: Tenant, pool: Pool, rejected: messages.Rejected) -> None:
     """A refused task waits in the queue again, unless the refusal is permanent (a user with no account
     on the cluster, a value no batch script may hold, a partition the cluster lacks): then it fails, with
@@ -234,7 +234,7 @@ def lease_rejected(*, tenant: Tenant, pool: Pool, rejected: messages.Rejected) -
     )
 
 
-@transaction.atomic
+@transaction.atomic(savepoint=False)  # no savepoint when nested: the caller isolates messages
 def report(*, tenant: Tenant, pool: Pool, agent_id: str, message: messages.Report) -> messages.Ack:
     """Apply one report of the pool's agent to the run its lease names, once, and say what became of it:
     applied, a duplicate (its number was seen), or stale (its run is not the task's: refused, expired,

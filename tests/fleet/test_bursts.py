@@ -1,6 +1,6 @@
 """An agent's messages are taken off its socket at once and applied in bursts: what it sent while the
-database thread was busy is applied in one transaction, each message in a savepoint of its own, and
-answered in the order it was sent.
+database thread was busy is applied in one transaction (again with each message in a savepoint of its own
+where one is refused), and answered in the order it was sent.
 
 Channels' consumers made a trip through the database thread before each message they dispatched, so a
 message waited for all the database work queued before it and arrived alone; one agent's reports then
@@ -15,11 +15,14 @@ from typing import Any
 from unittest import mock
 
 from asgiref.sync import sync_to_async
-from django.db import OperationalError, connections, transaction
+from django.db import OperationalError, connection, connections, transaction
+from django.test.utils import CaptureQueriesContext
 from django_tenants.utils import schema_context
 
 from apps.accounts.models import User
+from apps.fleet import dispatch
 from apps.fleet.consumers import AgentConsumer
+from apps.fleet.errors import AgentRejected
 from apps.fleet.models import TaskReport
 from apps.scheduling import wake
 from apps.scheduling.models import Task, TaskState
@@ -230,3 +233,88 @@ def test_a_burst_that_ends_several_runs_asks_for_one_cycle(fleet: dict[str, Any]
     assert [m["verdict"] for m in said] == ["applied", "applied", "applied"]
     assert states(fleet["task"], second) == [TaskState.COMPLETED, TaskState.COMPLETED]
     assert asked == ["fleet"]  # one request for the burst's commit, not one per ended run
+
+
+def statements_of_bursts() -> tuple[list[list[str]], Any]:
+    """Record the statements each burst sends (in the database thread, where the burst runs)."""
+    sent: list[list[str]] = []
+    real = AgentConsumer._apply
+
+    def captured(self: AgentConsumer, *, burst: list[tuple[str, Any]]) -> list[Any]:
+        with CaptureQueriesContext(connection) as queries:
+            answered = real(self, burst=burst)
+        sent.append([query["sql"] for query in queries.captured_queries])
+        return answered
+
+    return sent, mock.patch.object(AgentConsumer, "_apply", captured)
+
+
+def test_a_burst_that_nobody_refuses_sends_no_savepoint(fleet: dict[str, Any]) -> None:
+    sent, capturing = statements_of_bursts()
+
+    async def scenario() -> list[dict[str, Any]]:
+        client, (one,) = await assigned(fleet)
+        await sent_while_busy(
+            client,
+            [
+                {"type": "accepted", **run_of(one)},
+                {"type": "status", **run_of(one), "seq": 1, "state": "running"},
+                {"type": "log", **run_of(one), "seq": 2, "lines": ["a"]},
+                {"type": "result", **run_of(one), "seq": 3, "exit_code": 0},
+            ],
+        )
+        said = await answers(client, 3)
+        await client.disconnect()
+        return said
+
+    with capturing:
+        said = asyncio.run(scenario())
+    assert [m["verdict"] for m in said] == ["applied"] * 3
+    assert [len(burst) for burst in sent][-1] > 0
+    assert not [sql for burst in sent for sql in burst if "SAVEPOINT" in sql]
+    assert states(fleet["task"]) == [TaskState.COMPLETED]
+
+
+def test_a_message_refused_after_it_wrote_undoes_only_its_own_writes(fleet: dict[str, Any]) -> None:
+    second = second_task(fleet)
+    real = dispatch.task_report
+
+    def refused_after_writing(**arguments: Any) -> bool:
+        kept = real(**arguments)
+        if arguments["body"].get("lines") == ["refuse me"]:  # its report row is written, then refused
+            raise AgentRejected("refused after writing")
+        return kept
+
+    async def scenario() -> tuple[list[dict[str, Any]], str, str]:
+        client, (one, two) = await assigned(fleet, 2)
+        await sent_while_busy(
+            client,
+            [
+                {"type": "accepted", **run_of(one)},
+                {"type": "status", **run_of(one), "seq": 1, "state": "running"},
+                {"type": "log", **run_of(one), "seq": 2, "lines": ["refuse me"]},
+                {"type": "accepted", **run_of(two)},
+                {"type": "status", **run_of(two), "seq": 1, "state": "running"},
+                {"type": "log", **run_of(two), "seq": 2, "lines": ["kept"]},
+            ],
+        )
+        said = await answers(client, 4)
+        assert await client.receive_nothing(timeout=0.3)
+        await client.disconnect()
+        return said, one["task_id"], two["task_id"]
+
+    with mock.patch.object(dispatch, "task_report", refused_after_writing):
+        said, refused, kept = asyncio.run(scenario())
+    assert [(m["type"], m.get("verdict")) for m in said] == [
+        ("ack", "applied"),
+        ("error", None),
+        ("ack", "applied"),
+        ("ack", "applied"),
+    ]
+    assert "refused after writing" in said[1]["detail"]
+    with schema_context("fleet"):
+        logs = TaskReport.objects.filter(kind="log", task_id__in=[refused, kept])
+        written = sorted((str(report.task_id), report.seq) for report in logs)
+    connections.close_all()
+    assert written == [(kept, 2)]  # the refused one's row is undone, and it alone
+    assert states(fleet["task"], second) == [TaskState.RUNNING, TaskState.RUNNING]
