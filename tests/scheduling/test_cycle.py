@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import pytest
 from django.db import connection, connections, transaction
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from django_tenants.utils import schema_context
 
@@ -91,6 +92,20 @@ def test_a_second_cycle_on_the_same_state_changes_nothing(world: World, db: None
         second = run_cycle(world.tenant_a)
     assert first.placed == 1
     assert (second.placed, second.preempted) == (0, 0)
+
+
+def test_a_cycle_with_nothing_to_change_writes_nothing(world: World, db: None) -> None:
+    """Its commit then waits for no flush of the write-ahead log: a tenant's cycles at rest cost reads."""
+    with schema_context("acme"):
+        run_cycle(world.tenant_a)  # places acme's queued task and publishes its GPUs in use
+        with CaptureQueriesContext(connection) as queries:
+            run_cycle(world.tenant_a)
+    written = [
+        q["sql"]
+        for q in queries.captured_queries
+        if q["sql"].lstrip().startswith(("UPDATE", "INSERT", "DELETE"))
+    ]
+    assert written == []
 
 
 def test_writing_one_decision_twice_places_each_task_once(world: World, db: None) -> None:
