@@ -42,11 +42,13 @@ def enforced(budget: Budget) -> Enforced:
     )
 
 
-def ledger_spent(budget: Enforced, *, now: datetime) -> int:
+def ledger_spent(budget: Enforced, *, now: datetime, row: Budget | None = None) -> int:
     """What this budget spent in its current period, in its unit: the gateway's calls (its usage table,
     written as each call ends) and, for a budget in USD, the GPU time and storage the ledger metered for
-    the same user, project or tenant. One wallet pays for both."""
-    row = Budget.objects.select_related("project", "user").filter(pk=budget.id).first()
+    the same user, project or tenant. One wallet pays for both. `row`: the budget's row, where the caller
+    has just read it."""
+    if row is None:
+        row = Budget.objects.filter(pk=budget.id).first()
     if row is None:
         return 0
     start = period_start(budget.period, now)
@@ -78,7 +80,7 @@ class Standing:
 
 def standing(budget: Budget, *, now: datetime) -> Standing:
     rule = enforced(budget)
-    spent = ledger_spent(rule, now=now)
+    spent = ledger_spent(rule, now=now, row=budget)
     held: int | None
     try:
         key = budget_key(getattr(connection, "schema_name", ""), rule, now)
@@ -144,7 +146,7 @@ def spent_budgets(*, now: datetime) -> Blocked:
     tenant, projects, users = None, {}, {}
     for budget in Budget.objects.select_related("project", "user").filter(unit=Budget.Unit.USD):
         rule = enforced(budget)
-        spent = ledger_spent(rule, now=now)
+        spent = ledger_spent(rule, now=now, row=budget)
         if spent < rule.limit:
             continue
         why = Exhausted(rule, spent, 0).sentence()
