@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from tenants.models import Tenant
 from apps.fleet.credentials import session_key, task_token
 from apps.fleet.errors import AgentRejected, StaleLease
-from apps.fleet.selectors import pool_task, run_of
+from apps.fleet.selectors import pool_task, pool_task_and_run
 from apps.fleet.session import LEASE_SECONDS, agent_alive
 
 logger = logging.getLogger(__name__)
@@ -174,8 +174,7 @@ def lease_accepted(
     """The agent took the run. A lease that is no longer the task's (expired and dispatched again, or the
     task aborted) is answered with a stop, so the run does not go on beside another; an expired lease of a
     task that waits in the queue still is the task's run again."""
-    task = pool_task(accepted.task_id, pool)
-    run = run_of(task, accepted.lease_id)
+    task, run = pool_task_and_run(accepted.task_id, accepted.lease_id, pool)
     if task is not None and run is not None:
         if runs.is_current(task, run):
             Task.objects.filter(pk=task.pk).update(lease_expires_at=None)
@@ -197,8 +196,7 @@ def lease_rejected(*, tenant: Tenant, pool: Pool, rejected: messages.Rejected) -
     on the cluster, a value no batch script may hold, a partition the cluster lacks): then it fails, with
     the agent's reason, rather than being placed and refused forever. A refusal of a lease that is not
     live changes nothing."""
-    task = pool_task(rejected.task_id, pool)
-    run = run_of(task, rejected.lease_id)
+    task, run = pool_task_and_run(rejected.task_id, rejected.lease_id, pool)
     if task is None or run is None or not runs.is_current(task, run):
         raise StaleLease(
             f"No lease {rejected.lease_id} on task {rejected.task_id} in pool {pool.name} is live; "
@@ -240,8 +238,11 @@ def report(*, tenant: Tenant, pool: Pool, agent_id: str, message: messages.Repor
     applied, a duplicate (its number was seen), or stale (its run is not the task's: refused, expired,
     lost and run again, aborted). A result of a run that is not the task's is recorded beside it (a
     stop it confirms, a duplicate run), never taken as the task's."""
-    task = pool_task(message.task_id, pool)
-    run = run_of(task, message.lease_id) if message.lease_id else _unnamed_run(task, agent_id)
+    if message.lease_id:
+        task, run = pool_task_and_run(message.task_id, message.lease_id, pool)
+    else:
+        task = pool_task(message.task_id, pool)
+        run = _unnamed_run(task, agent_id)
     ack = partial(messages.Ack, message.task_id, message.lease_id, message.seq)
     if task is None or run is None:
         return ack(

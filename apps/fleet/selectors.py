@@ -3,12 +3,15 @@ the write that follows), and a task's logs, metrics and outputs."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from django.db import connection
 from django.db.models import Count, DurationField, Exists, ExpressionWrapper, F, OuterRef, Q, Sum
 
+from apps.core import rows
 from apps.core.ids import as_uuid
 from apps.fleet.models import Agent, CloudInstance, TaskReport
 from apps.resources.models import SCALES_FROM_ZERO, Pool
@@ -73,6 +76,40 @@ def pool_task(task_id: str, pool: Pool) -> Task | None:
     ran_here = Exists(TaskRun.objects.filter(task=OuterRef("pk"), pool=pool))
     mine = Q(pool=pool) | (Q(pool__isnull=True) & ran_here)
     return Task.objects.select_for_update(of=("self",)).filter(mine, pk=identifier).first()
+
+
+@functools.cache
+def _task_and_run_sql() -> str:
+    task, run = Task._meta.db_table, TaskRun._meta.db_table
+    mine = (  # pool_task's rule: the pool's task, or one queued again whose run was there
+        f"(t.pool_id = %s OR (t.pool_id IS NULL AND EXISTS "  # noqa: S608 -- the models' own tables, no value
+        f"(SELECT 1 FROM {run} x WHERE x.task_id = t.id AND x.pool_id = %s)))"
+    )
+    return (
+        f"SELECT {rows.columns(Task, 't')} FROM {task} t WHERE t.id = %s AND {mine} FOR UPDATE OF t; "  # noqa: S608
+        f"SELECT {rows.columns(TaskRun, 'r')} FROM {run} r JOIN {task} t ON t.id = r.task_id "
+        f"WHERE r.lease_id = %s AND r.task_id = %s AND {mine} FOR UPDATE OF r"
+    )
+
+
+def pool_task_and_run(task_id: str, lease_id: str, pool: Pool) -> tuple[Task | None, TaskRun | None]:
+    """pool_task(task_id, pool) and run_of(that task, lease_id), both locked, in one round trip: each
+    message of an agent asks for both (call in a transaction). The run is read only as the task's, under
+    the same rule of the pool."""
+    identifier, lease = as_uuid(task_id), as_uuid(lease_id)
+    if identifier is None:
+        return None, None
+    if lease is None:
+        return pool_task(task_id, pool), None
+    with connection.cursor() as cursor:
+        cursor.execute(
+            _task_and_run_sql(), [identifier, pool.pk, pool.pk, lease, identifier, pool.pk, pool.pk]
+        )
+        task_row = cursor.fetchone()
+        run_row = cursor.fetchone() if cursor.nextset() else None
+    if task_row is None:
+        return None, None
+    return rows.build(Task, task_row), rows.build(TaskRun, run_row) if run_row is not None else None
 
 
 def run_of(task: Task | None, lease_id: str) -> TaskRun | None:
