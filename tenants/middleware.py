@@ -43,7 +43,7 @@ class TenantMiddleware:
         host = request.META.get("HTTP_HOST", request.META.get("SERVER_NAME", "")).split(":")[0].lower()
         query = self.read.query(request) if self.read is not None else None
         # The tenant, the connection's schema with it, and what the request reads at once in that schema.
-        tenant, row = tenant_enter_reading(host, *query) if query is not None else tenant_enter_reading(host)
+        tenant, row = tenant_enter_reading(host, *(query or ()))
         base = settings.KLIQUE_BASE_DOMAIN
         if tenant is None:
             return JsonResponse(

@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import connection
-from django.db.models import Count, DurationField, Exists, ExpressionWrapper, F, OuterRef, Q, Sum
+from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
 
 from apps.core import rows
 from apps.core.ids import as_uuid
@@ -65,48 +65,56 @@ def agents_by_pool() -> dict[Any, Reported]:
     return found
 
 
-def pool_task(task_id: str, pool: Pool) -> Task | None:
-    """The task with this id in this pool, locked; None for another pool's task or a malformed id. A task
-    waiting in the queue again (its pool cleared) counts as the pool's if one of its runs was there."""
-    identifier = as_uuid(task_id)
-    if identifier is None:
-        return None
-    # One statement (each agent message asks): the runs are asked with EXISTS, not joined, so the row
-    # locked is the task's alone and no join can repeat it.
-    ran_here = Exists(TaskRun.objects.filter(task=OuterRef("pk"), pool=pool))
-    mine = Q(pool=pool) | (Q(pool__isnull=True) & ran_here)
-    return Task.objects.select_for_update(of=("self",)).filter(mine, pk=identifier).first()
+# The pool's task (locked), or one queued again whose run was there; and one of that task's runs (locked),
+# read only as a run of that task in that pool. Each agent message asks for both: written once, and sent as
+# one message where both are wanted. The runs are asked with EXISTS, not joined, so the task row locked is
+# the task's alone and no join can repeat it.
+_MINE = (
+    "(t.pool_id = %s OR (t.pool_id IS NULL AND EXISTS "
+    "(SELECT 1 FROM {run} x WHERE x.task_id = t.id AND x.pool_id = %s)))"
+)
 
 
 @functools.cache
-def _task_and_run_sql() -> str:
+def _task_sql() -> str:
     task, run = Task._meta.db_table, TaskRun._meta.db_table
-    mine = (  # pool_task's rule: the pool's task, or one queued again whose run was there
-        f"(t.pool_id = %s OR (t.pool_id IS NULL AND EXISTS "  # noqa: S608 -- the models' own tables, no value
-        f"(SELECT 1 FROM {run} x WHERE x.task_id = t.id AND x.pool_id = %s)))"
-    )
+    mine = _MINE.format(run=run)
+    return f"SELECT {rows.columns(Task, 't')} FROM {task} t WHERE t.id = %s AND {mine} FOR UPDATE OF t"  # noqa: S608 -- the models' own tables
+
+
+@functools.cache
+def _run_sql() -> str:
+    task, run = Task._meta.db_table, TaskRun._meta.db_table
+    mine = _MINE.format(run=run)
     return (
-        f"SELECT {rows.columns(Task, 't')} FROM {task} t WHERE t.id = %s AND {mine} FOR UPDATE OF t; "  # noqa: S608
-        f"SELECT {rows.columns(TaskRun, 'r')} FROM {run} r JOIN {task} t ON t.id = r.task_id "
+        f"SELECT {rows.columns(TaskRun, 'r')} FROM {run} r JOIN {task} t ON t.id = r.task_id "  # noqa: S608 -- the models' own tables
         f"WHERE r.lease_id = %s AND r.task_id = %s AND {mine} FOR UPDATE OF r"
     )
 
 
+def pool_task(task_id: str, pool: Pool) -> Task | None:
+    """The task with this id in this pool, locked; None for another pool's task or a malformed id. A task
+    waiting in the queue again (its pool cleared) counts as the pool's if one of its runs was there."""
+    return pool_task_and_run(task_id, "", pool)[0]
+
+
 def pool_task_and_run(task_id: str, lease_id: str, pool: Pool) -> tuple[Task | None, TaskRun | None]:
-    """pool_task(task_id, pool) and run_of(that task, lease_id), both locked, in one round trip: each
-    message of an agent asks for both (call in a transaction). The run is read only as the task's, under
-    the same rule of the pool."""
+    """pool_task(task_id, pool) and run_of(that task, lease_id), both locked, in one round trip (call in a
+    transaction); no run where `lease_id` is not one."""
     identifier, lease = as_uuid(task_id), as_uuid(lease_id)
     if identifier is None:
         return None, None
-    if lease is None:
-        return pool_task(task_id, pool), None
     with connection.cursor() as cursor:
-        cursor.execute(
-            _task_and_run_sql(), [identifier, pool.pk, pool.pk, lease, identifier, pool.pk, pool.pk]
-        )
-        task_row = cursor.fetchone()
-        run_row = cursor.fetchone() if cursor.nextset() else None
+        if lease is None:
+            cursor.execute(_task_sql(), [identifier, pool.pk, pool.pk])
+            task_row, run_row = cursor.fetchone(), None
+        else:
+            cursor.execute(
+                f"{_task_sql()}; {_run_sql()}",
+                [identifier, pool.pk, pool.pk, lease, identifier, pool.pk, pool.pk],
+            )
+            task_row = cursor.fetchone()
+            run_row = cursor.fetchone() if cursor.nextset() else None
     if task_row is None:
         return None, None
     return rows.build(Task, task_row), rows.build(TaskRun, run_row) if run_row is not None else None
