@@ -253,15 +253,22 @@ def test_a_pool_of_many_agents_writes_its_heartbeat_at_most_once_per_sixth_of_it
         assert pool.is_online(timezone.now())
 
 
+@pytest.fixture
+def cycles_sent(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The schemas of the cycles sent, each request that is made sending one (no window)."""
+    monkeypatch.setattr(settings, "KLIQUE_CYCLE_DEBOUNCE_SECONDS", 0)
+    sent: list[str] = []
+    monkeypatch.setattr(celery_app, "send_task", lambda name, args, countdown: sent.append(args[0]))
+    return sent
+
+
 def test_the_requests_of_one_transaction_ask_for_one_cycle_per_tenant(
     world: World,
     db: None,
-    monkeypatch: pytest.MonkeyPatch,
+    cycles_sent: list[str],
     django_capture_on_commit_callbacks: Callable[..., AbstractContextManager[object]],
 ) -> None:
-    monkeypatch.setattr(settings, "KLIQUE_CYCLE_DEBOUNCE_SECONDS", 0)  # every request that is made sends
-    sent: list[str] = []
-    monkeypatch.setattr(celery_app, "send_task", lambda name, args, countdown: sent.append(args[0]))
+    sent = cycles_sent
     with django_capture_on_commit_callbacks(execute=True), transaction.atomic():
         for _ in range(5):  # a burst of an agent's reports ends five runs
             wake.request_cycle(world.tenant_a)
@@ -281,12 +288,10 @@ def refused_after_asking(tenant: Tenant) -> None:
 def test_a_request_undone_by_a_rollback_does_not_hide_the_next(
     world: World,
     db: None,
-    monkeypatch: pytest.MonkeyPatch,
+    cycles_sent: list[str],
     django_capture_on_commit_callbacks: Callable[..., AbstractContextManager[object]],
 ) -> None:
-    monkeypatch.setattr(settings, "KLIQUE_CYCLE_DEBOUNCE_SECONDS", 0)
-    sent: list[str] = []
-    monkeypatch.setattr(celery_app, "send_task", lambda name, args, countdown: sent.append(args[0]))
+    sent = cycles_sent
     with django_capture_on_commit_callbacks(execute=True), transaction.atomic():
         with pytest.raises(RuntimeError):
             refused_after_asking(world.tenant_a)
