@@ -18,7 +18,7 @@ from apps.core.errors import InvalidInput, NotFound
 from apps.core.websocket import DirectDispatch, header
 from apps.fleet import credentials, dispatch, errors, session
 from apps.fleet.models import AgentToken
-from apps.scheduling import wake
+from apps.scheduling import lifecycle, wake
 from protocol import messages
 
 logger = logging.getLogger(__name__)
@@ -262,13 +262,15 @@ class AgentConsumer(DirectDispatch, AsyncJsonWebsocketConsumer):
         transaction; a database failure undoes the burst.
 
         Messages are refused rarely (a lease that expired, a stranger's), so the burst is first applied
-        with no savepoints, two statements fewer per message. Where one is refused, that transaction is
-        undone whole and the burst applied again with each message in a savepoint of its own, so that a
-        refused message undoes its own writes alone and the others are kept."""
+        with no savepoints, two statements fewer per message, and the runs it ends end together (metered in
+        one write to the ledger, what their GPUs go to decided once: lifecycle.ending_together). Where one
+        is refused, that transaction is undone whole and the burst applied again with each message in a
+        savepoint of its own, so that a refused message undoes its own writes alone and the others are
+        kept; each run it ends is then metered with its own message."""
         token = self.token
         assert token is not None
         try:
-            with transaction.atomic():
+            with transaction.atomic(), lifecycle.ending_together():
                 return [self._apply_one(token, message) for _, message in burst]
         except (errors.AgentRejected, InvalidInput, NotFound) as refused:
             if len(burst) == 1:

@@ -8,6 +8,7 @@ through the `cost_recorded` signal.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 from fractions import Fraction
 
@@ -24,6 +25,37 @@ def segment_prefix(task_id: object) -> str:
     return f"gpu:{task_id}:"
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One segment of a task's run: its GPUs from started_at to ended_at, for its submitter and project in
+    its pool (all by id)."""
+
+    task_id: str
+    started_at: datetime
+    ended_at: datetime
+    user_id: str
+    project_id: str
+    group: str
+    pool_id: str
+    compute_resource: str
+    units: int
+
+    def event(self) -> Event:
+        return Event(
+            event_id=segment_prefix(self.task_id) + self.started_at.isoformat(),
+            kind=Kind.GPU,
+            started_at=self.started_at,
+            ended_at=max(self.ended_at, self.started_at),
+            user=self.user_id,
+            project=self.project_id,
+            group=self.group,
+            pool=self.pool_id,
+            compute_resource=self.compute_resource,
+            gpus=Fraction(self.units, UNITS_PER_GPU),
+            source="scheduler",
+        )
+
+
 def run_segment(
     *,
     task_id: str,
@@ -36,22 +68,29 @@ def run_segment(
     compute_resource: str,
     units: int,
 ) -> Report:
-    """Meter one segment of a task's run: its GPUs from started_at to ended_at, for its submitter and
-    project in its pool (all by id), and send what it cost to the wallets it draws from."""
-    event = Event(
-        event_id=segment_prefix(task_id) + started_at.isoformat(),
-        kind=Kind.GPU,
-        started_at=started_at,
-        ended_at=max(ended_at, started_at),
-        user=user_id,
-        project=project_id,
-        group=group,
-        pool=pool_id,
-        compute_resource=compute_resource,
-        gpus=Fraction(units, UNITS_PER_GPU),
-        source="scheduler",
+    """Meter one segment of a task's run, and send what it cost to the wallets it draws from."""
+    return run_segments(
+        [
+            Segment(
+                task_id=task_id,
+                started_at=started_at,
+                ended_at=ended_at,
+                user_id=user_id,
+                project_id=project_id,
+                group=group,
+                pool_id=pool_id,
+                compute_resource=compute_resource,
+                units=units,
+            )
+        ]
     )
-    report = ingest([event], now=max(ended_at, timezone.now()))
+
+
+def run_segments(segments: list[Segment]) -> Report:
+    """Meter segments of runs in one write to the ledger (a burst of runs that ended together), and send
+    what each cost to the wallets it draws from."""
+    latest = max(segment.ended_at for segment in segments)
+    report = ingest([segment.event() for segment in segments], now=max(latest, timezone.now()))
     for cost in report.costs():
         cost_recorded.send(
             sender=Event,

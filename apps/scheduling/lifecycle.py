@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -34,7 +36,7 @@ from apps.core.events import publish_event, publish_here
 from apps.resources.models import SCALES_FROM_ZERO, ComputeResource, Pool
 from apps.scheduling import engine, wake
 from apps.scheduling.agents import agents
-from apps.scheduling.meter import meter_run
+from apps.scheduling.meter import meter_run, segments_together
 from apps.scheduling.models import (
     ACTIVE_STATES,
     ENDED_STATES,
@@ -84,9 +86,12 @@ def _record(task: Task, *, to_state: str, actor: str, message: str, at: datetime
     return TaskEvent(task=task, at=at, actor=actor, from_state=task.state, to_state=to_state, message=message)
 
 
-def transition(task: Task, *, to_state: str, actor: str, message: str = "", **fields: Any) -> Task:
+def transition(
+    task: Task, *, to_state: str, actor: str, message: str = "", locked: bool = False, **fields: Any
+) -> Task:
     """Move a task to `to_state` if its lifecycle allows it, recording who, what and when. A running run
-    that ends here is metered (meter.py, into apps.metering.runs) in the same transaction."""
+    that ends here is metered (meter.py, into apps.metering.runs) in the same transaction. `locked`: the
+    caller read `task` with its row locked in this transaction, so it is the row as it stands."""
     if to_state not in TRANSITIONS.get(task.state, frozenset()):
         raise InvalidInput(f"Task {task.pk} is {task.state}; it cannot become {to_state}.")
     now = timezone.now()
@@ -97,7 +102,7 @@ def transition(task: Task, *, to_state: str, actor: str, message: str = "", **fi
     # third of a report's time, and a caller's other changes to `task` in memory are not a transition's.
     changed = {"state", *fields}
     if task.state == TaskState.RUNNING and task.started_at is not None:
-        meter_run(task, ended_at=now)
+        meter_run(task, ended_at=now, current=locked)
         changed.add("metered_until")
     spec = task.spec or {}
     if task.state in IN_A_RUN and to_state not in IN_A_RUN and "gateway_session" in spec:
@@ -140,9 +145,10 @@ def task_finish(
     if detail and not lost:
         how += f" ({detail.rstrip('.')})"
     if succeeded:
-        transition(task, to_state=TaskState.COMPLETED, actor=actor, exit_code=exit_code)
+        transition(task, to_state=TaskState.COMPLETED, actor=actor, locked=True, exit_code=exit_code)
     elif task.attempts < task.max_attempts:
-        transition(task, to_state=TaskState.FAILED, actor=actor, message=f"attempt {task.attempts} {how}")
+        attempt = f"attempt {task.attempts} {how}"
+        transition(task, to_state=TaskState.FAILED, actor=actor, locked=True, message=attempt)
         # A retry is a new run of the same task: it re-enters the queue, keeping its place by submit time.
         TaskEvent.objects.create(
             task=task,
@@ -167,15 +173,50 @@ def task_finish(
             task,
             to_state=TaskState.FAILED,
             actor=actor,
+            locked=True,
             exit_code=exit_code,
             reason_code=LOST_REASON if lost else "failed",
             reason=f"All {task.max_attempts} attempts failed; the last {how}.",
         )
-    if Task.objects.filter(state=TaskState.QUEUED).exists():
-        wake.request_cycle(tenant)  # its GPUs go to the work that waits
+    freed = _freed.get()
+    if freed is None:
+        _gpus_freed(tenant)
     else:
-        use_publish(tenant)  # nothing waits: a cycle would only have said how many GPUs are in use
+        freed.setdefault(tenant.pk, tenant)  # decided once, when the block of runs ending together ends
     return task
+
+
+_freed: ContextVar[dict[Any, Tenant] | None] = ContextVar("klique_gpus_freed", default=None)
+
+
+@contextmanager
+def ending_together() -> Iterator[None]:
+    """Runs that end within the block (an agent's burst of results) end together: their GPU segments go
+    to the ledger in one write (meter.segments_together), and what their GPUs go to next is decided once,
+    after them all (`_gpus_freed`), not once per run. Open it inside the transaction that ends the runs and
+    let it end before that transaction commits; a block left by an exception does neither, as that
+    transaction is undone. Within a block already open, it is that block's."""
+    if _freed.get() is not None:
+        yield
+        return
+    freed: dict[Any, Tenant] = {}
+    opened = _freed.set(freed)
+    try:
+        with segments_together():
+            yield
+    finally:
+        _freed.reset(opened)
+    for tenant in freed.values():
+        _gpus_freed(tenant)
+
+
+def _gpus_freed(tenant: Tenant) -> None:
+    """Runs of the tenant ended: their GPUs go to the work that waits (a cycle), or, where nothing waits,
+    the tenant's GPUs in use are shown as they now are (a cycle would only have said that)."""
+    if Task.objects.filter(state=TaskState.QUEUED).exists():
+        wake.request_cycle(tenant)
+    else:
+        use_publish(tenant)
 
 
 def use_publish(tenant: Tenant) -> None:
@@ -535,8 +576,9 @@ class _Preempting:
 
     def finish(self) -> None:
         TaskEvent.objects.bulk_create(self.events)
-        for task in self.ran:  # each preempted run is a segment of its own
-            meter_run(task, ended_at=self.now)
+        with segments_together():  # each preempted run is a segment of its own, all in one write
+            for task in self.ran:  # locked when read as victims: their rows as they stand
+                meter_run(task, ended_at=self.now, current=True)
 
 
 def tasks_preempt(preemptions: Iterable[engine.Preemption], now: datetime) -> tuple[int, list[TaskRun]]:

@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 from unittest import mock
 
+import pytest
 from asgiref.sync import sync_to_async
 from django.db import OperationalError, connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
@@ -24,6 +25,7 @@ from apps.fleet import dispatch
 from apps.fleet.consumers import AgentConsumer
 from apps.fleet.errors import AgentRejected
 from apps.fleet.models import TaskReport
+from apps.metering.models import LedgerEvent
 from apps.scheduling import wake
 from apps.scheduling.models import Task, TaskState
 from apps.scheduling.services import TaskRequest, tasks_submit
@@ -318,3 +320,45 @@ def test_a_message_refused_after_it_wrote_undoes_only_its_own_writes(fleet: dict
     connections.close_all()
     assert written == [(kept, 2)]  # the refused one's row is undone, and it alone
     assert states(fleet["task"], second) == [TaskState.RUNNING, TaskState.RUNNING]
+
+
+def segments_of(*task_ids: str) -> list[int]:
+    with schema_context("fleet"):
+        found = [LedgerEvent.objects.filter(event_id__startswith=f"gpu:{pk}:").count() for pk in task_ids]
+    connections.close_all()
+    return found
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["all-applied", "one-refused"])
+def test_the_runs_a_burst_ends_are_metered_once_each(fleet: dict[str, Any], refused: bool) -> None:
+    """Without a refusal, the runs a burst ends are metered in one write to the ledger; with one (the burst
+    applied again, a savepoint per message), each kept run still once, and the refused message's nothing."""
+    second = second_task(fleet)
+    sent, capturing = statements_of_bursts()
+
+    async def scenario() -> list[dict[str, Any]]:
+        client, (one, two) = await assigned(fleet, 2)
+        stranger = [{"type": "accepted", "task_id": one["task_id"], "lease_id": str(uuid.uuid4())}]
+        await sent_while_busy(
+            client,
+            [
+                {"type": "accepted", **run_of(one)},
+                {"type": "accepted", **run_of(two)},
+                {"type": "status", **run_of(one), "seq": 1, "state": "running"},
+                {"type": "status", **run_of(two), "seq": 1, "state": "running"},
+                *(stranger if refused else []),
+                {"type": "result", **run_of(one), "seq": 2, "exit_code": 0},
+                {"type": "result", **run_of(two), "seq": 2, "exit_code": 0},
+            ],
+        )
+        said = await answers(client, 6 if refused else 4)
+        await client.disconnect()
+        return said
+
+    with capturing:
+        said = asyncio.run(scenario())
+    assert [m["verdict"] for m in said if m["type"] == "ack"] == ["applied"] * 4
+    assert states(fleet["task"], second) == [TaskState.COMPLETED, TaskState.COMPLETED]
+    assert segments_of(fleet["task"], second) == [1, 1]
+    writes = [len([sql for sql in burst if "INSERT INTO metering_ledgerevent" in sql]) for burst in sent]
+    assert writes[-1] == (2 if refused else 1)  # the second pass meters each run with its message
