@@ -14,6 +14,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.db import DatabaseError, close_old_connections, transaction
 from django_tenants.utils import schema_context
 
+from apps.core import deferred
 from apps.core.errors import InvalidInput, NotFound
 from apps.core.websocket import DirectDispatch, header
 from apps.fleet import credentials, dispatch, errors, session
@@ -263,14 +264,15 @@ class AgentConsumer(DirectDispatch, AsyncJsonWebsocketConsumer):
 
         Messages are refused rarely (a lease that expired, a stranger's), so the burst is first applied
         with no savepoints, two statements fewer per message, and the runs it ends end together (metered in
-        one write to the ledger, what their GPUs go to decided once: lifecycle.ending_together). Where one
+        one write to the ledger, what their GPUs go to decided once: lifecycle.ending_together), and the
+        writes nobody reads back sent with the statement after them (apps.core.deferred). Where one
         is refused, that transaction is undone whole and the burst applied again with each message in a
         savepoint of its own, so that a refused message undoes its own writes alone and the others are
         kept; each run it ends is then metered with its own message."""
         token = self.token
         assert token is not None
         try:
-            with transaction.atomic(), lifecycle.ending_together():
+            with transaction.atomic(), deferred.writes_deferred(), lifecycle.ending_together():
                 return [self._apply_one(token, message) for _, message in burst]
         except (errors.AgentRejected, InvalidInput, NotFound) as refused:
             if len(burst) == 1:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import connection, transaction
 from django.utils import timezone
 
+from apps.core import deferred
 from apps.core.errors import InvalidInput, NotFound
 from apps.core.events import publish_log
 from apps.fleet.models import TaskReport
@@ -177,7 +178,8 @@ def lease_accepted(
     task, run = pool_task_and_run(accepted.task_id, accepted.lease_id, pool)
     if task is not None and run is not None:
         if runs.is_current(task, run):
-            Task.objects.filter(pk=task.pk).update(lease_expires_at=None)
+            task.lease_expires_at = None
+            deferred.update_fields(task, ["lease_expires_at"])  # locked above
             return None
         if runs.reclaimable(task, run):
             lifecycle.run_adopt(tenant, task, run, agent_id=agent_id, ended=False)

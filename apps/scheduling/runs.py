@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from django.db.models import Count
 from django.utils import timezone
 
+from apps.core import deferred
 from apps.core.events import publish_event
 from apps.resources.models import Pool
 from apps.scheduling import wake
@@ -90,7 +91,7 @@ def reclaimable(task: Task, run: TaskRun) -> bool:
 def run_started(run: TaskRun | None, now: datetime) -> None:
     if run is not None and run.started_at is None:
         run.started_at = now
-        run.save(update_fields=["started_at"])
+        deferred.update_fields(run, ["started_at"])  # locked by the caller with its task
 
 
 def run_ended(run: TaskRun | None, *, outcome: str, exit_code: int | None, now: datetime) -> None:
@@ -98,7 +99,7 @@ def run_ended(run: TaskRun | None, *, outcome: str, exit_code: int | None, now: 
     if run is None:
         return
     run.outcome, run.exit_code, run.ended_at, run.released_at = outcome, exit_code, now, now
-    run.save(update_fields=["outcome", "exit_code", "ended_at", "released_at"])
+    deferred.update_fields(run, ["outcome", "exit_code", "ended_at", "released_at"])  # locked by the caller
 
 
 def run_ended_aside(tenant: Tenant, task: Task, run: TaskRun, *, body: dict[str, Any], agent_id: str) -> str:
