@@ -17,7 +17,7 @@ from django_tenants.utils import schema_context
 from apps.core import deferred
 from apps.core.errors import InvalidInput, NotFound
 from apps.core.websocket import DirectDispatch, header
-from apps.fleet import credentials, dispatch, errors, session
+from apps.fleet import credentials, dispatch, errors, selectors, session
 from apps.fleet.models import AgentToken
 from apps.scheduling import lifecycle, wake
 from protocol import messages
@@ -263,7 +263,8 @@ class AgentConsumer(DirectDispatch, AsyncJsonWebsocketConsumer):
         transaction; a database failure undoes the burst.
 
         Messages are refused rarely (a lease that expired, a stranger's), so the burst is first applied
-        with no savepoints, two statements fewer per message, and the runs it ends end together (metered in
+        with no savepoints, two statements fewer per message, the tasks and runs it names read in one round
+        trip (selectors.burst_read), and the runs it ends end together (metered in
         one write to the ledger, what their GPUs go to decided once: lifecycle.ending_together), and the
         writes nobody reads back sent with the statement after them (apps.core.deferred). Where one
         is refused, that transaction is undone whole and the burst applied again with each message in a
@@ -271,8 +272,14 @@ class AgentConsumer(DirectDispatch, AsyncJsonWebsocketConsumer):
         kept; each run it ends is then metered with its own message."""
         token = self.token
         assert token is not None
+        named = [(m.task_id, m.lease_id) for _, m in burst if isinstance(m, BURSTABLE)]
         try:
-            with transaction.atomic(), deferred.writes_deferred(), lifecycle.ending_together():
+            with (
+                transaction.atomic(),
+                deferred.writes_deferred(),
+                selectors.burst_read(named, token.pool),
+                lifecycle.ending_together(),
+            ):
                 return [self._apply_one(token, message) for _, message in burst]
         except (errors.AgentRejected, InvalidInput, NotFound) as refused:
             if len(burst) == 1:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from tenants.models import Tenant
 from apps.fleet.credentials import session_key, task_token
 from apps.fleet.errors import AgentRejected, StaleLease
-from apps.fleet.selectors import pool_task, pool_task_and_run
+from apps.fleet.selectors import burst_current, pool_task, pool_task_and_run
 from apps.fleet.session import LEASE_SECONDS, agent_alive
 
 logger = logging.getLogger(__name__)
@@ -180,6 +180,7 @@ def lease_accepted(
         if runs.is_current(task, run):
             task.lease_expires_at = None
             deferred.update_fields(task, ["lease_expires_at"])  # locked above
+            burst_current(task, run, pool)
             return None
         if runs.reclaimable(task, run):
             lifecycle.run_adopt(tenant, task, run, agent_id=agent_id, ended=False)
@@ -270,6 +271,7 @@ def report(*, tenant: Tenant, pool: Pool, agent_id: str, message: messages.Repor
         tenant=tenant, task=task, source="agent", seq=message.seq, kind=message.kind, body=message.body,
         lease=run,
     )  # fmt: skip
+    burst_current(task, run, pool)  # task_report changes them in place, and the rows with them
     return ack(messages.APPLIED if kept else messages.DUPLICATE)
 
 
@@ -347,11 +349,12 @@ def task_report(
     ):
         # Waiting inside the cluster's own queue: its reason is the task's reason.
         job = f" as job {body['job_id']}" if body.get("job_id") else ""
-        Task.objects.filter(pk=task.pk).update(
-            reason_code="cluster_pending",
-            reason=f"Waiting in {task.pool.environment if task.pool else 'the cluster'}{job}: "
-            f"{str(body.get('reason') or 'pending')[:500]}",
+        task.reason_code = "cluster_pending"
+        task.reason = (
+            f"Waiting in {task.pool.environment if task.pool else 'the cluster'}{job}: "
+            f"{str(body.get('reason') or 'pending')[:500]}"
         )
+        deferred.update_fields(task, ["reason_code", "reason"])  # locked by the caller
     elif (
         kind in (TaskReport.Kind.STATUS, TaskReport.Kind.RESULT)
         and (kind == TaskReport.Kind.RESULT or body.get("state") == TaskState.RUNNING)
@@ -424,8 +427,9 @@ def _outputs_not_stored(task: Task, failed: object) -> None:
         return
     names = ", ".join(str(item["name"])[:100] for item in named[:5]) + (" and more" if len(named) > 5 else "")
     why = str(named[0].get("error") or "no reason given")[:500]
-    Task.objects.filter(pk=task.pk).update(
-        reason_code="outputs_not_stored",
-        reason=f"It completed, but {len(named)} output(s) could not be stored ({names}): {why}. The files "
-        "remain in the task's folder on its agent's host.",
+    task.reason_code = "outputs_not_stored"
+    task.reason = (
+        f"It completed, but {len(named)} output(s) could not be stored ({names}): {why}. The files "
+        "remain in the task's folder on its agent's host."
     )
+    deferred.update_fields(task, ["reason_code", "reason"])  # locked by the caller

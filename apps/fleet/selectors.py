@@ -4,6 +4,10 @@ the write that follows), and a task's logs, metrics and outputs."""
 from __future__ import annotations
 
 import functools
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -100,10 +104,22 @@ def pool_task(task_id: str, pool: Pool) -> Task | None:
 
 def pool_task_and_run(task_id: str, lease_id: str, pool: Pool) -> tuple[Task | None, TaskRun | None]:
     """pool_task(task_id, pool) and run_of(that task, lease_id), both locked, in one round trip (call in a
-    transaction); no run where `lease_id` is not one."""
+    transaction); no run where `lease_id` is not one. Within `burst_read`, a task's first lookup takes
+    what the block read."""
     identifier, lease = as_uuid(task_id), as_uuid(lease_id)
     if identifier is None:
         return None, None
+    burst = _burst.get()
+    if burst is not None and burst.pool_id == pool.pk and identifier in burst.tasks:
+        task = burst.tasks.pop(identifier)  # taken, with its runs: handed back only as current
+        taken = {key: run for key, run in burst.runs.items() if run.task_id == identifier}
+        for key in taken:
+            del burst.runs[key]
+        if lease is None:
+            return task, None
+        if lease in taken:
+            return task, taken[lease]
+        # A run the block did not read as this task's: read both, under the pool's rule.
     with connection.cursor() as cursor:
         if lease is None:
             cursor.execute(_task_sql(), [identifier, pool.pk, pool.pk])
@@ -118,6 +134,82 @@ def pool_task_and_run(task_id: str, lease_id: str, pool: Pool) -> tuple[Task | N
     if task_row is None:
         return None, None
     return rows.build(Task, task_row), rows.build(TaskRun, run_row) if run_row is not None else None
+
+
+@dataclass
+class _Burst:
+    pool_id: Any
+    tasks: dict[uuid.UUID, Task]
+    runs: dict[uuid.UUID, TaskRun]
+
+
+_burst: ContextVar[_Burst | None] = ContextVar("klique_burst_read", default=None)
+
+
+@contextmanager
+def burst_read(named: list[tuple[str, str]], pool: Pool) -> Iterator[None]:
+    """The pool's tasks and runs that a burst of an agent's messages names ((task id, lease id) each),
+    read and locked, in order of their ids, in one round trip as the block opens (in the burst's
+    transaction) rather than one per message. In the block, each task's first `pool_task_and_run` takes
+    its row and its run from what was read: nothing in the burst has touched them before. A later lookup
+    of the same task reads it again, as the message before may have changed it, unless that message
+    handed them back as current (`burst_current`). Within a block already open, it is that block's."""
+    if _burst.get() is not None:
+        yield
+        return
+    tasks = sorted({found for found in (as_uuid(task_id) for task_id, _ in named) if found is not None})
+    leases = sorted({found for found in (as_uuid(lease_id) for _, lease_id in named) if found is not None})
+    if not tasks:
+        yield
+        return
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"{_tasks_sql()}; {_runs_sql()}", [tasks, pool.pk, pool.pk, leases, tasks, pool.pk, pool.pk]
+        )
+        task_rows = cursor.fetchall()
+        run_rows = cursor.fetchall() if cursor.nextset() else []
+    read = _Burst(
+        pool_id=pool.pk,
+        tasks={task.pk: task for task in (rows.build(Task, row) for row in task_rows)},
+        runs={run.pk: run for run in (rows.build(TaskRun, row) for row in run_rows)},
+    )
+    opened = _burst.set(read)
+    try:
+        yield
+    finally:
+        _burst.reset(opened)
+
+
+def burst_current(task: Task, run: TaskRun, pool: Pool) -> None:
+    """Within `burst_read`: the caller's `task` and `run` are their rows as they now stand (every change
+    this transaction made to them was made to these instances too, and they are still locked), so the
+    task's next lookup in the burst takes them rather than reading them again. A task no longer the
+    pool's (queued again) is read again, under the pool's rule."""
+    burst = _burst.get()
+    if burst is not None and burst.pool_id == pool.pk and task.pool_id == pool.pk and run.task_id == task.pk:
+        burst.tasks[task.pk] = task
+        burst.runs[run.pk] = run
+
+
+@functools.cache
+def _tasks_sql() -> str:
+    task, run = Task._meta.db_table, TaskRun._meta.db_table
+    mine = _MINE.format(run=run)
+    return (
+        f"SELECT {rows.columns(Task, 't')} FROM {task} t WHERE t.id = ANY(%s::uuid[]) AND {mine} "  # noqa: S608 -- the models' own tables
+        "ORDER BY t.id FOR UPDATE OF t"
+    )
+
+
+@functools.cache
+def _runs_sql() -> str:
+    task, run = Task._meta.db_table, TaskRun._meta.db_table
+    mine = _MINE.format(run=run)
+    return (
+        f"SELECT {rows.columns(TaskRun, 'r')} FROM {run} r JOIN {task} t ON t.id = r.task_id "  # noqa: S608 -- the models' own tables
+        f"WHERE r.lease_id = ANY(%s::uuid[]) AND r.task_id = ANY(%s::uuid[]) AND {mine} "
+        "ORDER BY r.lease_id FOR UPDATE OF r"
+    )
 
 
 def run_of(task: Task | None, lease_id: str) -> TaskRun | None:
