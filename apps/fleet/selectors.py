@@ -80,19 +80,27 @@ _MINE = (
 
 
 @functools.cache
-def _task_sql() -> str:
+def _task_sql(many: bool = False) -> str:
+    """The pool's task of an id, locked; or (`many`) those of an array of ids, locked in id order."""
     task, run = Task._meta.db_table, TaskRun._meta.db_table
     mine = _MINE.format(run=run)
-    return f"SELECT {rows.columns(Task, 't')} FROM {task} t WHERE t.id = %s AND {mine} FOR UPDATE OF t"  # noqa: S608 -- the models' own tables
+    match, order = ("ANY(%s::uuid[])", " ORDER BY t.id") if many else ("%s", "")
+    return (
+        f"SELECT {rows.columns(Task, 't')} FROM {task} t "  # noqa: S608 -- the models' own tables
+        f"WHERE t.id = {match} AND {mine}{order} FOR UPDATE OF t"
+    )
 
 
 @functools.cache
-def _run_sql() -> str:
+def _run_sql(many: bool = False) -> str:
+    """The run of a lease and task under the pool's rule, locked; or (`many`) those of arrays of leases and
+    tasks, locked in lease order."""
     task, run = Task._meta.db_table, TaskRun._meta.db_table
     mine = _MINE.format(run=run)
+    match, order = ("ANY(%s::uuid[])", " ORDER BY r.lease_id") if many else ("%s", "")
     return (
         f"SELECT {rows.columns(TaskRun, 'r')} FROM {run} r JOIN {task} t ON t.id = r.task_id "  # noqa: S608 -- the models' own tables
-        f"WHERE r.lease_id = %s AND r.task_id = %s AND {mine} FOR UPDATE OF r"
+        f"WHERE r.lease_id = {match} AND r.task_id = {match} AND {mine}{order} FOR UPDATE OF r"
     )
 
 
@@ -164,7 +172,8 @@ def burst_read(named: list[tuple[str, str]], pool: Pool) -> Iterator[None]:
         return
     with connection.cursor() as cursor:
         cursor.execute(
-            f"{_tasks_sql()}; {_runs_sql()}", [tasks, pool.pk, pool.pk, leases, tasks, pool.pk, pool.pk]
+            f"{_task_sql(many=True)}; {_run_sql(many=True)}",
+            [tasks, pool.pk, pool.pk, leases, tasks, pool.pk, pool.pk],
         )
         task_rows = cursor.fetchall()
         run_rows = cursor.fetchall() if cursor.nextset() else []
@@ -189,27 +198,6 @@ def burst_current(task: Task, run: TaskRun, pool: Pool) -> None:
     if burst is not None and burst.pool_id == pool.pk and task.pool_id == pool.pk and run.task_id == task.pk:
         burst.tasks[task.pk] = task
         burst.runs[run.pk] = run
-
-
-@functools.cache
-def _tasks_sql() -> str:
-    task, run = Task._meta.db_table, TaskRun._meta.db_table
-    mine = _MINE.format(run=run)
-    return (
-        f"SELECT {rows.columns(Task, 't')} FROM {task} t WHERE t.id = ANY(%s::uuid[]) AND {mine} "  # noqa: S608 -- the models' own tables
-        "ORDER BY t.id FOR UPDATE OF t"
-    )
-
-
-@functools.cache
-def _runs_sql() -> str:
-    task, run = Task._meta.db_table, TaskRun._meta.db_table
-    mine = _MINE.format(run=run)
-    return (
-        f"SELECT {rows.columns(TaskRun, 'r')} FROM {run} r JOIN {task} t ON t.id = r.task_id "  # noqa: S608 -- the models' own tables
-        f"WHERE r.lease_id = ANY(%s::uuid[]) AND r.task_id = ANY(%s::uuid[]) AND {mine} "
-        "ORDER BY r.lease_id FOR UPDATE OF r"
-    )
 
 
 def run_of(task: Task | None, lease_id: str) -> TaskRun | None:
