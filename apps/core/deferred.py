@@ -75,9 +75,12 @@ def update_fields(instance: models.Model, names: Sequence[str]) -> None:
 def insert(instance: models.Model) -> None:
     """`instance.save()` of a new row with no signals, whose key the database makes and nobody reads back
     (an event of a task): no RETURNING, and the instance's key is left unset."""
-    model = type(instance)
-    fields = _inserted(model)
-    _write(_insert_sql(model), [f.get_db_prep_save(f.pre_save(instance, True), connection) for f in fields])
+    _write(insert_sql(type(instance)), insert_values(instance))
+
+
+def insert_values(instance: models.Model) -> list[Any]:
+    """The values of `insert_sql(type(instance))` for this new row, its defaults and automatic times set."""
+    return [f.get_db_prep_save(f.pre_save(instance, True), connection) for f in _inserted(type(instance))]
 
 
 def _write(sql: str, params: list[Any]) -> None:
@@ -140,7 +143,9 @@ def _inserted(model: type[models.Model]) -> list[models.Field[Any, Any]]:
 
 
 @functools.cache
-def _insert_sql(model: type[models.Model]) -> str:
+def insert_sql(model: type[models.Model]) -> str:
+    """`INSERT INTO <table> (<columns>) VALUES (%s, ...)` of every concrete column but a key the database
+    makes: a caller may add a conflict clause or a RETURNING of its own."""
     quote = connection.ops.quote_name
     fields = _inserted(model)
     columns = ", ".join(quote(str(f.column)) for f in fields)

@@ -15,6 +15,7 @@ from django.db import connection, models
 from django.utils import timezone
 
 from apps.accounts.models import Project
+from apps.core import deferred
 from apps.resources.models import Pool
 from apps.scheduling.models import Task
 
@@ -225,9 +226,8 @@ class TaskReport(models.Model):
         statement, `ON CONFLICT DO NOTHING`, where `save()` inside a savepoint would take three round
         trips for the same answer. Sets the id; False for a replay, which changes nothing."""
         self.count_gpu_samples()
-        values = [field.get_db_prep_save(field.pre_save(self, add=True), connection) for field in _inserted()]
         with connection.cursor() as cursor:
-            cursor.execute(_insert_once_sql(), values)
+            cursor.execute(_insert_once_sql(), deferred.insert_values(self))
             row = cursor.fetchone()
         if row is None:
             return False
@@ -237,18 +237,10 @@ class TaskReport(models.Model):
 
 
 @functools.cache
-def _inserted() -> tuple[Any, ...]:
-    """The columns `insert_once` writes: every concrete field but the id, in one order for SQL and values."""
-    return tuple(field for field in TaskReport._meta.concrete_fields if not field.primary_key)
-
-
-@functools.cache
 def _insert_once_sql() -> str:
     quote = connection.ops.quote_name
-    columns = ", ".join(quote(str(field.column)) for field in _inserted())
     return (
-        f"INSERT INTO {quote(TaskReport._meta.db_table)} ({columns}) "  # noqa: S608 -- names, not values
-        f"VALUES ({', '.join(['%s'] * len(_inserted()))}) "
+        f"{deferred.insert_sql(TaskReport)} "
         "ON CONFLICT ON CONSTRAINT one_report_per_run_source_seq DO NOTHING "
         f"RETURNING {quote(str(TaskReport._meta.pk.column))}"
     )
