@@ -285,7 +285,7 @@ class BareMetal:
             raise Refused('The task has no command: its spec needs "command": ["program", "argument", ...].')
         refuse_declared_volumes(assignment, "bare-metal")
         task_id = assignment["task_id"]
-        if any(run.task_id == task_id for run in self.state.runs()):
+        if self.state.run(task_id) is not None:
             return  # a repeated assignment of a task this agent already runs
         task_variables = _checked_variables(assignment)
         units = int(assignment["size_units"])
@@ -377,7 +377,7 @@ class BareMetal:
 
     async def _tail(self, task_id: str, report: Report) -> None:
         while True:
-            run = next((run for run in self.state.runs() if run.task_id == task_id), None)
+            run = self.state.run(task_id)
             if run is None:
                 return
             code = self._finished(run)  # read before the log, so nothing written before the end is missed
@@ -422,7 +422,7 @@ class BareMetal:
 
     async def stop(self, task_id: str, grace_seconds: float) -> None:
         """SIGTERM the task's process group, then SIGKILL it after the grace period."""
-        run = next((run for run in self.state.runs() if run.task_id == task_id), None)
+        run = self.state.run(task_id)
         if run is None or self._finished(run) is not None:
             return
         self.stopping.add(task_id)
@@ -447,7 +447,7 @@ class BareMetal:
     async def fail(self, task_id: str, reason: str, grace_seconds: float = 10.0) -> None:
         """Stop a run for a reason outside its command (an app that never answered its health check): the
         reason goes into its result, as a runner's own would."""
-        run = next((run for run in self.state.runs() if run.task_id == task_id), None)
+        run = self.state.run(task_id)
         if run is None:
             return
         tail = _last_lines(Path(run.log_path))

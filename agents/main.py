@@ -17,6 +17,13 @@ sequence number within that run, and stays in the outbox until the plane answers
 and a report of a run the plane gave to another attempt is dropped. Outputs are streamed up with their
 checksum and retried with backoff while the plane cannot take them. SIGTERM stops the running tasks (with
 their grace period) and the agent cleanly.
+
+What the agent records (a run started, a report numbered, an answer received) is committed to its state
+before anything that depends on it is sent: the changes one turn of its event loop makes are one
+transaction, committed once, and then what that turn has to send goes out, in order (`Agent._flush`).
+If the state cannot be written (a full disk), nothing of it is sent and the commit is tried again; if
+SQLite gave the changes up, the agent exits (STATE_LOST_EXIT) and its restart takes the runs back from
+what the state holds, as after a crash.
 """
 
 from __future__ import annotations
@@ -33,10 +40,11 @@ import re
 import secrets
 import signal
 import socket
+import sqlite3
 import sys
 import time
 import tomllib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -48,7 +56,7 @@ from agents import __version__
 from agents.backend import Backend, Refused
 from agents.baremetal import BareMetal, detect_gpus
 from agents.hpc import DIALECTS, Batch, Settings
-from agents.state import Position, State
+from agents.state import Position, State, StateLost
 from agents.tunnel import AppTunnel
 from klique.sdk import loopback
 from protocol import apps as protocol_apps
@@ -165,6 +173,9 @@ class Agent:
         self.capacity: dict[str, Any] = {}  # as last asked of the environment; hello and heartbeats send it
         self.upload_patience = UPLOAD_PATIENCE_SECONDS
         self.tunnels: dict[str, asyncio.Task[None]] = {}  # task id -> the tunnel of the app it runs
+        self._outgoing: list[tuple[Any, str]] = []  # (socket, message) to send once the state is committed
+        self._flushing: asyncio.Task[None] | None = None
+        self.on_state_lost: Callable[[StateLost], None] = _state_lost
 
     async def _follow_capacity(self) -> None:
         """Ask the environment for its CPUs and nodes every CAPACITY_SECONDS, beside the connection: on a
@@ -179,10 +190,55 @@ class Agent:
 
     async def run(self) -> None:
         capacity = asyncio.create_task(self._follow_capacity())
+        self.state.group_commits(self._flush_soon)
         try:
             await self._connect_forever()
         finally:
             capacity.cancel()
+            self.state.group_commits(None)
+            with contextlib.suppress(sqlite3.Error):
+                self.state.commit()  # what the last turn recorded (an answer to a report)
+
+    def _flush_soon(self) -> None:
+        """Commit the state and send what waits, once the loop has run what is ready now (which may
+        change the state and send more: it all goes in the same commit)."""
+        if self._flushing is None:
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        backoff = Backoff(base=0.1, cap=5.0)
+        try:
+            while True:
+                try:
+                    self.state.commit()
+                except StateLost as lost:
+                    self._outgoing.clear()
+                    self.on_state_lost(lost)
+                    return
+                except sqlite3.Error as error:  # still open: nothing lost, nothing sent; try again
+                    delay = backoff.next()
+                    logger.warning(
+                        "the agent's state cannot be written (%s); trying again in %.1f s", error, delay
+                    )
+                    await asyncio.sleep(delay)
+                    continue
+                backoff.reset()
+                batch, self._outgoing = self._outgoing, []
+                for socket_, text in batch:
+                    if socket_ is self.socket:  # not one queued for a connection since closed
+                        with contextlib.suppress(websockets.WebSocketException):
+                            await socket_.send(text)
+                if not self._outgoing and not self.state.uncommitted:
+                    return
+        finally:
+            self._flushing = None
+
+    def _post(self, message: dict[str, Any], socket_: Any = None) -> None:
+        """Send the message on the connection once what the state holds now is committed."""
+        socket_ = socket_ or self.socket
+        if socket_ is not None and socket_ is self.socket:
+            self._outgoing.append((socket_, json.dumps(message)))
+            self._flush_soon()
 
     async def _connect_forever(self) -> None:
         address, headers, connect_to = websocket_address(self.url)
@@ -195,7 +251,6 @@ class Agent:
                     open_timeout=10,
                     **connect_to,
                 ) as socket_:
-                    self.socket = socket_
                     await self._session(socket_, backoff)
             except (OSError, websockets.WebSocketException, TimeoutError) as error:
                 logger.warning("connection to %s lost (%s)", address, error)
@@ -210,6 +265,8 @@ class Agent:
                     await asyncio.wait_for(self.stopping.wait(), timeout=delay)
 
     async def _session(self, socket_: Any, backoff: Backoff | None = None) -> None:
+        # From here to the replay queued, nothing else runs: every report is in the replay or after it.
+        self.socket = socket_
         hello = messages.Hello(
             agent_id=self.agent_id,
             backend=self.backend.name,
@@ -220,9 +277,9 @@ class Agent:
             held=self.held(),
             problem=self.backend.problem,
         )
-        await socket_.send(json.dumps(hello.as_json()))
+        self._post(hello.as_json())
         for pending in self.state.pending():  # replay what the plane has not answered
-            await socket_.send(json.dumps(pending))
+            self._post(pending)
         welcomed = asyncio.Event()
         heartbeat = asyncio.create_task(self._heartbeats(socket_, welcomed))
         stop = asyncio.create_task(self.stopping.wait())
@@ -267,7 +324,7 @@ class Agent:
                 capacity=self.capacity,
                 problem=self.backend.problem,
             )
-            await socket_.send(json.dumps(heartbeat.as_json()))
+            self._post(heartbeat.as_json(), socket_)
 
     async def _on_message(
         self, message: messages.Welcome | messages.Assign | messages.Ack | messages.Stop | messages.Error
@@ -396,9 +453,7 @@ class Agent:
         await self._send(self.state.enqueue(task_id, kind, body, offset=offset))
 
     async def _send(self, message: dict[str, Any]) -> None:
-        if self.socket is not None:
-            with contextlib.suppress(websockets.WebSocketException):
-                await self.socket.send(json.dumps(message))
+        self._post(message)
 
     async def upload(self, task_id: str, name: str, path: Path) -> None:
         """Store an output file where the task's project keeps them (the plane's file store or its bucket,
@@ -757,6 +812,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 LOST_LEASE_EXIT = 75  # EX_TEMPFAIL: the pod restarts and stands by
+STATE_LOST_EXIT = 74  # EX_IOERR: the agent's state could not be written; a restart reads it again
+
+
+def _state_lost(lost: StateLost) -> None:
+    """What this process holds in memory is not what its state holds, and nothing of the difference was
+    sent: restarting (the service manager or the pod does) takes the runs back from the state."""
+    logger.critical("%s; exiting so that a restart takes the runs back from the state as it is", lost)
+    logging.shutdown()
+    os._exit(STATE_LOST_EXIT)
 
 
 def _stop_acting() -> None:

@@ -82,8 +82,10 @@ class ProcessSet:
 
 
 # Started again when they end by themselves: their work is in the database and the broker, so a new one
-# picks up where the old one was (a worker that ended itself, stalled after a Redis restart, comes back).
-RESTARTED = frozenset({"web", "worker", "beat"})
+# picks up where the old one was (a worker that ended itself, stalled after a Redis restart, comes back);
+# an agent's is in its state, and a new one takes its runs back (one whose state could not be written
+# ends itself: agents.main.STATE_LOST_EXIT).
+RESTARTED = frozenset({"web", "worker", "beat", "agent", "autoscaler"})
 
 
 def _server_environment() -> None:
@@ -343,8 +345,8 @@ def _banner(demo: dict[str, Any] | None, port: int) -> str:
 
 
 def supervise(children: ProcessSet, stopping: Callable[[], bool]) -> bool:
-    """Watch the children until asked to stop (False), starting an ended web, worker or beat again; True
-    when one ended that cannot be started again (the others are then stopped)."""
+    """Watch the children until asked to stop (False), starting an ended web, worker, beat or agent again;
+    True when one ended that cannot be started again (the others are then stopped)."""
     while not stopping():
         if (exited := children.first_exited()) is not None:
             code = children.children[exited].returncode

@@ -166,19 +166,20 @@ def test_every_worker_gets_a_watchdog_of_its_queues_and_slots(
     assert task_received.receivers
 
 
-def test_up_starts_an_ended_worker_again_and_stops_when_it_cannot_run(
-    capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize(("name", "code"), [("worker", 75), ("agent", 74)])
+def test_up_starts_an_ended_worker_or_agent_again_and_stops_when_it_cannot_run(
+    capsys: pytest.CaptureFixture[str], name: str, code: int
 ) -> None:
     children = ProcessSet()
     children.RESTARTS = 2
-    children.start("worker", [sys.executable, "-c", "raise SystemExit(75)"])
+    children.start(name, [sys.executable, "-c", f"raise SystemExit({code})"])
     try:
         assert supervise(children, lambda: False) is True  # ended three times: it cannot run
     finally:
         children.stop(grace_seconds=2)
     said = capsys.readouterr().err
-    assert said.count("The worker process ended (exit code 75); starting it again.") == 2
-    assert "The worker process stopped (exit code 75); stopping the others." in said
+    assert said.count(f"The {name} process ended (exit code {code}); starting it again.") == 2
+    assert f"The {name} process stopped (exit code {code}); stopping the others." in said
 
 
 def test_up_does_not_start_again_what_it_does_not_own(capsys: pytest.CaptureFixture[str]) -> None:
