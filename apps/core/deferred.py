@@ -72,15 +72,19 @@ def update_fields(instance: models.Model, names: Sequence[str]) -> None:
     _write(_update_sql(model, tuple(names)), [*values, pk.get_db_prep_value(instance.pk, connection)])
 
 
-def insert(instance: models.Model) -> None:
+def insert(instance: models.Model, *, keyed: bool = False) -> None:
     """`instance.save()` of a new row with no signals, whose key the database makes and nobody reads back
-    (an event of a task): no RETURNING, and the instance's key is left unset."""
-    _write(insert_sql(type(instance)), insert_values(instance))
+    (an event of a task): no RETURNING, and the instance's key is left unset. `keyed`: the row's key is
+    the instance's, taken by the caller from the key's sequence."""
+    _write(insert_sql(type(instance), keyed), insert_values(instance, keyed))
 
 
-def insert_values(instance: models.Model) -> list[Any]:
-    """The values of `insert_sql(type(instance))` for this new row, its defaults and automatic times set."""
-    return [f.get_db_prep_save(f.pre_save(instance, True), connection) for f in _inserted(type(instance))]
+def insert_values(instance: models.Model, keyed: bool = False) -> list[Any]:
+    """The values of `insert_sql(type(instance), keyed)` for this new row, its defaults and automatic
+    times set."""
+    return [
+        f.get_db_prep_save(f.pre_save(instance, True), connection) for f in _inserted(type(instance), keyed)
+    ]
 
 
 def _write(sql: str, params: list[Any]) -> None:
@@ -137,17 +141,17 @@ def _update_sql(model: type[models.Model], names: tuple[str, ...]) -> str:
 
 
 @functools.cache
-def _inserted(model: type[models.Model]) -> list[models.Field[Any, Any]]:
-    """The columns an insert writes: every concrete one but a key the database makes."""
-    return [f for f in model._meta.concrete_fields if not getattr(f, "db_returning", False)]
+def _inserted(model: type[models.Model], keyed: bool = False) -> list[models.Field[Any, Any]]:
+    """The columns an insert writes: every concrete one but a key the database makes (unless `keyed`)."""
+    return [f for f in model._meta.concrete_fields if keyed or not getattr(f, "db_returning", False)]
 
 
 @functools.cache
-def insert_sql(model: type[models.Model]) -> str:
+def insert_sql(model: type[models.Model], keyed: bool = False) -> str:
     """`INSERT INTO <table> (<columns>) VALUES (%s, ...)` of every concrete column but a key the database
-    makes: a caller may add a conflict clause or a RETURNING of its own."""
+    makes (`keyed`: that too): a caller may add a conflict clause or a RETURNING of its own."""
     quote = connection.ops.quote_name
-    fields = _inserted(model)
+    fields = _inserted(model, keyed)
     columns = ", ".join(quote(str(f.column)) for f in fields)
     values = ", ".join(["%s"] * len(fields))
     return f"INSERT INTO {quote(model._meta.db_table)} ({columns}) VALUES ({values})"  # noqa: S608 -- the model's own names

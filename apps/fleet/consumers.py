@@ -273,11 +273,12 @@ class AgentConsumer(DirectDispatch, AsyncJsonWebsocketConsumer):
         token = self.token
         assert token is not None
         named = [(m.task_id, m.lease_id) for _, m in burst if isinstance(m, BURSTABLE)]
+        reports = [(m.task_id, m.lease_id, m.seq) for _, m in burst if isinstance(m, messages.Report)]
         try:
             with (
                 transaction.atomic(),
                 deferred.writes_deferred(),
-                selectors.burst_read(named, token.pool),
+                selectors.burst_read(named, token.pool, reports),
                 lifecycle.ending_together(),
             ):
                 return [self._apply_one(token, message) for _, message in burst]

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from tenants.models import Tenant
 from apps.fleet.credentials import session_key, task_token
 from apps.fleet.errors import AgentRejected, StaleLease
-from apps.fleet.selectors import burst_current, pool_task, pool_task_and_run
+from apps.fleet.selectors import burst_current, burst_report_new, pool_task, pool_task_and_run
 from apps.fleet.session import LEASE_SECONDS, agent_alive
 
 logger = logging.getLogger(__name__)
@@ -324,7 +324,7 @@ def task_report(
         if values:  # a task that printed its secret: stored, shown and followed as ***
             body = {**body, "lines": mask(body["lines"], values)}
     report = TaskReport(task=task, lease_id=task.lease_id, source=source, seq=seq, kind=kind, body=body)
-    if not report.insert_once():
+    if not _keep_once(report):
         return False  # a replay after a reconnect or a retried post
     if kind == TaskReport.Kind.LOG:
         publish_log(
@@ -389,6 +389,17 @@ def task_report(
         if task.state in ENDED_STATES:  # a failed attempt that is retried is not the end of the task
             publish_log(tenant=tenant, task_id=str(task.pk), chunk={"type": "end", "state": task.state})
     return True
+
+
+def _keep_once(report: TaskReport) -> bool:
+    """Keep the report unless its run has it: the burst of messages it came in knows for the tasks it read
+    (and took the new one's id), else the insert asks the database."""
+    key = burst_report_new(report.task_id, report.lease_id, report.seq) if report.source == "agent" else None
+    if key is None:
+        return report.insert_once()
+    if key:
+        report.insert_new(key)
+    return bool(key)
 
 
 def _requeued(tenant: Tenant, task: Task, run: TaskRun | None, reason: str) -> None:

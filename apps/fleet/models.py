@@ -235,6 +235,14 @@ class TaskReport(models.Model):
         self._state.adding = False
         return True
 
+    def insert_new(self, key: int) -> None:
+        """Insert this report, known to be new, with the id taken for it (selectors.burst_report_new): with
+        the next statement (apps.core.deferred), as nothing waits for its outcome."""
+        self.count_gpu_samples()
+        self.pk = key
+        deferred.insert(self, keyed=True)
+        self._state.adding = False
+
 
 @functools.cache
 def _insert_once_sql() -> str:

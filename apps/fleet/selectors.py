@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -149,19 +149,30 @@ class _Burst:
     pool_id: Any
     tasks: dict[uuid.UUID, Task]
     runs: dict[uuid.UUID, TaskRun]
+    asked: set[tuple[uuid.UUID, uuid.UUID, int]] = field(default_factory=set)  # (task, lease, seq) read
+    kept: set[tuple[uuid.UUID, uuid.UUID, int]] = field(
+        default_factory=set
+    )  # of those, the agent's reports kept
+    keys: list[int] = field(default_factory=list)  # report ids taken for the burst, in order
 
 
 _burst: ContextVar[_Burst | None] = ContextVar("klique_burst_read", default=None)
 
 
 @contextmanager
-def burst_read(named: list[tuple[str, str]], pool: Pool) -> Iterator[None]:
+def burst_read(
+    named: list[tuple[str, str]], pool: Pool, reports: Sequence[tuple[str, str, int]] = ()
+) -> Iterator[None]:
     """The pool's tasks and runs that a burst of an agent's messages names ((task id, lease id) each),
     read and locked, in order of their ids, in one round trip as the block opens (in the burst's
     transaction) rather than one per message. In the block, each task's first `pool_task_and_run` takes
     its row and its run from what was read: nothing in the burst has touched them before. A later lookup
     of the same task reads it again, as the message before may have changed it, unless that message
-    handed them back as current (`burst_current`). Within a block already open, it is that block's."""
+    handed them back as current (`burst_current`). Within a block already open, it is that block's.
+
+    `reports` ((task id, lease id, seq) of each report of the burst): in the same round trip, which of
+    them the task's runs have kept already, and as many report ids; `burst_report_new` answers from
+    them for a task the block read (and locked: no one else keeps its agent's reports meanwhile)."""
     if _burst.get() is not None:
         yield
         return
@@ -170,23 +181,75 @@ def burst_read(named: list[tuple[str, str]], pool: Pool) -> Iterator[None]:
     if not tasks:
         yield
         return
+    asked = _reports_asked(reports)
+    statements = [_task_sql(many=True), _run_sql(many=True)]
+    params: list[Any] = [tasks, pool.pk, pool.pk, leases, tasks, pool.pk, pool.pk]
+    if asked:
+        statements += [_kept_sql(), _keys_sql()]
+        params += [
+            [t for t, _, _ in asked],
+            [lease for _, lease, _ in asked],
+            [s for _, _, s in asked],
+            len(asked),
+        ]
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"{_task_sql(many=True)}; {_run_sql(many=True)}",
-            [tasks, pool.pk, pool.pk, leases, tasks, pool.pk, pool.pk],
-        )
+        cursor.execute("; ".join(statements), params)
         task_rows = cursor.fetchall()
         run_rows = cursor.fetchall() if cursor.nextset() else []
+        kept_rows = cursor.fetchall() if asked and cursor.nextset() else []
+        key_rows = cursor.fetchall() if asked and cursor.nextset() else []
     read = _Burst(
         pool_id=pool.pk,
         tasks={task.pk: task for task in (rows.build(Task, row) for row in task_rows)},
         runs={run.pk: run for run in (rows.build(TaskRun, row) for row in run_rows)},
+        kept={(task, lease, seq) for task, lease, seq in kept_rows},
+        keys=[key for (key,) in key_rows],
     )
+    read.asked = {report for report in asked if report[0] in read.tasks}
     opened = _burst.set(read)
     try:
         yield
     finally:
         _burst.reset(opened)
+
+
+def _reports_asked(reports: Sequence[tuple[str, str, int]]) -> list[tuple[uuid.UUID, uuid.UUID, int]]:
+    asked = {(as_uuid(task_id), as_uuid(lease_id), seq) for task_id, lease_id, seq in reports}
+    return sorted((task, lease, seq) for task, lease, seq in asked if task is not None and lease is not None)
+
+
+@functools.cache
+def _kept_sql() -> str:
+    """Which of arrays of (task, lease, seq) the agent's reports hold."""
+    report = TaskReport._meta.db_table
+    return (
+        f"SELECT k.task_id, k.lease_id, k.seq FROM {report} k "  # noqa: S608 -- the model's own table
+        "JOIN unnest(%s::uuid[], %s::uuid[], %s::int[]) AS a(task_id, lease_id, seq) "
+        "ON k.task_id = a.task_id AND k.lease_id = a.lease_id AND k.seq = a.seq WHERE k.source = 'agent'"
+    )
+
+
+@functools.cache
+def _keys_sql() -> str:
+    """So many new report ids, in order."""
+    report = TaskReport._meta.db_table
+    return f"SELECT nextval(pg_get_serial_sequence('{report}', 'id')) FROM generate_series(1, %s) ORDER BY 1"  # noqa: S608 -- the model's own table
+
+
+def burst_report_new(task_id: uuid.UUID, lease_id: uuid.UUID | None, seq: int) -> int | None:
+    """Within `burst_read`: the id for the agent's report (task, lease, seq) if it is new, taken as it is
+    kept (the caller inserts it, with that id, in this transaction); 0 if the run has it already; None where
+    the block cannot tell (a task it did not read, a report it was not told of): ask the database."""
+    burst = _burst.get()
+    if burst is None or lease_id is None:
+        return None
+    report = (task_id, lease_id, seq)
+    if report not in burst.asked or not burst.keys:
+        return None
+    if report in burst.kept:
+        return 0
+    burst.kept.add(report)
+    return burst.keys.pop(0)
 
 
 def burst_current(task: Task, run: TaskRun, pool: Pool) -> None:

@@ -1,7 +1,9 @@
 """A burst of an agent's messages reads the tasks and runs it names in one round trip as it opens
 (selectors.burst_read): each task's first lookup takes its row from there, a later one the instances its
 message before handed back as current (selectors.burst_current), or the database. Compared with the
-lookups one by one on every kind of id an agent may send, and in a whole burst."""
+lookups one by one on every kind of id an agent may send, and in a whole burst. In the same round trip, which
+of the burst's reports the runs have kept (selectors.burst_report_new), so that a new one is inserted with
+the statement after it and a replay is answered without a write."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from django.test.utils import CaptureQueriesContext
 from django_tenants.utils import schema_context
 
 from apps.fleet import dispatch
-from apps.fleet.selectors import burst_current, burst_read, pool_task_and_run
+from apps.fleet.models import TaskReport
+from apps.fleet.selectors import burst_current, burst_read, burst_report_new, pool_task_and_run
 from apps.resources.models import Pool
 from apps.scheduling.models import Task, TaskState
 from tests.fleet.test_bursts import (
@@ -159,3 +162,57 @@ def test_a_whole_burst_reads_its_tasks_once_and_ends_as_message_by_message(
     assert attempts == [1, 1]
     burst = sent[-1]
     assert len([sql for sql in burst if "FOR UPDATE OF t" in sql]) == 1  # eight messages, one read
+    # The burst knew which reports were new: none is inserted to find out.
+    assert not [sql for sql in burst if "ON CONFLICT ON CONSTRAINT one_report_per_run_source_seq" in sql]
+    with schema_context("fleet"):
+        kept = list(TaskReport.objects.filter(source="agent").order_by("id").values_list("task_id", "seq"))
+    connections.close_all()
+    # In the order they came, with one of each: the replay kept nothing.
+    assert [(str(task), seq) for task, seq in kept] == [(one, 1), (one, 2), (two, 1), (one, 3), (two, 2)]
+
+
+def test_a_burst_tells_the_reports_its_tasks_kept_from_new_ones(fleet: dict[str, Any]) -> None:
+    second_task(fleet)
+    with schema_context("fleet"):
+        h100, baremetal = Pool.objects.get(name="h100"), Pool.objects.get(name="baremetal")
+        [one, two] = dispatch.dispatch(pool=h100, schema_name="fleet", agent_id="rack-1")
+        task = Task.objects.get(pk=one["task_id"])
+        for source, seq in (("agent", 1), ("node-0", 2)):  # a node's number is not the agent's
+            TaskReport(task=task, lease_id=task.lease_id, source=source, seq=seq, kind="log").insert_once()
+        before = TaskReport.objects.order_by("-id").values_list("id", flat=True).first()
+        first, second = uuid.UUID(one["task_id"]), uuid.UUID(two["task_id"])
+        lease_1, lease_2 = uuid.UUID(one["lease_id"]), uuid.UUID(two["lease_id"])
+        named = [(one["task_id"], one["lease_id"]), (two["task_id"], two["lease_id"])]
+        reports = [
+            (one["task_id"], one["lease_id"], 1),
+            (one["task_id"], one["lease_id"], 2),
+            (one["task_id"], one["lease_id"], 2),  # twice in one burst
+            (two["task_id"], two["lease_id"], 1),
+            (one["task_id"], two["lease_id"], 4),  # another task's lease: asked, found nowhere
+            (one["task_id"], "not-a-lease", 3),
+            ("x'; DROP TABLE fleet_taskreport; --", one["lease_id"], 1),
+        ]
+        with transaction.atomic(), burst_read(named, h100, reports):
+            assert burst_report_new(first, lease_1, 1) == 0  # kept already
+            new = burst_report_new(first, lease_1, 2)
+            assert new is not None
+            assert new > (before or 0)
+            assert burst_report_new(first, lease_1, 2) == 0  # kept now, by this burst
+            later = burst_report_new(second, lease_2, 1)
+            assert later is not None
+            assert later > new
+            assert burst_report_new(first, lease_1, 9) is None  # not one it was told of: ask the database
+            assert burst_report_new(first, None, 3) is None
+            kept = TaskReport(task=task, lease_id=task.lease_id, source="agent", seq=2, kind="log")
+            kept.insert_new(new)
+            assert burst_report_new(first, lease_2, 4) not in (None, 0)  # the insert would tell
+            # The insert is kept, with the id taken, and the run's constraint agrees it is there.
+            again = TaskReport(task=task, lease_id=task.lease_id, source="agent", seq=2, kind="log")
+            assert not again.insert_once()
+            assert TaskReport.objects.get(task=task, source="agent", seq=2).pk == new
+        with transaction.atomic(), burst_read(named, baremetal, reports):  # another pool's: reads neither
+            assert burst_report_new(first, lease_1, 2) is None
+        with transaction.atomic(), burst_read(named, h100):  # told of no reports
+            assert burst_report_new(first, lease_1, 2) is None
+        assert burst_report_new(first, lease_1, 2) is None  # outside a burst
+    connections.close_all()
