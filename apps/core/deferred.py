@@ -1,12 +1,13 @@
 """Writes whose outcome nobody waits for, sent with the statement after them rather than alone.
 
 An agent's burst of messages (apps.fleet.consumers) is applied in one thread, one statement after another;
-most of its writes (a run's start, a task's new state, its event) ask nothing of the database but to be
-done, and each alone cost a round trip. Within `writes_deferred()`, `update_fields` and `insert` keep such
-a write, and the next statement the connection sends (any: the ORM's, a cursor's) carries the kept writes
-before it, in one message: statements separated by semicolons, bound on the client as Klique's
-connections bind them. What is still kept when the block ends is sent then, so the block must end inside
-the transaction it was opened in, before that commits. Outside a block each write is sent at once.
+most of its writes (a run's start, a task's new state, its event) ask nothing of the database but to be done,
+and each alone cost a round trip. Within `writes_deferred()`, `update_fields` and `insert` (and their forms
+for many rows, `update_many` and `insert_many`) keep such a write, and the next statement the connection sends
+(any: the ORM's, a cursor's) carries the kept writes before it, in one message: statements separated by
+semicolons, bound on the client as Klique's connections bind them. What is still kept when the block ends is
+sent then, so the block must end inside the transaction it was opened in, before that commits. Outside a block
+each write is sent at once.
 
 - Order is kept: the kept writes run before whatever is sent next, so every read sees them, and a
   savepoint taken next is taken after them (rolling back to it does not undo them).
@@ -77,6 +78,38 @@ def insert(instance: models.Model, *, keyed: bool = False) -> None:
     (an event of a task): no RETURNING, and the instance's key is left unset. `keyed`: the row's key is
     the instance's, taken by the caller from the key's sequence."""
     _write(insert_sql(type(instance), keyed), insert_values(instance, keyed))
+
+
+def insert_many(instances: Sequence[models.Model]) -> None:
+    """`bulk_create` of new rows of one model with no signals and no RETURNING (the keys the database
+    makes are left unset): one multi-row INSERT, kept within a block, else sent at once."""
+    if not instances:
+        return
+    model = type(instances[0])
+    row = f"({', '.join(['%s'] * len(_inserted(model)))})"
+    sql = insert_sql(model) + f", {row}" * (len(instances) - 1)
+    _write(sql, [value for instance in instances for value in insert_values(instance)])
+    for instance in instances:
+        instance._state.adding, instance._state.db = False, connection.alias
+
+
+def update_many(instances: Sequence[models.Model], names: Sequence[str]) -> None:
+    """`update_fields` of each instance (rows the transaction holds locked), their statements sent in one
+    message: kept within a block, else at once."""
+    if not instances:
+        return
+    model = type(instances[0])
+    fields, pk = _fields(model, tuple(names)), model._meta.pk
+    assert pk is not None
+    params = [
+        value
+        for instance in instances
+        for value in (
+            *(f.get_db_prep_save(getattr(instance, f.attname), connection) for f in fields),
+            pk.get_db_prep_value(instance.pk, connection),
+        )
+    ]
+    _write("; ".join([_update_sql(model, tuple(names))] * len(instances)), params)
 
 
 def insert_values(instance: models.Model, keyed: bool = False) -> list[Any]:

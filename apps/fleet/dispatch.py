@@ -60,23 +60,26 @@ _ANY_PLACED = f"SELECT 1 FROM {Task._meta.db_table} WHERE pool_id = %s AND state
 
 @transaction.atomic
 def _dispatch_placed(*, pool: Pool, schema_name: str, agent_id: str) -> list[dict[str, Any]]:
+    """The placed tasks' runs begun and their assign messages; the runs, events and tasks written with
+    the commit's message (apps.core.deferred), not one round trip each."""
     now = timezone.now()
     placed = Task.objects.select_for_update(skip_locked=True, of=("self",)).select_related(
         "compute_resource__profile", "submitter", "project"
     )
-    secrets = {}
-    for task in placed.filter(pool=pool, state=TaskState.PLACED):
-        found = _secrets(task, now)
-        if found is not None:  # else it failed, saying why
-            secrets[task] = found
-    ready = list(secrets)
-    started = lifecycle.tasks_dispatch(
-        ready, pool=pool, agent_id=agent_id, now=now, lease_seconds=LEASE_SECONDS
-    )
-    return [
-        _assign(task, run, schema_name, _with_session(task, schema_name, secrets[task]))
-        for task, run in zip(ready, started, strict=True)
-    ]
+    with deferred.writes_deferred():
+        secrets = {}
+        for task in placed.filter(pool=pool, state=TaskState.PLACED):
+            found = _secrets(task, now)
+            if found is not None:  # else it failed, saying why
+                secrets[task] = found
+        ready = list(secrets)
+        started = lifecycle.tasks_dispatch(
+            ready, pool=pool, agent_id=agent_id, now=now, lease_seconds=LEASE_SECONDS
+        )
+        return [
+            _assign(task, run, schema_name, _with_session(task, schema_name, secrets[task]))
+            for task, run in zip(ready, started, strict=True)
+        ]
 
 
 def _with_session(task: Task, schema_name: str, secrets: dict[str, str]) -> dict[str, str]:

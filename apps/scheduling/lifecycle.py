@@ -521,8 +521,9 @@ def tasks_dispatch(
 ) -> list[TaskRun]:
     """Hand placed tasks, locked by the caller, to an agent: each becomes its next attempt, a run under a
     lease of its own, and waits dispatching for the agent's answer until the lease expires. One statement
-    for each of the attempts' numbers, the runs, the events and the tasks, however many there are (a cycle
-    places a pool's freed GPUs at once). Returns each task's run, in order."""
+    numbers the attempts; the runs, the events and the tasks are written in one message, however many
+    there are (a cycle places a pool's freed GPUs at once), with the next statement within
+    `deferred.writes_deferred`. Returns each task's run, in order."""
     for task in tasks:
         if TaskState.DISPATCHING not in TRANSITIONS.get(task.state, frozenset()):
             raise InvalidInput(f"Task {task.pk} is {task.state}; it cannot become {TaskState.DISPATCHING}.")
@@ -530,15 +531,15 @@ def tasks_dispatch(
         return []
     started = runs_begin([(task, uuid.uuid4()) for task in tasks], pool=pool, agent_id=agent_id, now=now)
     on = f", agent {agent_id}" if agent_id else ""
-    TaskEvent.objects.bulk_create(
+    deferred.insert_many([
         _record(task, to_state=TaskState.DISPATCHING, actor=SCHEDULER, at=now,
                 message=f"attempt {run.attempt}, lease {run.pk}{on}")
         for task, run in zip(tasks, started, strict=True)
-    )  # fmt: skip
+    ])  # fmt: skip
     expires = now + timedelta(seconds=lease_seconds)
     for task, run in zip(tasks, started, strict=True):
         task.state, task.lease_id, task.lease_expires_at = TaskState.DISPATCHING, run.pk, expires
-    Task.objects.bulk_update(tasks, ["state", "lease_id", "lease_expires_at"])
+    deferred.update_many(tasks, ["state", "lease_id", "lease_expires_at"])
     for task in tasks:
         publish_here(kind=f"task.{TaskState.DISPATCHING}", data={"id": str(task.pk)})
     return started

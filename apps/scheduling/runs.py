@@ -63,7 +63,8 @@ def runs_begin(
         )
         for task, lease in leased
     ]
-    return TaskRun.objects.bulk_create(started)
+    deferred.insert_many(started)  # with the next statement where writes are deferred
+    return started
 
 
 def current_run(task: Task) -> TaskRun | None:

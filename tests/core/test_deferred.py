@@ -199,3 +199,40 @@ def test_a_block_is_opened_only_in_a_transaction(monkeypatch: pytest.MonkeyPatch
     )  # as outside the test's own transaction
     with pytest.raises(RuntimeError, match="within a transaction"), deferred.writes_deferred():
         pass
+
+
+@pytest.mark.parametrize("count", [1, 3])
+@pytest.mark.parametrize("in_block", [False, True], ids=["alone", "in-a-block"])
+def test_many_rows_go_in_one_insert_and_one_message_of_updates(
+    task: Task, count: int, in_block: bool
+) -> None:
+    """insert_many and update_many: one statement (one message) each outside a block, nothing of their own
+    within one; the rows as bulk_create and update_fields would write them."""
+    pool = Pool.objects.get(name="h100")
+    now = timezone.now()
+    runs = [
+        TaskRun(lease_id=uuid.uuid4(), task=task, pool=pool, attempt=n, agent_id=f"a-{n}", dispatched_at=now)
+        for n in range(1, count + 1)
+    ]
+    tasks = [Task.objects.get(pk=task.pk) for _ in range(count)]  # the same row: the last update wins
+    for n, each in enumerate(tasks):
+        each.reason, each.priority = f"update {n}", n
+    block = deferred.writes_deferred() if in_block else contextlib.nullcontext()
+    with transaction.atomic(), block:
+        with CaptureQueriesContext(connection) as queries:
+            deferred.insert_many([*runs, *[]])
+            deferred.insert_many([event(task, f"event {n}") for n in range(count)])
+            deferred.update_many(tasks, ["reason", "priority"])
+            deferred.insert_many([])
+            deferred.update_many([], ["reason"])
+        assert len(queries) == (0 if in_block else 3)
+        if not in_block:
+            assert queries[0]["sql"].count("), (") == count - 1  # rows of one INSERT
+            assert queries[2]["sql"].count("; ") == count - 1  # updates of one message
+    kept = TaskRun.objects.filter(task=task).order_by("attempt")
+    assert [(run.attempt, run.agent_id, run.outcome) for run in kept] == [
+        (n, f"a-{n}", RunOutcome.LIVE) for n in range(1, count + 1)
+    ]
+    assert all(not run._state.adding for run in runs)
+    assert messages(task) == [f"event {n}" for n in range(count)]
+    assert Task.objects.filter(pk=task.pk, reason=f"update {count - 1}", priority=count - 1).exists()

@@ -1,5 +1,6 @@
-"""A pool's placed tasks are handed to an agent together: one statement each for their attempts' numbers,
-their runs, their events and the tasks, however many there are."""
+"""A pool's placed tasks are handed to an agent together: one statement numbers their attempts, and their
+runs, their events and the tasks are written in one message (one INSERT each for the runs and the events),
+however many there are."""
 
 from __future__ import annotations
 
@@ -22,16 +23,20 @@ def test_placed_tasks_are_dispatched_in_one_statement_per_table(fleet: dict[str,
         with CaptureQueriesContext(connection) as queries:
             assigned = dispatch.dispatch(pool=pool, schema_name="fleet", agent_id="rack-1")
         written = [q["sql"] for q in queries if q["sql"].startswith(("INSERT", "UPDATE"))]
-        writes = [sql.split(" (")[0].split(" SET")[0] for sql in written]
+        assert len(written) == 1  # one message
+        writes = [sql.split(" (")[0].split(" SET")[0] for sql in written[0].split("; ")]
         tasks = {str(task.pk): task for task in Task.objects.filter(pk__in=[fleet["task"], second])}
         runs = {str(run.task_id): run for run in TaskRun.objects.filter(task__in=tasks.values())}
         events = list(TaskEvent.objects.filter(task__in=tasks.values(), to_state=TaskState.DISPATCHING))
     connections.close_all()
-    assert sorted(writes) == [
-        'INSERT INTO "scheduling_taskevent"',
+    assert writes == [
         'INSERT INTO "scheduling_taskrun"',
+        'INSERT INTO "scheduling_taskevent"',
+        'UPDATE "scheduling_task"',
         'UPDATE "scheduling_task"',
     ]
+    # The look for placed work, BEGIN, the placed tasks, their attempts, the writes, COMMIT.
+    assert len(queries) == 6
     assert sorted(message["task_id"] for message in assigned) == sorted(tasks)
     for message in assigned:
         task, run = tasks[message["task_id"]], runs[message["task_id"]]
