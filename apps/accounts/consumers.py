@@ -121,3 +121,8 @@ class EventsConsumer(DirectDispatch, AsyncJsonWebsocketConsumer):
 
     async def event_message(self, message: dict[str, Any]) -> None:
         await self.send_json(message["event"])
+
+    async def event_messages(self, message: dict[str, Any]) -> None:
+        """The events of one transaction (apps.core.events), each sent as it would be alone, in order."""
+        for event in message["events"]:
+            await self.send_json(event)

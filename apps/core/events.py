@@ -109,6 +109,49 @@ def publish_here(*, kind: str, data: dict[str, Any]) -> None:
 def _publish(schema_name: str, kind: str, data: dict[str, Any]) -> None:
     event = {"type": "event", "kind": kind, "data": data, "at": timezone.now().isoformat()}
     group = events_group(schema_name)
+    batch = _pending_batch(group)
+    if batch is not None:
+        batch.events.append(event)
+        return
+    batch = _Batch(group)
+    batch.events.append(event)
+    transaction.on_commit(batch)
 
-    message = {"type": "event.message", "event": event}
-    transaction.on_commit(lambda: send_to_group(group, message, what=f"event {kind}"))
+
+class _Batch:
+    """The events one transaction publishes to one group (at one savepoint level), sent in one message at
+    its commit, in the order they were published: a burst of an agent's messages moves many tasks, and each
+    event alone cost the process a trip through the publisher and the channel layer."""
+
+    def __init__(self, group: str) -> None:
+        self.group = group
+        self.savepoints = set(connection.savepoint_ids)
+        self.events: list[dict[str, Any]] = []
+        self.sent = False
+
+    def __call__(self) -> None:
+        self.sent = True
+        message: dict[str, Any] = (
+            {"type": "event.message", "event": self.events[0]}
+            if len(self.events) == 1
+            else {"type": "event.messages", "events": self.events}
+        )
+        kinds = ", ".join(sorted({str(event["kind"]) for event in self.events}))
+        send_to_group(self.group, message, what=f"events {kinds}")
+
+
+def _pending_batch(group: str) -> _Batch | None:
+    """The batch of `group` this transaction will send at its commit, if the last one registered for the
+    group was registered at the savepoint level the transaction is at now (rolling a savepoint back drops
+    the events published within it, as Django drops the callbacks registered there; and an event never
+    joins a batch sent before another batch of its group); None outside a transaction, where an event is
+    sent at once."""
+    if not connection.in_atomic_block:
+        return None
+    savepoints = set(connection.savepoint_ids)
+    for entry in reversed(connection.run_on_commit):  # (savepoints, callback, robust)
+        registered, callback = entry[0], entry[1]
+        if isinstance(callback, _Batch) and callback.group == group:
+            fits = not callback.sent and registered == savepoints == callback.savepoints
+            return callback if fits else None
+    return None

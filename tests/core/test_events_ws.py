@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -153,3 +154,69 @@ def test_group_messages_handed_to_the_publisher_arrive_in_order(db: None) -> Non
         return got
 
     assert asyncio.run(scenario()) == list(range(200))
+
+
+def undo() -> None:
+    raise RuntimeError("undone")
+
+
+def publish_in_savepoints(schema: str) -> None:
+    """One committed transaction: events at the top, in a savepoint kept, in one rolled back, and after."""
+    from django.db import transaction
+
+    from apps.core.events import publish_here
+
+    with schema_context(schema), transaction.atomic():
+        publish_here(kind="batch.test", data={"n": 1})
+        publish_here(kind="batch.test", data={"n": 2})
+        with transaction.atomic():
+            publish_here(kind="batch.test", data={"n": 3})
+        publish_here(kind="batch.test", data={"n": 4})
+        with contextlib.suppress(RuntimeError), transaction.atomic():
+            publish_here(kind="batch.test", data={"n": 5})
+            undo()  # the savepoint is rolled back, with what it published
+        publish_here(kind="batch.test", data={"n": 6})
+    with schema_context(schema), transaction.atomic():
+        publish_here(kind="batch.test", data={"n": 7})  # a transaction of one: a message of one
+
+
+def test_a_transactions_events_arrive_in_order_and_an_undone_savepoints_do_not(
+    world: World, db: None
+) -> None:
+    """The events one transaction publishes go out as few messages (apps.core.events._Batch), and the
+    client gets each as before, in the order published, without those of a savepoint rolled back."""
+    from channels.layers import get_channel_layer
+
+    from apps.core.events import events_group
+
+    sent: list[dict[str, Any]] = []
+    layer = get_channel_layer()
+    real_send = layer.group_send
+
+    async def counting(group: str, message: dict[str, Any]) -> None:
+        if group == events_group("acme"):
+            sent.append(message)
+        await real_send(group, message)
+
+    async def scenario() -> list[dict[str, Any]]:
+        client = communicator(HOST_A, world.tokens["bob"])
+        connected, _ = await client.connect()
+        assert connected
+        await client.receive_json_from(timeout=5)  # the welcome
+        try:
+            await database_sync_to_async(publish_in_savepoints)("acme")
+            received = [await client.receive_json_from(timeout=5) for _ in range(6)]
+            assert await client.receive_nothing(timeout=0.3)
+        finally:
+            await client.disconnect()
+        return received
+
+    layer.group_send = counting
+    try:
+        received = asyncio.run(scenario())
+    finally:
+        layer.group_send = real_send
+    assert [event["data"]["n"] for event in received] == [1, 2, 3, 4, 6, 7]
+    assert all(event["type"] == "event" and event["kind"] == "batch.test" for event in received)
+    # [1, 2] at the top; [3] in its savepoint; [4, 6] at the top again; [7] alone.
+    assert [m["type"] for m in sent] == ["event.messages", "event.message", "event.messages", "event.message"]
