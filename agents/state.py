@@ -117,6 +117,7 @@ class State:
                 self._runs = None
                 raise StateLost(f"the agent's state could not be written: {error}") from error
         if lost:
+            self.rollback()  # nor keep what changed since, in a transaction of its own
             raise StateLost("the agent's state could not be written: SQLite rolled back a change")
 
     def rollback(self) -> None:
