@@ -11,7 +11,7 @@ from django.utils.module_loading import import_string
 from django_tenants.utils import get_public_schema_name
 
 from apps.core.logging import tenant_var
-from tenants.selectors import tenant_enter_reading
+from tenants.selectors import Read, tenant_enter_reading
 
 
 class EnterRead(Protocol):
@@ -20,7 +20,7 @@ class EnterRead(Protocol):
     the bearer token's row)."""
 
     @staticmethod
-    def query(request: HttpRequest) -> tuple[str, list[Any]] | None: ...
+    def query(request: HttpRequest) -> tuple[Read, list[Any]] | None: ...
 
     @staticmethod
     def received(request: HttpRequest, row: tuple[Any, ...] | None) -> None: ...

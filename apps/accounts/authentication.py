@@ -21,6 +21,7 @@ from apps.accounts.services import (
 from apps.accounts.tokens import parse_prefix
 from apps.audit.middleware import record_after
 from apps.core.metrics import TOKEN_REJECTIONS
+from tenants.selectors import Read
 
 
 class BearerTokenAuthentication(BaseAuthentication):
@@ -66,9 +67,9 @@ class BearerRead:
     token_authenticate, when DRF authenticates the request."""
 
     @staticmethod
-    def query(request: HttpRequest) -> tuple[str, list[Any]] | None:
+    def query(request: HttpRequest) -> tuple[Read, list[Any]] | None:
         prefix = _presented_prefix(request)
-        return (token_read_sql(), [prefix]) if prefix is not None else None
+        return (token_read_sql, [prefix]) if prefix is not None else None
 
     @staticmethod
     def received(request: HttpRequest, row: tuple[Any, ...] | None) -> None:

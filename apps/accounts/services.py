@@ -104,13 +104,15 @@ def token_revoke(*, token: ApiToken) -> ApiToken:
 
 
 @functools.cache
-def token_read_sql() -> str:
-    """The token of one prefix (`%s`) and its user, in the current schema, as `token_from_row` takes it.
-    Ends in its WHERE clause: tenants.selectors.tenant_enter_reading appends a guard to it."""
+def token_read_sql(schema: str | None = None) -> str:
+    """The token of one prefix (`%s`) and its user, as `token_from_row` takes it: in `schema` (quoted),
+    or in the current schema where None. Ends in its WHERE clause: tenants.selectors.entering_statement
+    appends a guard to it."""
+    qualified = f"{schema}." if schema is not None else ""
     return (
         f"SELECT {rows.columns(ApiToken, 't')}, {rows.columns(User, 'u')} "  # noqa: S608 -- names only
-        f"FROM {ApiToken._meta.db_table} t JOIN {User._meta.db_table} u ON u.id = t.user_id "
-        "WHERE t.prefix = %s"
+        f"FROM {qualified}{ApiToken._meta.db_table} t JOIN {qualified}{User._meta.db_table} u "
+        "ON u.id = t.user_id WHERE t.prefix = %s"
     )
 
 

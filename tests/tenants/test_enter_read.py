@@ -103,14 +103,14 @@ def test_a_deactivated_user_and_a_revocation_count_on_the_very_next_request(worl
 def test_the_read_sees_only_the_schema_of_the_host_s_tenant(world: World, db: None) -> None:
     charlie = prefix_of(world.tokens["charlie"])
     # The connection's path is globex's, where charlie's token lives.
-    assert selectors.tenant_enter_reading(HOST_B, token_read_sql(), [charlie])[1] is not None
+    assert selectors.tenant_enter_reading(HOST_B, token_read_sql, [charlie])[1] is not None
     # An unknown host sets no path: the read, under globex's path still, must find nothing.
-    assert selectors.tenant_enter_reading("nowhere.klique.test", token_read_sql(), [charlie]) == (None, None)
+    assert selectors.tenant_enter_reading("nowhere.klique.test", token_read_sql, [charlie]) == (None, None)
     # A known host finds only what its own schema holds.
-    tenant, row = selectors.tenant_enter_reading(HOST_A, token_read_sql(), [charlie])
+    tenant, row = selectors.tenant_enter_reading(HOST_A, token_read_sql, [charlie])
     assert (tenant.schema_name if tenant else None, row) == ("acme", None)
     alice = prefix_of(world.tokens["alice"])
-    tenant, row = selectors.tenant_enter_reading(HOST_A, token_read_sql(), [alice])
+    tenant, row = selectors.tenant_enter_reading(HOST_A, token_read_sql, [alice])
     assert row is not None
     assert alice in row
 
@@ -119,9 +119,9 @@ def test_the_read_itself_finds_nothing_outside_the_host_s_schema(world: World, d
     # tenant_enter_reading drops a read where no tenant is found; the statement also reads nothing then,
     # though the session's path is still another tenant's.
     charlie = prefix_of(world.tokens["charlie"])
-    selectors.tenant_enter_reading(HOST_B, token_read_sql(), [charlie])  # globex's path on the session
+    selectors.tenant_enter_reading(HOST_B, token_read_sql, [charlie])  # globex's path on the session
     for host in ("nowhere.klique.test", "NOWHERE.klique.test", "acme.klique.test.evil", ""):
-        sql, arguments = selectors.entering_statement(host, token_read_sql(), [charlie])
+        sql, arguments = selectors.entering_statement(host, token_read_sql, [charlie])
         with connection.cursor() as cursor:
             cursor.execute(sql, arguments)
             assert cursor.fetchone() is None
@@ -133,23 +133,27 @@ def test_the_provider_s_host_reads_only_the_provider_s_tokens(world: World, db: 
     # Under public's path the provider's host reads the provider's own tokens, never a tenant's.
     root = prefix_of(world.tokens["root"])
     alice = prefix_of(world.tokens["alice"])
-    selectors.tenant_enter_reading(HOST_A, token_read_sql(), [alice])  # acme's path on the session
-    tenant, row = selectors.tenant_enter_reading(HOST_PROVIDER, token_read_sql(), [alice])
+    selectors.tenant_enter_reading(HOST_A, token_read_sql, [alice])  # acme's path on the session
+    tenant, row = selectors.tenant_enter_reading(HOST_PROVIDER, token_read_sql, [alice])
     assert (tenant.schema_name if tenant else None, row) == ("public", None)
-    assert selectors.tenant_enter_reading(HOST_PROVIDER, token_read_sql(), [root])[1] is not None
+    assert selectors.tenant_enter_reading(HOST_PROVIDER, token_read_sql, [root])[1] is not None
 
 
 def test_an_authenticated_request_is_one_statement(api: Callable[..., APIClient], world: World) -> None:
     api("alice").get("/api/v1/me/")  # its last use is recorded (a write once a minute at most)
     api("charlie", host="b").get("/api/v1/me/")  # the connection's path is globex's
-    with CaptureQueriesContext(connection) as queries:
-        assert api("alice").get("/api/v1/me/").json()["username"] == "alice"
-    # Under the test's own transaction the request's transaction is a savepoint; BEGIN and COMMIT are
-    # sent only with the first statement inside it, and there is none.
-    [statement] = [query["sql"] for query in queries.captured_queries if "SAVEPOINT" not in query["sql"]]
-    assert "set_config('search_path'" in statement
-    assert "accounts_apitoken" in statement
-    assert "current_schema()" in statement
+    selectors._schema_at_host.clear()  # acme's host not seen yet: looked up, in two statements
+    for looked_up in (True, False):
+        with CaptureQueriesContext(connection) as queries:
+            assert api("alice").get("/api/v1/me/").json()["username"] == "alice"
+        # Under the test's own transaction the request's transaction is a savepoint; BEGIN and COMMIT are
+        # sent only with the first statement inside it, and there is none.
+        [statement] = [query["sql"] for query in queries.captured_queries if "SAVEPOINT" not in query["sql"]]
+        assert "set_config('search_path'" in statement
+        assert "accounts_apitoken" in statement
+        # Looked up: the guard on the second statement; seen before: the schema's tables named in full.
+        assert ("current_schema()" in statement) is looked_up
+        assert ('"acme".accounts_apitoken' in statement) is not looked_up
     # Without a bearer token the request reads no token.
     with CaptureQueriesContext(connection) as queries:
         assert APIClient(HTTP_HOST=HOST_A).get("/api/v1/me/").status_code == 401

@@ -1,4 +1,5 @@
-"""Django's PostgreSQL backend, with a pool that checks a connection it lends without a round trip.
+"""Django's PostgreSQL backend, with a pool that checks a connection it lends without a round trip, and
+cursors whose statements PostgreSQL keeps planned.
 
 The web process lends each request a connection from a psycopg pool. Django's pool checks each one as it
 leaves the pool with an empty query (`ConnectionPool.check_connection`): a round trip per request, about
@@ -11,15 +12,25 @@ waiting; only a connection with something to read gets the empty query, which ra
 connection is broken (the pool then discards it and lends another) and reads any stray notice where it
 is not. A peer that vanished without closing (a cut network) is not found this way, nor by the empty
 query, which would wait for the same TCP timeout.
+
+Django binds parameters in the client and sends each statement to be parsed and planned anew (what lets
+one message carry several statements, as apps.core.deferred needs). For the few statements that run on
+every request and cost more to plan than to run, `prepared_cursor` gives a cursor that prepares them
+instead (see there).
 """
 
 from __future__ import annotations
 
 import select
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import psycopg
 from django.db.backends.base.base import NO_DB_ALIAS
 from django.db.backends.postgresql import base as postgresql
+from django.db.backends.postgresql.operations import DatabaseOperations as PostgresOperations
+from django.db.backends.utils import CursorWrapper
 from psycopg import Connection, OperationalError
 from psycopg_pool import ConnectionPool
 
@@ -35,7 +46,18 @@ def check_unless_quiet(connection: Connection[Any]) -> None:
         ConnectionPool.check_connection(connection)
 
 
+class DatabaseOperations(PostgresOperations):
+    def last_executed_query(self, cursor: Any, sql: str, params: Any) -> str:
+        """As Django's, and for a `prepared_cursor`'s statement (bound by the server, so psycopg keeps no
+        text with the values in it) the same text Django would show for it."""
+        if type(cursor) is psycopg.Cursor:
+            return psycopg.ClientCursor(cursor.connection).mogrify(sql, params)
+        return super().last_executed_query(cursor, sql, params)
+
+
 class DatabaseWrapper(postgresql.DatabaseWrapper):
+    ops_class = DatabaseOperations
+
     @property
     def pool(self) -> ConnectionPool[Any] | None:
         """Django's pool (its options, its opening on first use), checked by `check_unless_quiet` where
@@ -59,3 +81,31 @@ class DatabaseWrapper(postgresql.DatabaseWrapper):
             # setdefault: of two threads making the pool at once, the first one's is kept (as in Django).
             pools.setdefault(self.alias, pool)
         return pools[self.alias]
+
+    @contextmanager
+    def prepared_cursor(self) -> Iterator[CursorWrapper]:
+        """A cursor whose statements are prepared: each text is parsed and planned once per connection (at
+        its first execution) and then only run, with its parameters bound by the server. One statement per
+        execute; psycopg keeps the last 100 texts prepared per connection and deallocates older ones.
+
+        It is Django's cursor otherwise (its query log, its errors, its execute wrappers), and it does not
+        set the search path first as django-tenants' cursors do: the statements it is for name their
+        schemas. PostgreSQL plans such a statement again only where a table it names has changed, or where
+        the search path differs from the one it was planned under.
+
+        Django disables preparing on its connections (`prepare_threshold` None, for poolers that cannot
+        keep prepared statements across transactions); it is enabled here for this cursor only. Behind
+        PgBouncer in transaction mode that needs its `max_prepared_statements` (1.21 and later)."""
+        self.validate_thread_sharing()
+        self.ensure_connection()
+        raw: psycopg.Connection[Any] = self.connection
+        threshold = raw.prepare_threshold
+        with self.wrap_database_errors:
+            cursor = psycopg.Cursor(raw)
+        raw.prepare_threshold = 0  # prepare at the first execution: only server-side cursors prepare
+        try:
+            wrap = self.make_debug_cursor if self.queries_logged else self.make_cursor
+            yield wrap(cursor)  # type: ignore[arg-type]  # (django-stubs: it wraps a DB-API cursor)
+        finally:
+            raw.prepare_threshold = threshold
+            cursor.close()
