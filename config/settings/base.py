@@ -137,7 +137,7 @@ TEMPLATES = [
 ASGI_APPLICATION = "config.asgi.application"
 
 
-def database_settings(url: str, *, pool_size: int) -> dict[str, object]:
+def database_settings(url: str, *, pool_size: int, prepared: bool = True) -> dict[str, object]:
     """Connection settings. Under ASGI, Django runs each request's sync code in a thread of its own, so
     per-thread persistent connections would mean a new PostgreSQL connection per request; the web process
     therefore shares a psycopg pool (pool_size > 0). Celery's prefork children keep plain persistent
@@ -146,6 +146,10 @@ def database_settings(url: str, *, pool_size: int) -> dict[str, object]:
     database["ENGINE"] = "django_tenants.postgresql_backend"
     # A request's writes commit together or not at all; side effects wait for the commit (on_commit).
     database["ATOMIC_REQUESTS"] = True
+    # The few statements every request makes are prepared (apps.core.postgresql.prepared_cursor), unless a
+    # pooler in front of PostgreSQL cannot keep prepared statements (PgBouncer in transaction mode before
+    # 1.21, or without max_prepared_statements).
+    database["PREPARED_STATEMENTS"] = prepared
     if pool_size:
         database["CONN_MAX_AGE"] = 0
         # With a pool, Django's health checks are the pool's: each connection is checked as it leaves
@@ -161,7 +165,11 @@ def database_settings(url: str, *, pool_size: int) -> dict[str, object]:
 
 # `klique web` sets KLIQUE_DB_POOL_SIZE; other processes connect without a pool.
 DATABASES = {
-    "default": database_settings(env.database_url(), pool_size=env.integer("KLIQUE_DB_POOL_SIZE", default=0))
+    "default": database_settings(
+        env.database_url(),
+        pool_size=env.integer("KLIQUE_DB_POOL_SIZE", default=0),
+        prepared=env.flag("KLIQUE_DB_PREPARED_STATEMENTS", default=True),
+    )
 }
 DATABASE_ROUTERS = ["django_tenants.routers.TenantSyncRouter"]
 # The backend django-tenants' own is built on: Django's, with Klique's pool check (apps.core.postgresql).

@@ -74,3 +74,16 @@ def test_an_unknown_table_is_a_programming_error(db: None) -> None:
         connection.prepared_cursor() as cursor,  # type: ignore[attr-defined]
     ):
         cursor.execute("SELECT * FROM no_such_table", [])
+
+
+def test_prepared_statements_can_be_switched_off(db: None) -> None:
+    # Behind a pooler that cannot keep them: the cursor is Django's own, binding in the client.
+    settings = connection.settings_dict
+    settings["PREPARED_STATEMENTS"] = False
+    try:
+        with connection.prepared_cursor() as cursor:  # type: ignore[attr-defined]
+            cursor.execute("SELECT %s::int /* klique switched off */", [7])
+            assert cursor.fetchone() == (7,)
+    finally:
+        settings["PREPARED_STATEMENTS"] = True
+    assert not [text for text in prepared() if "klique switched off" in text]

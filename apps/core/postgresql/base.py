@@ -95,7 +95,13 @@ class DatabaseWrapper(postgresql.DatabaseWrapper):
 
         Django disables preparing on its connections (`prepare_threshold` None, for poolers that cannot
         keep prepared statements across transactions); it is enabled here for this cursor only. Behind
-        PgBouncer in transaction mode that needs its `max_prepared_statements` (1.21 and later)."""
+        PgBouncer in transaction mode that needs its `max_prepared_statements` (1.21 and later); where a
+        pooler cannot keep them, `PREPARED_STATEMENTS` False in the settings (KLIQUE_DB_PREPARED_STATEMENTS=0)
+        makes this Django's own cursor."""
+        if not self.settings_dict.get("PREPARED_STATEMENTS", True):
+            with self.cursor() as plain:
+                yield plain
+            return
         self.validate_thread_sharing()
         self.ensure_connection()
         raw: psycopg.Connection[Any] = self.connection
