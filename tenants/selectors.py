@@ -56,8 +56,8 @@ def tenant_enter(host: str) -> Tenant | None:
     return tenant_enter_reading(host)[0]
 
 
-# A read made in the round trip that finds the tenant: its SQL, given the schema whose tables it names
-# (quoted and qualified), or None for unqualified names; and its parameters.
+# A read made in the round trip that finds the tenant: its SQL (`%s` parameters, ending in its WHERE clause)
+# given the schema whose tables it names in full (quoted), or given None for unqualified names.
 Read = Callable[[str | None], str]
 
 # The schema of the tenant last found at each host: a guess that lets a request's one statement name that

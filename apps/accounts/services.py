@@ -103,7 +103,7 @@ def token_revoke(*, token: ApiToken) -> ApiToken:
     return token
 
 
-@functools.cache
+@functools.lru_cache(maxsize=1024)  # (one text per schema that requests name)
 def token_read_sql(schema: str | None = None) -> str:
     """The token of one prefix (`%s`) and its user, as `token_from_row` takes it: in `schema` (quoted),
     or in the current schema where None. Ends in its WHERE clause: tenants.selectors.entering_statement

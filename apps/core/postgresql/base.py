@@ -13,6 +13,11 @@ connection is broken (the pool then discards it and lends another) and reads any
 is not. A peer that vanished without closing (a cut network) is not found this way, nor by the empty
 query, which would wait for the same TCP timeout.
 
+Django loads every `timestamptz` with a loader of its own written in Python (psycopg's, then the time
+zone set): about 6 µs a value here, against about 1 µs for psycopg's compiled one, on rows that carry many
+(a task has eight). Where the connection is in UTC, as Django keeps it when USE_TZ is on, both give the
+same aware datetime, so `UtcTimestamptzLoader` gives Django's answer with the compiled loader.
+
 Django binds parameters in the client and sends each statement to be parsed and planned anew (what lets
 one message carry several statements, as apps.core.deferred needs). For the few statements that run on
 every request and cost more to plan than to run, `prepared_cursor` gives a cursor that prepares them
@@ -21,6 +26,7 @@ instead (see there).
 
 from __future__ import annotations
 
+import datetime
 import select
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,9 +36,16 @@ import psycopg
 from django.db.backends.base.base import NO_DB_ALIAS
 from django.db.backends.postgresql import base as postgresql
 from django.db.backends.postgresql.operations import DatabaseOperations as PostgresOperations
+from django.db.backends.postgresql.psycopg_any import BaseTzLoader
 from django.db.backends.utils import CursorWrapper
-from psycopg import Connection, OperationalError
+from psycopg import Connection, OperationalError, postgres
+from psycopg.abc import AdaptContext
+from psycopg.adapt import Loader
+from psycopg.pq import Format
 from psycopg_pool import ConnectionPool
+
+TIMESTAMPTZ = postgres.types["timestamptz"].oid
+COMPILED_TIMESTAMPTZ = postgres.adapters.get_loader(TIMESTAMPTZ, Format.TEXT)  # C where psycopg has it
 
 
 def check_unless_quiet(connection: Connection[Any]) -> None:
@@ -46,6 +59,28 @@ def check_unless_quiet(connection: Connection[Any]) -> None:
         ConnectionPool.check_connection(connection)
 
 
+class DjangoUtcLoader(BaseTzLoader):
+    timezone = datetime.UTC
+
+
+class UtcTimestamptzLoader(Loader):
+    """Django's `timestamptz` loader for a connection in UTC (an aware datetime in `datetime.UTC`), by
+    psycopg's compiled loader where the session's time zone is UTC, as Django sets it; by Django's own
+    where it is not (a session whose time zone was changed after it connected)."""
+
+    timezone = datetime.UTC  # what Django's create_cursor compares with the connection's time zone
+
+    def __init__(self, oid: int, context: AdaptContext | None = None) -> None:
+        super().__init__(oid, context)
+        connection = context.connection if context is not None else None
+        in_utc = connection is not None and connection.info.timezone is datetime.UTC
+        loader = (COMPILED_TIMESTAMPTZ or DjangoUtcLoader) if in_utc else DjangoUtcLoader
+        self.load = loader(oid, context).load  # type: ignore[method-assign]  # the chosen loader's, as is
+
+    def load(self, data: Any) -> Any:  # replaced on each instance
+        raise NotImplementedError
+
+
 class DatabaseOperations(PostgresOperations):
     def last_executed_query(self, cursor: Any, sql: str, params: Any) -> str:
         """As Django's, and for a `prepared_cursor`'s statement (bound by the server, so psycopg keeps no
@@ -57,6 +92,13 @@ class DatabaseOperations(PostgresOperations):
 
 class DatabaseWrapper(postgresql.DatabaseWrapper):
     ops_class = DatabaseOperations
+
+    def get_connection_params(self) -> dict[str, Any]:
+        """Django's, with `UtcTimestamptzLoader` where Django's connections are in UTC (USE_TZ)."""
+        params: dict[str, Any] = super().get_connection_params()
+        if self.timezone is datetime.UTC:
+            params["context"].register_loader(TIMESTAMPTZ, UtcTimestamptzLoader)
+        return params
 
     @property
     def pool(self) -> ConnectionPool[Any] | None:
