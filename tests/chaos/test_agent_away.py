@@ -103,7 +103,11 @@ def test_an_agent_back_after_the_pools_timeout_keeps_finished_and_running_work(
                 lambda task_id=task_id: (s := state(demo, task_id))["reason_code"] == "run_lost" and s,
             )
             assert "went silent" in lost["reason"], lost
-        wait("the short task to end while its agent is away", lambda: "end short" in ledger.read_text(), 60)
+        wait(
+            "the short task to end while its agent is away",
+            lambda: ledger.exists() and "end short" in ledger.read_text(),
+            60,
+        )
         agent = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
         for task_id, steps in ((short, 12), (long, 40)):

@@ -92,7 +92,12 @@ def test_a_postgres_restart_while_a_task_ends_loses_and_doubles_nothing(
         wait("running", lambda: state(demo, task_id)["state"] == "running")
 
         postgres.kill()
-        wait("the task to end while the database is down", lambda: "end pg" in ledger.read_text(), 30)
+        # (the agent reports running once it spawned the task: the task may not have made its ledger yet)
+        wait(
+            "the task to end while the database is down",
+            lambda: ledger.exists() and "end pg" in ledger.read_text(),
+            30,
+        )
         time.sleep(3)  # its result, last lines and output wait: the plane cannot take them
         postgres.start()
         # Every pooled connection of the web was broken by the restart; each is checked as it leaves the
