@@ -17,8 +17,14 @@ from tenants.models import Tenant
 
 
 @functools.cache
-def _by_host_sql(*, entering: bool) -> str:
+def _domains_sql() -> str:
+    """`FROM` the public schema's domains (`d`) joined to their tenants (`t`), schema-qualified."""
     public = connection.ops.quote_name(get_public_schema_name())
+    return f"FROM {public}.tenants_domain d JOIN {public}.tenants_tenant t ON t.id = d.tenant_id"
+
+
+@functools.cache
+def _by_host_sql(*, entering: bool) -> str:
     # Entering: the search path django-tenants would set for the tenant found, set by the same statement
     # (a session setting, not a transaction's: the request's transaction has not begun yet).
     enter = (
@@ -27,10 +33,7 @@ def _by_host_sql(*, entering: bool) -> str:
         if entering
         else ""
     )
-    return (
-        f"SELECT {rows.columns(Tenant, 't')}{enter} FROM {public}.tenants_domain d "  # noqa: S608 -- names
-        f"JOIN {public}.tenants_tenant t ON t.id = d.tenant_id WHERE d.domain = %s"
-    )
+    return f"SELECT {rows.columns(Tenant, 't')}{enter} {_domains_sql()} WHERE d.domain = %s"
 
 
 def tenant_for_host(host: str) -> Tenant | None:
@@ -164,10 +167,9 @@ def known_schema_statement(
 @functools.lru_cache(maxsize=1024)
 def _known_schema_sql(schema: str, then: Read | None) -> tuple[str, str]:
     """known_schema_statement's text for `schema` and `then`, and the search path it sets."""
-    public = connection.ops.quote_name(get_public_schema_name())
     path = _quoted([schema, get_public_schema_name(), *getattr(settings, "PG_EXTRA_SEARCH_PATHS", [])])
     select = f"SELECT {rows.columns(Tenant, 't')}, set_config('search_path', %s, false)"
-    lookup = f"FROM {public}.tenants_domain d JOIN {public}.tenants_tenant t ON t.id = d.tenant_id"
+    lookup = _domains_sql()
     where = "WHERE d.domain = %s AND t.schema_name = %s"
     if then is None:
         return f"/* {_Texts.generation} */ {select} {lookup} {where}", path
@@ -214,11 +216,7 @@ def entering_statement(host: str, then: Read | None, params: Sequence[Any]) -> t
 
 @functools.cache
 def _schema_of_host_sql() -> str:
-    public = connection.ops.quote_name(get_public_schema_name())
-    return (
-        f"SELECT t.schema_name FROM {public}.tenants_domain d "  # noqa: S608 -- names only
-        f"JOIN {public}.tenants_tenant t ON t.id = d.tenant_id WHERE d.domain = %s"
-    )
+    return f"SELECT t.schema_name {_domains_sql()} WHERE d.domain = %s"
 
 
 def tenant_list() -> QuerySet[Tenant]:
