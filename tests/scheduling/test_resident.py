@@ -183,3 +183,73 @@ def test_a_full_cycle_runs_when_due() -> None:
     assert set(resident.cycle(110.0).reasons) == set()  # nothing changed: nothing decided
     assert set(resident.cycle(130.0).reasons) == {"wa1", "wa2", "wb1"}  # due: every queue decided
     assert resident.last_full == 130.0
+
+
+def test_put_tells_a_task_as_it_is_now_and_moves_only_what_changed() -> None:
+    """`put` is how rows read back reach a resident: the same task told again changes nothing; a run whose
+    times alone changed frees nothing; every other change is a withdrawal, a finish, an arrival or a start."""
+    resident = Resident(two_queues(), full_every=1e9)
+    resident.cycle(100.0)
+    usage = dict(resident.usage.pool_used)
+
+    resident.put("wa1", Task("wa1", "qa", units(2), 10.0))  # as it was
+    resident.put("rc1", Allocation("rc1", "qc", "a", units(2), 0.0))  # as it was
+    resident.put("unknown", None)  # neither queued nor running, and never seen
+    assert resident.affected() == set()
+    assert resident.usage.pool_used == usage
+
+    resident.put("rc1", Allocation("rc1", "qc", "a", units(2), 50.0, 900.0))  # started, with a limit
+    assert resident.running["rc1"].ends_at == 900.0
+    assert resident.affected() == set()  # nothing freed
+    assert resident.usage.pool_used == usage
+
+    resident.put("wb1", Task("wb1", "qb", units(1), 10.0, priority=5))  # its priority changed
+    assert resident.affected() == {"qb"}
+    assert resident.queued["qb"]["wb1"].priority == 5
+
+    resident.put("rb1", None)  # ended
+    assert "rb1" not in resident.running
+    assert resident.usage.pool_used["b"] == 0
+    assert resident.affected() == {"qb"}
+
+    resident.put("wa2", None)  # cancelled while queued
+    assert "wa2" not in resident.queue_of
+    assert resident.affected() == {"qa", "qb"}
+
+    resident.put("ra2", Allocation("ra2", "qa", "b", units(2), 60.0))  # requeued and placed in pool b
+    assert resident.running["ra2"].pool == "b"
+    assert resident.usage.pool_used == {"a": units(2), "b": units(2)}
+
+    resident.put("wa1", Allocation("wa1", "qa", "a", units(2), 70.0))  # placed by another worker
+    assert "wa1" not in resident.queue_of
+    assert resident.usage.pool_used == {"a": units(4), "b": units(2)}
+
+    resident.put("new", Task("new", "qc", units(1), 80.0))  # arrived
+    assert resident.queue_of["new"] == "qc"
+    resident.put("new", Allocation("new", "qc", "b", units(1), 81.0))
+    assert resident.queue_of.get("new") is None
+    assert resident.usage.pool_used == {"a": units(4), "b": units(3)}
+
+
+def test_a_finish_that_brings_a_policy_under_its_reservation_decides_its_other_queues() -> None:
+    """Policy P's work in pool a ends; P's queue on pool b had waited as a borrower (P was at its
+    reservation) and may now start as guaranteed, taking back the GPUs R borrowed there."""
+    snapshot = Snapshot(
+        100.0,
+        (Pool("a", units(4)), Pool("b", units(4))),
+        (Profile("pa", ("a",), {}), Profile("pb", ("b",), {})),
+        (Policy("P", units(4), units(16)), Policy("R", units(0), units(16))),
+        (Queue("qa", "P", "pa", 0), Queue("qb", "P", "pb", 0), Queue("qr", "R", "pb", 0)),
+        (Task("w", "qb", units(2), 10.0),),
+        (Allocation("p1", "qa", "a", units(4), 0.0), Allocation("r1", "qr", "b", units(4), 0.0)),
+    )
+    resident = Resident(snapshot, full_every=1e9)
+    first = resident.cycle(100.0)
+    assert (first.placements, first.preemptions) == ((), ())
+    assert "qb" not in resident.policy_bound  # w waited for room, not for its policy
+
+    resident.finish(["p1"])
+    assert resident.affected() == {"qb"}
+    expected = Resident(resident.snapshot(101.0), full_every=1e9).cycle(101.0, full=True)
+    decision = resident.cycle(101.0)
+    assert [p.victim for p in decision.preemptions] == [p.victim for p in expected.preemptions] == ["r1"]

@@ -6,8 +6,11 @@ outcome, is told of each change as it happens, and runs the next cycle over the 
 a change could move:
 
 - a queue where a task arrived or was withdrawn (its order changed);
-- a queue whose profile has a pool where work finished (room there grew), or whose policy's work finished
-  (room under its limit grew); any queue where the tenant's share binds, when any work finished.
+- a queue whose profile has a pool where work finished (room there grew); a queue whose policy's work
+  finished elsewhere, where that could move it: the queue's last decision refused a task for its policy
+  (its limit, or room kept for its blocked head), or the policy now uses less than its reservation (a task
+  may now start as guaranteed, and take back borrowed GPUs); any queue where the tenant's share binds,
+  when any work finished.
 
 Every other queue keeps the outcome of the last cycle: its tasks' reasons, and the pools its heads hold
 (starvation) or are planned to start in (backfill), which bind the queues that are decided again as they
@@ -31,6 +34,10 @@ from .cycle import _Cycle
 from .model import Allocation, Decision, Reason, Snapshot, Task
 from .state import Plans, Usage
 
+# The reasons a policy gives: its limit, and room kept for its blocked head (the same code is also given for
+# a pool's room kept for a head, which only makes the set larger than it need be).
+POLICY_BOUND = frozenset({"policy_limit", "reserved_for_head"})
+
 
 class Resident:
     """One tenant's queues, running work and last outcome, kept between cycles (see the module)."""
@@ -48,6 +55,9 @@ class Resident:
             self.queues_of_policy[queue.policy].add(queue.id)
             for pool in profile_pools.get(queue.profile, ()):
                 self.queues_of_pool[pool].add(queue.id)
+        self.reservation = {policy.id: policy.reservation for policy in snapshot.policies}
+        # Queues whose last decision refused a task for its policy (their limit, or room kept for a head).
+        self.policy_bound: set[str] = set()
         self.queued: dict[str, dict[str, Task]] = defaultdict(dict)  # queue -> its tasks by id
         self.queue_of: dict[str, str] = {}  # queued task -> its queue
         self.running: dict[str, Allocation] = {}
@@ -97,6 +107,31 @@ class Resident:
             if policy is not None:
                 self._freed_policies.add(policy)
 
+    def put(self, task_id: str, now: Task | Allocation | None) -> None:
+        """A task as it is now (queued, holding GPUs, or neither), whatever this object held of it: a change
+        read back from the rows, told again or for the first time. Nothing moves where nothing changed; a run
+        whose times alone changed keeps its usage and frees nothing."""
+        queue = self.queue_of.get(task_id)
+        was_queued = None if queue is None else self.queued[queue][task_id]
+        was_running = self.running.get(task_id)
+        if now is not None and now in (was_queued, was_running):
+            return
+        if (
+            isinstance(now, Allocation)
+            and was_running is not None
+            and (now.queue, now.pool, now.size) == (was_running.queue, was_running.pool, was_running.size)
+        ):
+            self.running[task_id] = now
+            return
+        if was_queued is not None:
+            self.withdraw([task_id])
+        if was_running is not None:
+            self.finish([task_id])
+        if isinstance(now, Task):
+            self.submit([now])
+        elif isinstance(now, Allocation):
+            self.start([now])
+
     # -- cycles -----------------------------------------------------------------------------------------
 
     def snapshot(self, now: float) -> Snapshot:
@@ -114,7 +149,11 @@ class Resident:
         for pool in self._freed_pools:
             queues |= self.queues_of_pool.get(pool, set())
         for policy in self._freed_policies:
-            queues |= self.queues_of_policy.get(policy, set())
+            of_policy = self.queues_of_policy.get(policy, set())
+            if self.usage.policy_used[policy] < self.reservation.get(policy, 0):
+                queues |= of_policy
+            else:
+                queues |= of_policy & self.policy_bound
         if self.config.tenant_share is not None and self._freed_pools:
             queues |= set(self.queued)
         return {queue for queue in queues if self.queued.get(queue)}
@@ -157,4 +196,10 @@ class Resident:
             ends = None if task.time_limit is None else snapshot.now + task.time_limit
             self.start([Allocation(task.id, queue, placement.pool, task.size, snapshot.now, ends)])
         self.reasons.update(decision.reasons)
+        self.policy_bound -= {task.queue for task in snapshot.queued}
+        self.policy_bound.update(
+            self.queue_of[task]
+            for task, reason in decision.reasons.items()
+            if reason.code in POLICY_BOUND and task in self.queue_of
+        )
         return decision
