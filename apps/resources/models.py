@@ -71,9 +71,15 @@ class Pool(models.Model):
     def is_online(self, now: datetime) -> bool:
         """An agent of the pool heartbeats within its timeout; for a cloud pool, its autoscaler, which makes
         the pool online with no instance at all."""
-        if self.last_heartbeat_at is None:
-            return False
-        return now - self.last_heartbeat_at <= timedelta(seconds=self.heartbeat_timeout_seconds)
+        return online(self.last_heartbeat_at, self.heartbeat_timeout_seconds, now)
+
+
+def online(last_heartbeat_at: datetime | None, heartbeat_timeout_seconds: int, now: datetime) -> bool:
+    """Whether a pool with this last heartbeat and timeout is online at `now` (`Pool.is_online`, for a pool
+    read as plain values)."""
+    if last_heartbeat_at is None:
+        return False
+    return now - last_heartbeat_at <= timedelta(seconds=heartbeat_timeout_seconds)
 
 
 MIN_TIME_LIMIT_SECONDS = 60  # a task's time limit: at least a minute

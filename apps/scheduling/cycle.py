@@ -1,4 +1,5 @@
-"""The Django side of a scheduling cycle: snapshot, engine, and every decision written in one transaction.
+"""The Django side of a scheduling cycle: what it reads (reads.py, incremental.py), the engine, and every
+decision written in one transaction.
 
 A per-tenant PostgreSQL advisory lock, taken inside the transaction, keeps two workers from scheduling one
 tenant at once; the conditional update (`WHERE state = 'queued'`) is a second guard, so a task is placed
@@ -7,6 +8,7 @@ at most once whatever happens.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import zlib
@@ -15,21 +17,12 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from django.db import connection, transaction
-from django.db.models import Sum
 from django.utils import timezone
 
 from apps.core.events import publish_event
-from apps.resources.models import (
-    MIG_METHODS,
-    ComputeResource,
-    Pool,
-    ResourcePolicy,
-    ResourceProfile,
-    SharingMethod,
-)
-from apps.scheduling import engine, lifecycle, wake
-from apps.scheduling.agents import agents
-from apps.scheduling.models import ACTIVE_STATES, Task, TaskRun, TaskState
+from apps.scheduling import engine, incremental, lifecycle, wake
+from apps.scheduling.models import Task, TaskRun, TaskState
+from apps.scheduling.reads import Shown
 from apps.scheduling.runs import LOST_REASON
 from gateway.wallets import spent_budgets
 
@@ -52,125 +45,6 @@ def _lock_key(schema_name: str) -> int:
     return zlib.crc32(f"klique-cycle:{schema_name}".encode())
 
 
-def _stopping_units() -> dict[str, int]:
-    """Units still held per pool by runs the plane has stopped (aborted, preempted) whose connected agent
-    has not yet let them go: their GPUs are free only when the agent says so."""
-    connected = agents().connected()
-    rows = (
-        TaskRun.objects.filter(released_at=None, agent_id__in=connected)
-        .exclude(stop="")
-        .values("pool_id")
-        .annotate(units=Sum("size_units"))
-    )
-    return {str(row["pool_id"]): row["units"] for row in rows if row["pool_id"] is not None}
-
-
-def _engine_pool(pool: Pool, now: datetime, stopping: int = 0, refusing: bool = False) -> engine.Pool:
-    sharing = {engine.Sharing.WHOLE}
-    if SharingMethod.FRACTION in pool.sharing:
-        sharing.add(engine.Sharing.FRACTION)
-    if MIG_METHODS & set(pool.sharing):
-        sharing.add(engine.Sharing.MIG)
-    return engine.Pool(
-        str(pool.pk),
-        max(0, pool.capacity_gpus * engine.UNITS_PER_GPU - stopping),
-        pool.is_online(now) and not refusing,
-        frozenset(sharing),
-        pool.name,
-    )
-
-
-Shown = dict[str, tuple[str, str]]  # a queued task's id -> the reason code and text it shows now
-
-
-_SHARING = {sharing.value: sharing for sharing in engine.Sharing}
-
-# The snapshot's two large reads, as plain rows: ids as text and times as epoch seconds, as the engine
-# takes them. Django's rows, UUIDs and time zones cost more than the rest of a cycle at a deep queue
-# (a 5,000-task queue read in a quarter to a half of the time).
-_QUEUED = f"""
-SELECT id::text, compute_resource_id::text, size_units, extract(epoch FROM submitted_at)::float8, sharing,
-       priority, time_limit_seconds, reason_code, reason
-  FROM {Task._meta.db_table}
- WHERE state = %s AND compute_resource_id IS NOT NULL
-"""  # noqa: S608 (the model's own table; every value is a parameter)
-_RUNNING = f"""
-SELECT id::text, compute_resource_id::text, pool_id::text, size_units,
-       extract(epoch FROM coalesce(started_at, placed_at))::float8, extract(epoch FROM started_at)::float8,
-       time_limit_seconds
-  FROM {Task._meta.db_table}
- WHERE state = ANY(%s) AND pool_id IS NOT NULL
-"""  # noqa: S608 (the model's own table; every value is a parameter)
-
-
-def snapshot(
-    tenant: Tenant, now: datetime, *, held: frozenset[str] = frozenset()
-) -> tuple[engine.Snapshot, Shown]:
-    """The tenant's state as the engine sees it (without the queued tasks in `held`), and the reasons its
-    queued tasks show now (read in the same pass, so the cycle writes only the reasons that changed).
-    Call inside the cycle's transaction."""
-    profiles = []
-    for profile in ResourceProfile.objects.prefetch_related("pool_order"):
-        order = list(profile.pool_order.all())
-        profiles.append(
-            engine.Profile(
-                str(profile.pk),
-                tuple(str(entry.pool_id) for entry in order),
-                {str(entry.pool_id): entry.execution_priority for entry in order},
-                profile.strict_fifo,
-                float(profile.starvation_seconds) if profile.starvation_seconds else None,
-            )
-        )
-    queued = []
-    shown: Shown = {}
-    with connection.cursor() as cursor:
-        cursor.execute(_QUEUED, [TaskState.QUEUED])
-        for key, resource, size, submitted, sharing, priority, limit, code, reason in cursor.fetchall():
-            if key in held:
-                continue
-            queued.append(engine.Task(key, resource, size, submitted, _SHARING[sharing], priority, limit))
-            shown[key] = (code, reason)
-        cursor.execute(_RUNNING, [list(ACTIVE_STATES)])
-        running = tuple(
-            engine.Allocation(
-                key,
-                resource,
-                pool,
-                size,
-                begun if begun is not None else now.timestamp(),
-                # A run not started yet ends its limit after it starts, at the earliest now.
-                None if limit is None else (started if started is not None else now.timestamp()) + limit,
-            )
-            for key, resource, pool, size, begun, started, limit in cursor.fetchall()
-        )
-    stopping = _stopping_units()
-    refusing = agents().refusing()  # an autoscaler that cannot start instances: its pool takes no work
-    state = engine.Snapshot(
-        now=now.timestamp(),
-        pools=tuple(
-            _engine_pool(pool, now, stopping.get(str(pool.pk), 0), str(pool.pk) in refusing)
-            for pool in Pool.objects.all()
-        ),
-        profiles=tuple(profiles),
-        policies=tuple(
-            engine.Policy(str(pk), reservation, limit, name)
-            for pk, reservation, limit, name in ResourcePolicy.objects.values_list(
-                "pk", "reservation_units", "limit_units", "name"
-            )
-        ),
-        queues=tuple(
-            engine.Queue(str(pk), str(policy), str(profile), priority)
-            for pk, policy, profile, priority in ComputeResource.objects.values_list(
-                "pk", "policy_id", "profile_id", "queuing_priority"
-            )
-        ),
-        queued=tuple(queued),
-        running=running,
-        tenant_share=None if tenant.gpu_share is None else tenant.gpu_share * engine.UNITS_PER_GPU,
-    )
-    return state, shown
-
-
 def _held_by_budgets(now: datetime) -> dict[str, str]:
     """Queued tasks that may not start because a budget in USD they draw from is spent (one wallet pays
     for a project's GPU time and its gateway calls): task id -> the budget's sentence."""
@@ -186,15 +60,42 @@ def _held_by_budgets(now: datetime) -> dict[str, str]:
     return held
 
 
-def _explain(reasons: dict[str, str], *, code: str) -> None:
-    changed = []
-    for task in Task.objects.filter(pk__in=list(reasons), state=TaskState.QUEUED).only(
-        "reason_code", "reason"
-    ):
-        if (task.reason_code, task.reason) != (code, reasons[str(task.pk)]):
-            task.reason_code, task.reason = code, reasons[str(task.pk)]
-            changed.append(task)
-    Task.objects.bulk_update(changed, ["reason_code", "reason"], batch_size=2000)
+# A cycle's reasons, written in one statement however many tasks wait: only to tasks still queued, only where
+# they differ from what the task shows, and never over a code in the last array (a run given up keeps saying
+# so while its task waits). Django's `bulk_update` writes a CASE per batch, which costs quadratic time in
+# the batch: 100,000 reasons took about a minute.
+_REASONS = f"""
+UPDATE {Task._meta.db_table} AS task SET reason_code = given.code, reason = given.reason
+  FROM unnest(%s::uuid[], %s::text[], %s::text[]) AS given(id, code, reason)
+ WHERE task.id = given.id AND task.state = %s AND NOT task.reason_code = ANY(%s::text[])
+   AND (task.reason_code, task.reason) IS DISTINCT FROM (given.code, given.reason)
+"""  # noqa: S608 (the model's own table; every value is a parameter)
+
+
+def reasons_write(reasons: dict[str, tuple[str, str]], *, keep: tuple[str, ...] = ()) -> int:
+    """Give queued tasks their reasons (task id -> code and text), except tasks showing a code in `keep`;
+    how many rows changed."""
+    if not reasons:
+        return 0
+    with connection.cursor() as cursor:
+        cursor.execute(
+            _REASONS,
+            [
+                list(reasons),
+                [code for code, _ in reasons.values()],
+                [text for _, text in reasons.values()],
+                TaskState.QUEUED,
+                list(keep),
+            ],
+        )
+        return int(cursor.rowcount)
+
+
+def _explain(reasons: dict[str, str], *, code: str, shown: Shown) -> None:
+    """Give held tasks the reason they are held for (`shown`, what the tasks show, is brought up to date)."""
+    given = {pk: (code, reason) for pk, reason in reasons.items()}
+    reasons_write(given)
+    shown.update((pk, reason) for pk, reason in given.items() if pk in shown)
 
 
 def _tell_agents(tenant: Tenant, decision: engine.Decision, stopped: list[TaskRun]) -> None:
@@ -215,21 +116,20 @@ def _tell_agents(tenant: Tenant, decision: engine.Decision, stopped: list[TaskRu
 def _apply(decision: engine.Decision, now: datetime, shown: Shown) -> tuple[int, int, list[TaskRun]]:
     """Write the cycle's decision: placements and preemptions through the lifecycle, then the reasons
     the tasks left waiting wait for, where they differ from what the task shows (`shown`, read by the
-    snapshot). Only a task still queued takes its reason: one cancelled meanwhile keeps its own."""
+    snapshot, which this brings up to date). Only a task still queued takes its reason: one cancelled
+    meanwhile keeps its own."""
     placed = lifecycle.tasks_place(decision.placements, now)
     preempted, stopped = lifecycle.tasks_preempt(decision.preemptions, now)
-
-    changed = [
-        Task(pk=pk, reason_code=reason.code, reason=reason.message)
+    given = {
+        pk: (reason.code, reason.message)
         for pk, reason in decision.reasons.items()
-        if pk in shown
         # A run given up (its pool went silent) keeps saying so while the task waits: that is why it waits.
-        and shown[pk][0] != LOST_REASON
-        and shown[pk] != (reason.code, reason.message)
-    ]
-    Task.objects.filter(state=TaskState.QUEUED).exclude(reason_code=LOST_REASON).bulk_update(
-        changed, ["reason_code", "reason"], batch_size=2000
-    )
+        if pk in shown and shown[pk][0] != LOST_REASON and shown[pk] != (reason.code, reason.message)
+    }
+    reasons_write(given, keep=(LOST_REASON,))
+    shown.update(given)
+    for placement in decision.placements:
+        shown.pop(placement.task, None)
     return placed, preempted, stopped
 
 
@@ -247,10 +147,12 @@ def run_cycle(tenant: Tenant) -> CycleResult:
         lifecycle.tasks_past_time_limit(tenant=tenant)
         now = timezone.now()
         held = _held_by_budgets(now)
-        state, shown = snapshot(tenant, now, held=frozenset(held))
-        decision = engine.schedule(state)
-        placed, preempted, stopped = _apply(decision, now, shown)
-        _explain(held, code="budget_exhausted")
+        outcome = incremental.decide(tenant, now, frozenset(held))
+        decision = outcome.decision
+        placed, preempted, stopped = _apply(decision, now, outcome.shown)
+        # Kept once this commits (what a rollback undoes must not be kept).
+        transaction.on_commit(functools.partial(incremental.keep, tenant.schema_name, outcome.kept))
+        _explain(held, code="budget_exhausted", shown=outcome.shown)
         if placed or preempted:  # one event a cycle, however many tasks it moved
             publish_event(
                 tenant=tenant, kind="tasks.scheduled", data={"placed": placed, "preempted": preempted}
@@ -261,10 +163,10 @@ def run_cycle(tenant: Tenant) -> CycleResult:
     logger.info(
         "scheduling cycle",
         extra={
-            "queued": len(state.queued),
+            "queued": outcome.queued,
             "placed": placed,
             "preempted": preempted,
             "ms": round(elapsed, 1),
         },
     )
-    return CycleResult(True, len(state.queued), placed, preempted, elapsed)
+    return CycleResult(True, outcome.queued, placed, preempted, elapsed)

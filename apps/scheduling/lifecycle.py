@@ -34,7 +34,7 @@ from apps.accounts.models import User
 from apps.core import deferred
 from apps.core.errors import InvalidInput
 from apps.core.events import publish_event, publish_here
-from apps.resources.models import SCALES_FROM_ZERO, ComputeResource, Pool
+from apps.resources.models import SCALES_FROM_ZERO, ComputeResource, Pool, online
 from apps.scheduling import engine, wake
 from apps.scheduling.agents import agents
 from apps.scheduling.meter import meter_run, segments_together
@@ -459,9 +459,11 @@ def tasks_of_silent_pools(*, tenant: Tenant) -> int:
     # A cloud pool's silence is its autoscaler's: its instances' agents run on, each judged by its own
     # heartbeats (an autoscaler away must not make the work running on live instances look lost).
     silent_pools = {
-        pool.pk: pool.name
-        for pool in Pool.objects.exclude(environment__in=SCALES_FROM_ZERO)
-        if not pool.is_online(now)
+        pk: name
+        for pk, name, last, timeout in Pool.objects.exclude(environment__in=SCALES_FROM_ZERO).values_list(
+            "pk", "name", "last_heartbeat_at", "heartbeat_timeout_seconds"
+        )
+        if not online(last, timeout, now)
     }
     silent_agents = agents().silent(now)
     leases = TaskRun.objects.filter(agent_id__in=silent_agents, outcome=RunOutcome.LIVE).values("pk")

@@ -44,6 +44,11 @@ KLIQUE_TOKEN_MAX_DAYS = env.integer("KLIQUE_TOKEN_MAX_DAYS", default=365, minimu
 # Events within this many seconds share one scheduling cycle; beat runs one per tenant every so often anyway.
 KLIQUE_CYCLE_DEBOUNCE_SECONDS = env.integer("KLIQUE_CYCLE_DEBOUNCE_MS", default=500, minimum=0) / 1000
 KLIQUE_CYCLE_SAFETY_NET_SECONDS = env.integer("KLIQUE_CYCLE_SAFETY_NET_SECONDS", default=30, minimum=1)
+# A tenant with at least this many queued tasks is kept in the worker between cycles, and a cycle decides only
+# what changed since the last one, with a full cycle read afresh at least every KLIQUE_CYCLE_FULL_SECONDS
+# (apps/scheduling/incremental.py). 0 keeps every tenant.
+KLIQUE_CYCLE_INCREMENTAL_FROM = env.integer("KLIQUE_CYCLE_INCREMENTAL_FROM", default=1000, minimum=0)
+KLIQUE_CYCLE_FULL_SECONDS = env.integer("KLIQUE_CYCLE_FULL_SECONDS", default=30, minimum=1)
 # The walk (tenants/due.py): this many tenants visited every so many seconds; 10,000 tenants in 50 minutes.
 KLIQUE_DUE_WALK_PAGE = env.integer("KLIQUE_DUE_WALK_PAGE", default=200, minimum=1)
 KLIQUE_DUE_WALK_SECONDS = env.integer("KLIQUE_DUE_WALK_SECONDS", default=60, minimum=1)

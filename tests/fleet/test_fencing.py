@@ -24,8 +24,9 @@ from apps.fleet import credentials, dispatch, session
 from apps.fleet.models import Agent, TaskReport
 from apps.resources.models import Pool
 from apps.scheduling import lifecycle, wake
-from apps.scheduling.cycle import run_cycle, snapshot
+from apps.scheduling.cycle import run_cycle
 from apps.scheduling.models import Task, TaskRun, TaskState
+from apps.scheduling.reads import snapshot
 from apps.scheduling.services import TaskRequest, task_cancel, tasks_submit
 from tests.fleet.conftest import agent, in_fleet
 

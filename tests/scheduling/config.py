@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tenants.models import Tenant
 
 DAY = 86_400  # heartbeat timeout long enough that the session's pools stay online without an agent
 
@@ -80,3 +83,26 @@ def acme_document() -> dict[str, Any]:
             },
         ],
     }
+
+
+def acme_tenant(*, slug: str, name: str, admin: str) -> Tenant:
+    """A tenant of its own with acme's configuration provisioned, its admin in both groups, its pools
+    online."""
+    from django.utils import timezone
+    from django_tenants.utils import schema_context
+
+    from apps.accounts.models import User
+    from apps.accounts.services import group_save
+    from apps.configuration.services import draft_provision, draft_save
+    from apps.provider.services import tenant_create
+    from apps.resources.models import Pool
+
+    created = tenant_create(slug=slug, name=name, admin_username=admin)
+    with schema_context(slug):
+        user = User.objects.get(username=admin)
+        group_save(tenant=created.tenant, name="research", members=[user])
+        group_save(tenant=created.tenant, name="dev", members=[user])
+        draft_save(tenant=created.tenant, user=user, document=acme_document())
+        draft_provision(tenant=created.tenant, user=user)
+        Pool.objects.update(last_heartbeat_at=timezone.now())
+    return created.tenant

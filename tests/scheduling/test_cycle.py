@@ -14,18 +14,17 @@ from django.utils import timezone
 from django_tenants.utils import schema_context
 
 from apps.accounts.models import User
-from apps.accounts.services import group_save
-from apps.configuration.services import draft_provision, draft_save
 from apps.metering.models import LedgerEvent
-from apps.provider.services import tenant_create, tenant_delete
+from apps.provider.services import tenant_delete
 from apps.resources.models import ComputeResource, Pool
 from apps.scheduling import engine
-from apps.scheduling.cycle import _apply, run_cycle, snapshot
+from apps.scheduling.cycle import _apply, run_cycle
 from apps.scheduling.lifecycle import transition
 from apps.scheduling.models import Task, TaskEvent, TaskState
+from apps.scheduling.reads import snapshot
 from apps.scheduling.services import TaskRequest, tasks_submit
 from tenants.models import Tenant
-from tests.scheduling.config import acme_document
+from tests.scheduling.config import acme_tenant
 from tests.world import World
 
 
@@ -122,20 +121,15 @@ def test_writing_one_decision_twice_places_each_task_once(world: World, db: None
 def committed_tenant(django_db_blocker: pytest.FixtureRequest, world: World) -> Iterator[Tenant]:
     """A tenant whose rows are really committed, so that several connections can see them."""
     with django_db_blocker.unblock():  # type: ignore[attr-defined]
-        created = tenant_create(slug="concurrent", name="Concurrent", admin_username="olga")
+        tenant = acme_tenant(slug="concurrent", name="Concurrent", admin="olga")
         with schema_context("concurrent"):
             olga = User.objects.get(username="olga")
-            group_save(tenant=created.tenant, name="research", members=[olga])
-            group_save(tenant=created.tenant, name="dev", members=[olga])
-            draft_save(tenant=created.tenant, user=olga, document=acme_document())
-            draft_provision(tenant=created.tenant, user=olga)
-            Pool.objects.update(last_heartbeat_at=timezone.now())
             tasks_submit(
-                tenant=created.tenant,
+                tenant=tenant,
                 user=olga,
                 requests=[TaskRequest(compute_resource="Research: 4 GPUs", name=f"t{i}") for i in range(40)],
             )
-        yield created.tenant
+        yield tenant
         tenant_delete(tenant=Tenant.objects.get(slug="concurrent"))
 
 

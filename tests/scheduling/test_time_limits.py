@@ -15,9 +15,9 @@ from django_tenants.utils import schema_context
 from rest_framework.test import APIClient
 
 from apps.resources.models import ComputeResource, Pool, ResourceProfile
-from apps.scheduling.cycle import snapshot
 from apps.scheduling.lifecycle import tasks_past_time_limit, transition
 from apps.scheduling.models import RunOutcome, Task, TaskRun, TaskState
+from apps.scheduling.reads import snapshot
 from apps.scheduling.runs import run_begin
 from tests.scheduling.config import acme_document
 from tests.world import World

@@ -17,7 +17,8 @@ from tenants.models import Tenant
 from tests.world import World
 
 SLUGS = ("mig-a", "mig-b", "mig-c", "mig-d")
-LATEST = ("scheduling", "0012_objective_samples")  # its table: scheduling_waitobjectivesample
+LATEST = ("scheduling", "0013_task_changes")  # it adds the column scheduling_task.changed_xid
+BEFORE_LATEST = "0012"
 
 
 def schema_of(slug: str) -> str:
@@ -31,9 +32,13 @@ def has_latest(schema: str) -> bool:
         return cursor.fetchone() is not None
 
 
-def squat(schema: str) -> None:
+def squat(schema: str, *, leave: bool = False) -> None:
+    """Put in the way what the latest migration creates (or take it away)."""
     with schema_context(schema), connection.cursor() as cursor:
-        cursor.execute("CREATE TABLE scheduling_waitobjectivesample (squatter int)")
+        if leave:
+            cursor.execute("ALTER TABLE scheduling_task DROP COLUMN changed_xid")
+        else:
+            cursor.execute("ALTER TABLE scheduling_task ADD COLUMN changed_xid int")
 
 
 @pytest.fixture
@@ -45,7 +50,9 @@ def schemas(world: World, django_db_blocker: pytest.FixtureRequest) -> Iterator[
             tenant_create(slug=slug, name=slug, admin_username="mia")
         names = [schema_of(slug) for slug in SLUGS]
         for name in names:
-            call_command("migrate_schemas", "scheduling", "0011", schema_name=name, tenant=True, verbosity=0)
+            call_command(
+                "migrate_schemas", "scheduling", BEFORE_LATEST, schema_name=name, tenant=True, verbosity=0
+            )
         yield names
         for slug in SLUGS:
             tenant_delete(tenant=Tenant.objects.get(slug=slug))
@@ -58,17 +65,13 @@ def test_a_new_migration_reaches_every_schema_and_a_failed_one_is_named_then_res
         assert set(pending(schemas)) == set(schemas)
         assert pending(schemas) == dict.fromkeys(schemas, 1)
         broken = schemas[1]
-        with (
-            schema_context(broken),
-            connection.cursor() as cursor,
-        ):  # what the migration creates is in the way
-            cursor.execute("CREATE TABLE scheduling_waitobjectivesample (squatter int)")
+        squat(broken)
 
         lines: list[str] = []
         summary = migrate_all(processes=2, progress=lines.append)
 
         assert [failed.schema for failed in summary.failed] == [broken]
-        assert "scheduling_waitobjectivesample" in summary.failed[0].error
+        assert "changed_xid" in summary.failed[0].error
         assert "already exists" in summary.failed[0].error
         assert {schema: has_latest(schema) for schema in schemas} == {
             schema: schema != broken for schema in schemas
@@ -85,8 +88,7 @@ def test_a_new_migration_reaches_every_schema_and_a_failed_one_is_named_then_res
         with pytest.raises(CommandError, match=rf"(?s)not migrated.*{broken}: ProgrammingError.*again"):
             call_command("migrate_tenants", processes=2)  # still broken: named, and the command fails
         assert f"{broken}: FAILED" in capsys.readouterr().out
-        with schema_context(broken), connection.cursor() as cursor:
-            cursor.execute("DROP TABLE scheduling_waitobjectivesample")
+        squat(broken, leave=True)
 
         resumed: list[str] = []
         again = migrate_all(processes=2, progress=resumed.append)

@@ -1,0 +1,241 @@
+"""What a scheduling cycle reads of a tenant: its configuration as the engine sees it, its tasks in full, and
+the tasks changed since an earlier read (for incremental cycles, apps/scheduling/incremental.py).
+
+The tasks are read as plain rows: ids as text and times as epoch seconds, as the engine takes them.
+Django's rows, UUIDs and time zones cost more than the rest of a cycle at a deep queue (a 5,000-task queue
+read in a quarter to a half of the time).
+
+**Changes.** Every change to what the engine sees of a task stamps its row with the id of the transaction
+that made it (`changed_xid`, set by a trigger: migration scheduling 0013). A read records the oldest
+transaction still running when it read (its snapshot's xmin, its *horizon*); the rows changed since are
+those stamped at or after that horizon. A transaction that had not committed when a read was made has an
+id at least its horizon, so its rows are in the next read, whenever it commits; a row read twice is read
+as it is now, and applying it again changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from django.db import connection
+from django.db.models import Sum
+
+from apps.resources.models import (
+    MIG_METHODS,
+    ComputeResource,
+    Pool,
+    ProfilePool,
+    ResourcePolicy,
+    ResourceProfile,
+    SharingMethod,
+    online,
+)
+from apps.scheduling import engine
+from apps.scheduling.agents import agents
+from apps.scheduling.models import ACTIVE_STATES, Task, TaskRun, TaskState
+
+if TYPE_CHECKING:
+    from tenants.models import Tenant
+
+Shown = dict[str, tuple[str, str]]  # a queued task's id -> the reason code and text it shows now
+
+_SHARING = {sharing.value: sharing for sharing in engine.Sharing}
+_ACTIVE = frozenset(ACTIVE_STATES)
+
+# What a task is to the engine, with the reason it shows. The queued read and the read of changes share it.
+_COLUMNS = """
+id::text, state, compute_resource_id::text, pool_id::text, size_units,
+extract(epoch FROM submitted_at)::float8, sharing, priority, time_limit_seconds,
+extract(epoch FROM coalesce(started_at, placed_at))::float8, extract(epoch FROM started_at)::float8,
+reason_code, reason
+"""
+# The queued tasks, beside the horizon of the statement's snapshot (one row of nulls beside it where none).
+_QUEUED = f"""
+SELECT horizon.reached, {_COLUMNS}
+  FROM (SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS reached) AS horizon
+  LEFT JOIN {Task._meta.db_table} ON state = %s AND compute_resource_id IS NOT NULL
+"""  # noqa: S608 (the model's own table; every value is a parameter)
+_RUNNING = f"""
+SELECT {_COLUMNS} FROM {Task._meta.db_table} WHERE state = ANY(%s) AND pool_id IS NOT NULL
+"""  # noqa: S608 (the model's own table; every value is a parameter)
+# Every row stamped at or after a horizon, beside this statement's.
+_CHANGED = f"""
+SELECT horizon.reached, {_COLUMNS}
+  FROM (SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS reached) AS horizon
+  LEFT JOIN {Task._meta.db_table} ON changed_xid >= %s
+"""  # noqa: S608 (the model's own table; every value is a parameter)
+
+Row = tuple[
+    str, str, str | None, str | None, int, float, str, int, int | None, float | None, float | None, str, str
+]
+
+
+def _stopping_units() -> dict[str, int]:
+    """Units still held per pool by runs the plane has stopped (aborted, preempted) whose connected agent
+    has not yet let them go: their GPUs are free only when the agent says so."""
+    connected = agents().connected()
+    rows = (
+        TaskRun.objects.filter(released_at=None, agent_id__in=connected)
+        .exclude(stop="")
+        .values("pool_id")
+        .annotate(units=Sum("size_units"))
+    )
+    return {str(row["pool_id"]): row["units"] for row in rows if row["pool_id"] is not None}
+
+
+def _engine_pool(
+    row: tuple[Any, ...], now: datetime, stopping: int = 0, refusing: bool = False
+) -> engine.Pool:
+    pk, name, capacity_gpus, methods, last_heartbeat_at, heartbeat_timeout_seconds = row
+    sharing = {engine.Sharing.WHOLE}
+    if SharingMethod.FRACTION in methods:
+        sharing.add(engine.Sharing.FRACTION)
+    if MIG_METHODS & set(methods):
+        sharing.add(engine.Sharing.MIG)
+    return engine.Pool(
+        str(pk),
+        max(0, capacity_gpus * engine.UNITS_PER_GPU - stopping),
+        online(last_heartbeat_at, heartbeat_timeout_seconds, now) and not refusing,
+        frozenset(sharing),
+        name,
+    )
+
+
+def configuration(tenant: Tenant, now: datetime) -> engine.Snapshot:
+    """The tenant's pools (as they are now: online, less what stopping runs still hold), profiles, policies,
+    compute resources and share, as a snapshot with no tasks at time 0: two reads made at times when
+    nothing of this changed are equal. Read as plain rows (a tenant of a thousand pools and profiles
+    would otherwise build several thousand model instances every cycle)."""
+    order: dict[str, list[tuple[str, int]]] = {}
+    for profile, pool, priority in ProfilePool.objects.order_by("profile", "position").values_list(
+        "profile_id", "pool_id", "execution_priority"
+    ):
+        order.setdefault(str(profile), []).append((str(pool), priority))
+    profiles = []
+    for pk, strict_fifo, starvation_seconds in ResourceProfile.objects.values_list(
+        "pk", "strict_fifo", "starvation_seconds"
+    ):
+        pools = order.get(str(pk), [])
+        profiles.append(
+            engine.Profile(
+                str(pk),
+                tuple(pool for pool, _ in pools),
+                dict(pools),
+                strict_fifo,
+                float(starvation_seconds) if starvation_seconds else None,
+            )
+        )
+    stopping = _stopping_units()
+    refusing = agents().refusing()  # an autoscaler that cannot start instances: its pool takes no work
+    pool_rows = Pool.objects.values_list(
+        "pk", "name", "capacity_gpus", "sharing", "last_heartbeat_at", "heartbeat_timeout_seconds"
+    )
+    return engine.Snapshot(
+        now=0.0,
+        pools=tuple(
+            _engine_pool(row, now, stopping.get(str(row[0]), 0), str(row[0]) in refusing) for row in pool_rows
+        ),
+        profiles=tuple(profiles),
+        policies=tuple(
+            engine.Policy(str(pk), reservation, limit, name)
+            for pk, reservation, limit, name in ResourcePolicy.objects.values_list(
+                "pk", "reservation_units", "limit_units", "name"
+            )
+        ),
+        queues=tuple(
+            engine.Queue(str(pk), str(policy), str(profile), priority)
+            for pk, policy, profile, priority in ComputeResource.objects.values_list(
+                "pk", "policy_id", "profile_id", "queuing_priority"
+            )
+        ),
+        queued=(),
+        running=(),
+        tenant_share=None if tenant.gpu_share is None else tenant.gpu_share * engine.UNITS_PER_GPU,
+    )
+
+
+def _waiting(row: Row) -> engine.Task:
+    key, _, resource, _, size, submitted, sharing, priority, limit = row[:9]
+    return engine.Task(key, resource or "", size, submitted, _SHARING[sharing], priority, limit)
+
+
+def _holding(row: Row, now: float) -> engine.Allocation:
+    key, _, resource, pool, size, _, _, _, limit, begun, started = row[:11]
+    return engine.Allocation(
+        key,
+        resource,  # type: ignore[arg-type]  # a removed compute resource's work still holds its GPUs
+        pool or "",
+        size,
+        begun if begun is not None else now,
+        # A run not started yet ends its limit after it starts, at the earliest now.
+        None if limit is None else (started if started is not None else now) + limit,
+    )
+
+
+def as_engine(row: Row, now: float) -> engine.Task | engine.Allocation | None:
+    """A task's row as the engine sees it: queued, holding GPUs, or neither (ended, or with nowhere to be)."""
+    state, resource, pool = row[1:4]
+    if state == TaskState.QUEUED:
+        return None if resource is None else _waiting(row)
+    if state in _ACTIVE and pool is not None:
+        return _holding(row, now)
+    return None
+
+
+@dataclass(frozen=True)
+class Tasks:
+    """The tenant's queued and running tasks as the engine sees them, the reasons the queued show, and the
+    horizon of the read (see the module)."""
+
+    queued: tuple[engine.Task, ...]
+    running: tuple[engine.Allocation, ...]
+    shown: Shown
+    horizon: int
+
+
+def _horizon_and_rows(rows: list[tuple[Any, ...]]) -> tuple[int, list[Row]]:
+    return int(rows[0][0]), [row[1:] for row in rows if row[1] is not None]
+
+
+def tasks(now: datetime) -> Tasks:
+    """Every queued and running task. Call inside the cycle's transaction."""
+    moment = now.timestamp()
+    with connection.cursor() as cursor:
+        cursor.execute(_QUEUED, [TaskState.QUEUED])
+        horizon, waiting = _horizon_and_rows(cursor.fetchall())
+        cursor.execute(_RUNNING, [list(ACTIVE_STATES)])
+        holding = cursor.fetchall()
+    return Tasks(
+        tuple(map(_waiting, waiting)),
+        tuple(_holding(row, moment) for row in holding),
+        {row[0]: (row[11], row[12]) for row in waiting},
+        horizon,
+    )
+
+
+def changed_since(since: int) -> tuple[list[Row], int]:
+    """The rows of tasks changed at or after the horizon `since`, and this read's horizon."""
+    with connection.cursor() as cursor:
+        cursor.execute(_CHANGED, [since])
+        horizon, rows = _horizon_and_rows(cursor.fetchall())
+    return rows, horizon
+
+
+def snapshot(
+    tenant: Tenant, now: datetime, *, held: Iterable[str] = frozenset()
+) -> tuple[engine.Snapshot, Shown]:
+    """The tenant's whole state as the engine sees it (without the queued tasks in `held`), and the reasons
+    its queued tasks show now (read in the same pass, so the cycle writes only the reasons that changed).
+    Call inside the cycle's transaction."""
+    held = frozenset(held)
+    read = tasks(now)
+    state = replace(
+        configuration(tenant, now),
+        now=now.timestamp(),
+        queued=tuple(task for task in read.queued if task.id not in held),
+        running=read.running,
+    )
+    return state, {key: shown for key, shown in read.shown.items() if key not in held}
