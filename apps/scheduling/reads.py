@@ -86,71 +86,77 @@ def _stopping_units() -> dict[str, int]:
     return {str(row["pool_id"]): row["units"] for row in rows if row["pool_id"] is not None}
 
 
-def _engine_pool(
-    row: tuple[Any, ...], now: datetime, stopping: int = 0, refusing: bool = False
-) -> engine.Pool:
-    pk, name, capacity_gpus, methods, last_heartbeat_at, heartbeat_timeout_seconds = row
-    sharing = {engine.Sharing.WHOLE}
-    if SharingMethod.FRACTION in methods:
-        sharing.add(engine.Sharing.FRACTION)
-    if MIG_METHODS & set(methods):
-        sharing.add(engine.Sharing.MIG)
-    return engine.Pool(
-        str(pk),
-        max(0, capacity_gpus * engine.UNITS_PER_GPU - stopping),
-        online(last_heartbeat_at, heartbeat_timeout_seconds, now) and not refusing,
-        frozenset(sharing),
-        name,
-    )
+def _configuration_sql() -> str:
+    pool, profile, entry = Pool._meta.db_table, ResourceProfile._meta.db_table, ProfilePool._meta.db_table
+    return f"""
+SELECT id::text, name, capacity_gpus, sharing ? %s, sharing ?| %s, last_heartbeat_at,
+       heartbeat_timeout_seconds
+  FROM {pool} ORDER BY name;
+SELECT profile.id::text, profile.strict_fifo, profile.starvation_seconds,
+       array_remove(array_agg(entry.pool_id::text ORDER BY entry.position), NULL),
+       array_remove(array_agg(entry.execution_priority ORDER BY entry.position), NULL)
+  FROM {profile} AS profile LEFT JOIN {entry} AS entry ON entry.profile_id = profile.id
+ GROUP BY profile.id ORDER BY profile.name;
+SELECT id::text, reservation_units, limit_units, name FROM {ResourcePolicy._meta.db_table} ORDER BY name;
+SELECT id::text, policy_id::text, profile_id::text, queuing_priority
+  FROM {ComputeResource._meta.db_table} ORDER BY name
+"""  # noqa: S608 (the models' own tables; every value is a parameter)
+
+
+# The configuration in one message, as plain rows (a tenant of a thousand pools and profiles would otherwise
+# build several thousand model instances and UUIDs every cycle): pools with whether they offer fractions
+# and MIG, profiles with their pools in order, policies, compute resources.
+_CONFIGURATION = _configuration_sql()
 
 
 def configuration(tenant: Tenant, now: datetime) -> engine.Snapshot:
     """The tenant's pools (as they are now: online, less what stopping runs still hold), profiles, policies,
     compute resources and share, as a snapshot with no tasks at time 0: two reads made at times when
-    nothing of this changed are equal. Read as plain rows (a tenant of a thousand pools and profiles
-    would otherwise build several thousand model instances every cycle)."""
-    order: dict[str, list[tuple[str, int]]] = {}
-    for profile, pool, priority in ProfilePool.objects.order_by("profile", "position").values_list(
-        "profile_id", "pool_id", "execution_priority"
-    ):
-        order.setdefault(str(profile), []).append((str(pool), priority))
-    profiles = []
-    for pk, strict_fifo, starvation_seconds in ResourceProfile.objects.values_list(
-        "pk", "strict_fifo", "starvation_seconds"
-    ):
-        pools = order.get(str(pk), [])
-        profiles.append(
+    nothing of this changed are equal."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            _CONFIGURATION, [SharingMethod.FRACTION.value, sorted(method.value for method in MIG_METHODS)]
+        )
+        pool_rows = cursor.fetchall()
+        cursor.nextset()
+        profile_rows = cursor.fetchall()
+        cursor.nextset()
+        policy_rows = cursor.fetchall()
+        cursor.nextset()
+        queue_rows = cursor.fetchall()
+    stopping = _stopping_units()
+    refusing = agents().refusing()  # an autoscaler that cannot start instances: its pool takes no work
+    pools = []
+    for pk, name, capacity_gpus, fraction, mig, last_heartbeat_at, heartbeat_timeout_seconds in pool_rows:
+        sharing = {engine.Sharing.WHOLE}
+        if fraction:
+            sharing.add(engine.Sharing.FRACTION)
+        if mig:
+            sharing.add(engine.Sharing.MIG)
+        pools.append(
+            engine.Pool(
+                pk,
+                max(0, capacity_gpus * engine.UNITS_PER_GPU - stopping.get(pk, 0)),
+                online(last_heartbeat_at, heartbeat_timeout_seconds, now) and pk not in refusing,
+                frozenset(sharing),
+                name,
+            )
+        )
+    return engine.Snapshot(
+        now=0.0,
+        pools=tuple(pools),
+        profiles=tuple(
             engine.Profile(
-                str(pk),
-                tuple(pool for pool, _ in pools),
-                dict(pools),
+                pk,
+                tuple(order),
+                dict(zip(order, priorities, strict=True)),
                 strict_fifo,
                 float(starvation_seconds) if starvation_seconds else None,
             )
-        )
-    stopping = _stopping_units()
-    refusing = agents().refusing()  # an autoscaler that cannot start instances: its pool takes no work
-    pool_rows = Pool.objects.values_list(
-        "pk", "name", "capacity_gpus", "sharing", "last_heartbeat_at", "heartbeat_timeout_seconds"
-    )
-    return engine.Snapshot(
-        now=0.0,
-        pools=tuple(
-            _engine_pool(row, now, stopping.get(str(row[0]), 0), str(row[0]) in refusing) for row in pool_rows
+            for pk, strict_fifo, starvation_seconds, order, priorities in profile_rows
         ),
-        profiles=tuple(profiles),
-        policies=tuple(
-            engine.Policy(str(pk), reservation, limit, name)
-            for pk, reservation, limit, name in ResourcePolicy.objects.values_list(
-                "pk", "reservation_units", "limit_units", "name"
-            )
-        ),
-        queues=tuple(
-            engine.Queue(str(pk), str(policy), str(profile), priority)
-            for pk, policy, profile, priority in ComputeResource.objects.values_list(
-                "pk", "policy_id", "profile_id", "queuing_priority"
-            )
-        ),
+        policies=tuple(engine.Policy(*row) for row in policy_rows),
+        queues=tuple(engine.Queue(*row) for row in queue_rows),
         queued=(),
         running=(),
         tenant_share=None if tenant.gpu_share is None else tenant.gpu_share * engine.UNITS_PER_GPU,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -19,7 +20,7 @@ from django_tenants.utils import schema_context
 
 from apps.accounts.models import User
 from apps.provider.services import tenant_delete
-from apps.resources.models import ComputeResource, Pool
+from apps.resources.models import ComputeResource, Pool, ResourceProfile
 from apps.scheduling import cycle, engine, incremental, lifecycle, reads
 from apps.scheduling.cycle import run_cycle
 from apps.scheduling.engine.state import Usage
@@ -391,3 +392,63 @@ def test_tasks_held_by_a_budget_leave_the_kept_queues_and_come_back(
     assert run_cycle(tenant).placed == 2
     assert kept_matches_the_database(tenant).held == {}
     assert full.count == 1
+
+
+def test_the_configuration_read_as_rows_is_the_models(tenant: Tenant) -> None:
+    """Pools offline and online, with fractions, static and dynamic MIG or neither; profiles with pools in
+    order and with none, a starvation bound, strict FIFO; policies and compute resources: as the models
+    say."""
+    now = timezone.now()
+    Pool.objects.filter(name="h100").update(last_heartbeat_at=now - timedelta(days=2))  # past its timeout
+    Pool.objects.create(
+        name="dynamic",
+        environment="baremetal",
+        capacity_gpus=2,
+        sharing=["mig_dynamic"],
+        last_heartbeat_at=now,
+    )
+    ResourceProfile.objects.create(name="no-pools", starvation_seconds=600, strict_fifo=True)
+
+    read = reads.configuration(tenant, now)
+
+    def sharing(pool: Pool) -> frozenset[engine.Sharing]:
+        kinds = {engine.Sharing.WHOLE}
+        kinds |= {engine.Sharing.FRACTION} if "fraction" in pool.sharing else set()
+        kinds |= {engine.Sharing.MIG} if {"mig_static", "mig_dynamic"} & set(pool.sharing) else set()
+        return frozenset(kinds)
+
+    assert read.pools == tuple(
+        engine.Pool(str(p.pk), p.capacity_gpus * engine.UNITS_PER_GPU, p.is_online(now), sharing(p), p.name)
+        for p in Pool.objects.order_by("name")
+    )
+    assert {pool.label: pool.online for pool in read.pools} == {
+        "baremetal": True,
+        "dynamic": True,
+        "h100": False,
+    }
+    assert {pool.label: pool.sharing for pool in read.pools}["dynamic"] == {
+        engine.Sharing.WHOLE,
+        engine.Sharing.MIG,
+    }
+    profiles = {profile.id: profile for profile in read.profiles}
+    for profile in ResourceProfile.objects.all():
+        order = list(profile.pool_order.order_by("position"))
+        assert profiles[str(profile.pk)] == engine.Profile(
+            str(profile.pk),
+            tuple(str(entry.pool_id) for entry in order),
+            {str(entry.pool_id): entry.execution_priority for entry in order},
+            profile.strict_fifo,
+            float(profile.starvation_seconds) if profile.starvation_seconds else None,
+        )
+    assert profiles[str(ResourceProfile.objects.get(name="no-pools").pk)].pools == ()
+    assert {policy.name: (policy.reservation, policy.limit) for policy in read.policies} == {
+        "research": (8 * engine.UNITS_PER_GPU, 16 * engine.UNITS_PER_GPU),
+        "dev": (8 * engine.UNITS_PER_GPU, 16 * engine.UNITS_PER_GPU),
+    }
+    assert set(read.queues) == {
+        engine.Queue(str(pk), str(policy), str(profile), priority)
+        for pk, policy, profile, priority in ComputeResource.objects.values_list(
+            "pk", "policy_id", "profile_id", "queuing_priority"
+        )
+    }
+    assert reads.configuration(tenant, now) == read  # nothing changed: equal
