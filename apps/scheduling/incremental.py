@@ -45,7 +45,7 @@ from apps.scheduling import engine, reads
 if TYPE_CHECKING:
     from tenants.models import Tenant
 
-TENANTS_KEPT = 16  # per worker process, the most recently scheduled first
+TENANTS_KEPT = 8  # per worker process, the most recently scheduled first (about 450 bytes a task each)
 
 
 @dataclass

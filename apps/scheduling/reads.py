@@ -214,10 +214,11 @@ def tasks(now: datetime) -> Tasks:
         horizon, waiting = _horizon_and_rows(cursor.fetchall())
         cursor.execute(_RUNNING, [list(ACTIVE_STATES)])
         holding = cursor.fetchall()
+    reasons: dict[tuple[str, str], tuple[str, str]] = {}  # one copy of each reason, however many show it
     return Tasks(
         tuple(map(_waiting, waiting)),
         tuple(_holding(row, moment) for row in holding),
-        {row[0]: (row[11], row[12]) for row in waiting},
+        {row[0]: reasons.setdefault((row[11], row[12]), (row[11], row[12])) for row in waiting},
         horizon,
     )
 
