@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -115,12 +115,7 @@ def decide(tenant: Tenant, now: datetime, held: frozenset[str]) -> Outcome:
         return Outcome(kept.resident.cycle(moment), kept.shown, queued, kept)
 
     read = reads.tasks(now)
-    state = replace(
-        configuration,
-        now=moment,
-        queued=tuple(task for task in read.queued if task.id not in held),
-        running=read.running,
-    )
+    state = reads.whole(configuration, read, now, held)
     if len(read.queued) < settings.KLIQUE_CYCLE_INCREMENTAL_FROM:
         return Outcome(engine.schedule(state), read.shown, len(state.queued), None)
     kept = Kept(
@@ -142,7 +137,7 @@ def _catch_up(kept: Kept, now: float, held: frozenset[str]) -> None:
         key = row[0]
         task = reads.as_engine(row, now)
         if isinstance(task, engine.Task):
-            kept.shown[key] = (row[11], row[12])
+            kept.shown[key] = reads.shows(row)
             if key in held:
                 kept.held[key] = task
                 task = None

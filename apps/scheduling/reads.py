@@ -52,20 +52,22 @@ extract(epoch FROM submitted_at)::float8, sharing, priority, time_limit_seconds,
 extract(epoch FROM coalesce(started_at, placed_at))::float8, extract(epoch FROM started_at)::float8,
 reason_code, reason
 """
-# The queued tasks, beside the horizon of the statement's snapshot (one row of nulls beside it where none).
-_QUEUED = f"""
+
+
+def _with_horizon(condition: str) -> str:
+    """The rows meeting `condition` beside the horizon of the statement's own snapshot (one row of nulls
+    beside it where none does)."""
+    return f"""
 SELECT horizon.reached, {_COLUMNS}
   FROM (SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS reached) AS horizon
-  LEFT JOIN {Task._meta.db_table} ON state = %s AND compute_resource_id IS NOT NULL
+  LEFT JOIN {Task._meta.db_table} ON {condition}
 """  # noqa: S608 (the model's own table; every value is a parameter)
+
+
+_QUEUED = _with_horizon("state = %s AND compute_resource_id IS NOT NULL")
+_CHANGED = _with_horizon("changed_xid >= %s")  # every row stamped at or after a horizon
 _RUNNING = f"""
 SELECT {_COLUMNS} FROM {Task._meta.db_table} WHERE state = ANY(%s) AND pool_id IS NOT NULL
-"""  # noqa: S608 (the model's own table; every value is a parameter)
-# Every row stamped at or after a horizon, beside this statement's.
-_CHANGED = f"""
-SELECT horizon.reached, {_COLUMNS}
-  FROM (SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS reached) AS horizon
-  LEFT JOIN {Task._meta.db_table} ON changed_xid >= %s
 """  # noqa: S608 (the model's own table; every value is a parameter)
 
 Row = tuple[
@@ -181,6 +183,11 @@ def _holding(row: Row, now: float) -> engine.Allocation:
     )
 
 
+def shows(row: Row) -> tuple[str, str]:
+    """The reason code and text a task's row shows."""
+    return row[11], row[12]
+
+
 def as_engine(row: Row, now: float) -> engine.Task | engine.Allocation | None:
     """A task's row as the engine sees it: queued, holding GPUs, or neither (ended, or with nowhere to be)."""
     state, resource, pool = row[1:4]
@@ -218,7 +225,7 @@ def tasks(now: datetime) -> Tasks:
     return Tasks(
         tuple(map(_waiting, waiting)),
         tuple(_holding(row, moment) for row in holding),
-        {row[0]: reasons.setdefault((row[11], row[12]), (row[11], row[12])) for row in waiting},
+        {row[0]: reasons.setdefault(shows(row), shows(row)) for row in waiting},
         horizon,
     )
 
@@ -231,6 +238,18 @@ def changed_since(since: int) -> tuple[list[Row], int]:
     return rows, horizon
 
 
+def whole(
+    configuration: engine.Snapshot, read: Tasks, now: datetime, held: frozenset[str]
+) -> engine.Snapshot:
+    """The configuration with every task read, at `now`, without the queued tasks in `held`."""
+    return replace(
+        configuration,
+        now=now.timestamp(),
+        queued=tuple(task for task in read.queued if task.id not in held),
+        running=read.running,
+    )
+
+
 def snapshot(
     tenant: Tenant, now: datetime, *, held: Iterable[str] = frozenset()
 ) -> tuple[engine.Snapshot, Shown]:
@@ -239,10 +258,5 @@ def snapshot(
     Call inside the cycle's transaction."""
     held = frozenset(held)
     read = tasks(now)
-    state = replace(
-        configuration(tenant, now),
-        now=now.timestamp(),
-        queued=tuple(task for task in read.queued if task.id not in held),
-        running=read.running,
-    )
+    state = whole(configuration(tenant, now), read, now, held)
     return state, {key: shown for key, shown in read.shown.items() if key not in held}

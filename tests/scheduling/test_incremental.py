@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -109,9 +108,7 @@ def full_decision(tenant: Tenant, full: FullReads) -> engine.Decision:
     with transaction.atomic():
         now = timezone.now()
         read = full.original(now)
-        configuration = reads.configuration(tenant, now)
-        state = replace(configuration, now=now.timestamp(), queued=read.queued, running=read.running)
-        return engine.schedule(state)
+        return engine.schedule(reads.whole(reads.configuration(tenant, now), read, now, frozenset()))
 
 
 def horizon_now() -> int:
