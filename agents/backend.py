@@ -73,8 +73,9 @@ def refuse_declared_volumes(assignment: Mapping[str, Any], backend: str) -> None
 class Backend(Protocol):
     state: State
     upload: Upload | None
-    problem: str  # what stops the environment from taking work (the cluster unreachable, RBAC), or ""
 
+    @property
+    def problem(self) -> str: ...  # what stops the environment from taking work (unreachable, RBAC), or ""
     @property
     def name(self) -> str: ...
     def inventory(self) -> dict[str, Any]: ...

@@ -841,7 +841,11 @@ class Kubernetes:
     seen_jobs: dict[str, dict[str, Any]] = field(default_factory=dict)  # Job name -> as last seen
     seen_pods: dict[str, dict[str, Any]] = field(default_factory=dict)  # pod name -> as last seen
     synced: set[str] = field(default_factory=set)  # "Job", "Pod" once listed
-    problem: str = ""  # the API's last complaint, for the pool's status
+    # The API's last complaint, for the pool's status, one per kind of call: what reads (watches, lists)
+    # ran into is cleared by the next read that works, and what creating ran into by the next creation;
+    # a watch that lists again says nothing of whether the agent may create Jobs.
+    read_problem: str = ""
+    create_problem: str = ""
     since: dict[str, tuple[str, float]] = field(default_factory=dict)  # task -> (waiting kind, since when)
     closing: threading.Event = field(default_factory=threading.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -938,7 +942,7 @@ class Kubernetes:
             if int(assignment.get("nodes") or 1) > 1:
                 cluster = dataclasses.replace(cluster, multi_node=await self._multi_node())
         except ApiProblem as problem:
-            self.problem = str(problem)
+            self.create_problem = str(problem)
             raise Refused(f"The multi-node workload was not created: {problem}", permanent=False) from None
         try:
             manifests = pods.render(
@@ -954,13 +958,13 @@ class Kubernetes:
         try:
             await self._create(manifests)
         except ApiProblem as problem:
-            self.problem = str(problem)
+            self.create_problem = str(problem)
             with contextlib.suppress(ApiProblem):  # nothing of a run that was not made is left behind
                 await self._call(self.api.delete, "Secret", name, verb="delete", resource="secrets")
             raise Refused(
                 f"The {manifests.kind} was not created: {problem}", permanent=problem.permanent
             ) from None
-        self.problem = ""
+        self.create_problem = ""
         user = str(assignment.get("user") or "")
         self.state.add_job(JobRecord(task_id, name, cluster.namespace, user, kind=manifests.kind))
         logger.info("task %s is %s %s in namespace %s", task_id, manifests.kind, name, cluster.namespace)
@@ -1112,7 +1116,7 @@ class Kubernetes:
         store.clear()
         store.update({_name(item): item for item in items})
         self.synced.add(kind)
-        self.problem = ""
+        self.read_problem = ""
         if kind == "Job":
             # A recorded Job the listing lacks is gone (deleted while the watch was away): said so once
             # it is missed by a listing made after the agent created it, never on a watch's lag.
@@ -1142,9 +1146,14 @@ class Kubernetes:
         self.changed.set()
 
     def _trouble(self, problem: str) -> None:
-        if problem != self.problem:
+        if problem != self.read_problem:
             logger.warning("%s", problem)
-        self.problem = problem
+        self.read_problem = problem
+
+    @property
+    def problem(self) -> str:
+        """What stops the cluster from taking work now, as the pool's status says it ("" for nothing)."""
+        return "; ".join(problem for problem in (self.read_problem, self.create_problem) if problem)
 
     def _adopt_labelled(self, seen: Mapping[str, dict[str, Any]]) -> None:
         """Workloads this agent labelled for a run it holds but never recorded (it was killed between

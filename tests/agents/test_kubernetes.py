@@ -495,6 +495,7 @@ def test_rbac_that_forbids_creating_jobs_is_said_in_words_an_administrator_can_a
     refused = asyncio.run(scenario())
     assert "may not create jobs in namespace ml: apply the chart's Role" in str(refused)
     assert refused.permanent is False  # the task waits in the queue; an administrator fixes the Role
+    kube._synced("Job", [])  # the watch lists again, as it may at any moment: reading works, creating not
     assert "may not create jobs" in kube.problem
     assert Kubelet(cluster).gone("Secret", pods.job_name("rbac", "lease-rbac"))  # nothing left behind
 
