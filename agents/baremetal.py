@@ -34,8 +34,10 @@ from agents import containers
 from agents.backend import Refused, Report, Upload, refuse_declared_volumes, upload_outputs
 from agents.runner import reason_path
 from agents.state import RunRecord, State
+from agents.tunnel import Upstream
 from protocol import environment as task_environment
 from protocol import images
+from protocol.apps import AppSpec
 from protocol.units import UNITS_PER_GPU
 
 MAX_LINE = 64 * 1024  # longer lines go out in pieces of this many characters, never dropped
@@ -435,6 +437,12 @@ class BareMetal:
             await asyncio.sleep(POLL_SECONDS / 2)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(run.pid, signal.SIGKILL)  # a container's engine client too: _tail removes the container
+
+    app_ports_here = True  # an app's port is picked on this host, by the agent (agents.main)
+
+    async def app_upstream(self, task_id: str, app: AppSpec) -> Upstream | None:
+        """An app this host runs serves on its port here."""
+        return Upstream(app.port) if app.port is not None else None
 
     def spec_of(self, task_id: str) -> dict[str, Any]:
         """The spec a run of this host started with (an app's with its port chosen); {} if none."""

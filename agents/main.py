@@ -390,16 +390,18 @@ class Agent:
         spec = assignment.get("spec") or {}
         if "app" not in spec:
             return assignment
-        if not hasattr(self.backend, "spec_of"):
+        if not hasattr(self.backend, "app_upstream"):
             raise Refused(
-                f"Apps run on bare-metal pools; a {self.backend.name} pool does not serve them yet. "
-                "Launch it on a compute resource whose pools are bare-metal.",
+                f"Apps run on bare-metal and HPC pools; a {self.backend.name} pool does not serve them yet. "
+                "Launch it on a compute resource whose pools are bare-metal or HPC.",
                 permanent=True,
             )
         try:
             app = protocol_apps.AppSpec.parse(spec["app"])
         except protocol_apps.TemplateInvalid as error:
             raise Refused(f"The app cannot be run: {error}", permanent=True) from None
+        if app.port is None and not self.backend.app_ports_here:  # type: ignore[attr-defined]
+            return assignment  # the node that runs it picks its port (agents.node)
         return {**assignment, "spec": protocol_apps.with_port(spec, app.port or free_port())}
 
     def open_tunnel(self, task_id: str, spec: dict[str, Any]) -> None:
@@ -409,7 +411,8 @@ class Agent:
         except protocol_apps.TemplateInvalid as error:
             logger.warning("task %s: its app cannot be served: %s", task_id, error)
             return
-        if app.port is None or task_id in self.tunnels:
+        locate = getattr(self.backend, "app_upstream", None)
+        if locate is None or task_id in self.tunnels:
             return
 
         async def fail(reason: str) -> None:
@@ -424,6 +427,7 @@ class Agent:
             task_id=task_id,
             lease_id=self.state.lease(task_id),
             app=app,
+            locate=lambda: locate(task_id, app),
             fail=fail,
             say=say,
         )

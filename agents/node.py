@@ -8,9 +8,12 @@ same way: JSON objects the task appends, one per line, to $KLIQUE_METRICS_FILE, 
 answers, the node's GPU utilization and memory every --metrics-seconds. On the first node it uploads the
 task's declared outputs when the command ends and writes the exit code beside them.
 SIGTERM (a cancel or preemption through the batch system) is passed on to the command's process group.
+An app from the catalogue (--app-port) is started on a port of this node's loopback, behind a relay that
+lets in only the agent, which holds the run's key (AppRelay; agents.hpc.apps is the agent's side).
 
 Standard library only, and runnable as a plain script (`python3 node.py ...`), so any Python 3.9+ on a
-compute node will do: compute nodes need outbound HTTPS to the plane, and nothing else.
+compute node will do: compute nodes need outbound HTTPS to the plane, and nothing else (an app's relay
+also takes connections from the login node).
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ import argparse
 import contextlib
 import glob
 import hashlib
+import hmac
 import json
 import os
 import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -43,6 +48,11 @@ UPLOAD_PATIENCE_SECONDS = 300.0  # how long an output upload is retried while th
 # Answers that mean "not now": the plane down or restarting, its store full or not writable, a checksum
 # that did not match what arrived. Anything else is final.
 RETRIED_STATUSES = frozenset({408, 422, 425, 429, 500, 502, 503, 504, 507})
+# An app's relay (AppRelay): the words the agent opens with, and the relay's answer (agents.hpc.apps).
+APP_HELLO = b"KLIQUE-APP/1 "
+APP_ANSWER = b"KLIQUE-APP/1 OK\n"
+APP_HANDSHAKE_SECONDS = 10.0
+APP_HANDSHAKES = 32  # callers a relay waits on at once for the key; more are turned away
 
 
 def address(url: str) -> tuple[str, dict[str, str]]:
@@ -304,6 +314,98 @@ def upload_outputs(reporter: Reporter, folder: Path, patterns: list[str]) -> Non
             reporter.add("log", {"stream": "klique", "lines": [problem]})
 
 
+class AppRelay:
+    """An app's way in from the agent on the login node: a port on this node's network that leads to the
+    app (on this node's loopback) only for a caller who first sends HELLO with the run's key; anyone else
+    is disconnected having reached nothing (agents.hpc.apps is the agent's side)."""
+
+    def __init__(self, key: str, app_port: int) -> None:
+        if not re.fullmatch(r"[0-9a-f]{64}", key):
+            raise ValueError("the app key file does not hold a key")
+        self.expected, self.app_port = APP_HELLO + key.encode() + b"\n", app_port
+        if socket.has_dualstack_ipv6():
+            self.server = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+        else:
+            self.server = socket.create_server(("", 0))
+        self.port = int(self.server.getsockname()[1])
+        self.greeting = threading.BoundedSemaphore(APP_HANDSHAKES)  # callers not yet known to hold the key
+
+    def serve_forever(self) -> None:
+        while True:
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return  # closed
+            if not self.greeting.acquire(blocking=False):
+                connection.close()  # a flood of callers who say nothing holds no more threads
+                continue
+            threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
+
+    def _greeted(self, connection: socket.socket) -> bool:
+        """Whether the caller opened with the run's key, within the time it has."""
+        try:
+            connection.settimeout(APP_HANDSHAKE_SECONDS)
+            received = b""
+            while len(received) < len(self.expected):
+                chunk = connection.recv(len(self.expected) - len(received))
+                if not chunk:
+                    return False
+                received += chunk
+            return hmac.compare_digest(received, self.expected)
+        except OSError:
+            return False
+        finally:
+            self.greeting.release()
+
+    def _serve(self, connection: socket.socket) -> None:
+        with connection:
+            if not self._greeted(connection):
+                return
+            try:
+                app = socket.create_connection(("127.0.0.1", self.app_port), timeout=APP_HANDSHAKE_SECONDS)
+            except OSError:
+                return
+            with app:
+                connection.settimeout(None)
+                app.settimeout(None)
+                connection.sendall(APP_ANSWER)
+                back = threading.Thread(target=_copy, args=(app, connection), daemon=True)
+                back.start()
+                _copy(connection, app)
+                back.join()
+
+
+def _copy(source: socket.socket, sink: socket.socket) -> None:
+    """Bytes from one end to the other until the first says it is done (or either breaks)."""
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+        sink.shutdown(socket.SHUT_WR)
+    except OSError:
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_RDWR)
+            source.shutdown(socket.SHUT_RDWR)
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def serve_app(arguments: argparse.Namespace, workdir: Path) -> tuple[list[str], dict[str, str]]:
+    """An app's command with its port (picked on this node unless fixed), PORT for its environment, and
+    its relay started, with both ports in the task's folder for the agent."""
+    app_port = free_loopback_port() if arguments.app_port == "auto" else int(arguments.app_port)
+    relay = AppRelay(Path(arguments.app_key_file).read_text().strip(), app_port)
+    threading.Thread(target=relay.serve_forever, daemon=True).start()
+    written = workdir / "app-address.new"
+    written.write_text(json.dumps({"relay": relay.port, "app": app_port}))
+    written.replace(workdir / "app-address")
+    command = [word.replace("{port}", str(app_port)) for word in arguments.command]
+    return command, {"PORT": str(app_port)}
+
+
 def run(arguments: argparse.Namespace) -> int:
     rank = next((int(os.environ[name]) for name in RANK_VARIABLES if os.environ.get(name, "").isdigit()), 0)
     token = Path(arguments.token_file).read_text().strip()
@@ -311,8 +413,12 @@ def run(arguments: argparse.Namespace) -> int:
     workdir = Path(arguments.workdir)
     metrics = Metrics(workdir / f"metrics-node{rank}.jsonl", arguments.metrics_seconds)
     environment = {**os.environ, "KLIQUE_TASK_ID": arguments.task, "KLIQUE_METRICS_FILE": str(metrics.path)}
+    command = arguments.command
+    if arguments.app_port:
+        command, extra = serve_app(arguments, workdir)
+        environment.update(extra)
     child = subprocess.Popen(
-        arguments.command,
+        command,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -347,6 +453,7 @@ def run(arguments: argparse.Namespace) -> int:
 
     while reader.is_alive():
         reader.join(FLUSH_SECONDS if failures == 0 else min(30.0, FLUSH_SECONDS * 2**failures))
+        sys.stdout.flush()  # the job's output file has the lines as they come (an app's failure quotes it)
         collect(reporter, buffered, lock, metrics)
         failures = 0 if reporter.flush() else failures + 1
     collect(reporter, buffered, lock, metrics)  # the last metric lines, written just before the command ended
@@ -373,12 +480,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", action="append", default=[], help="a file pattern to upload at the end")
     parser.add_argument("--final-seconds", type=float, default=60.0, help="keep trying the last reports")
     parser.add_argument("--metrics-seconds", type=float, default=30.0, help="GPU samples; 0 turns them off")
+    parser.add_argument("--app-port", help="the command is an app: its port, or auto to pick one here")
+    parser.add_argument("--app-key-file", help="an app's key for its relay (mode 600)")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     arguments = parser.parse_args(argv)
     if arguments.command[:1] == ["--"]:
         arguments.command = arguments.command[1:]
     if not arguments.command:
         parser.error("give the command after --")
+    if bool(arguments.app_port) != bool(arguments.app_key_file):
+        parser.error("an app needs both --app-port and --app-key-file")
+    if arguments.app_port and arguments.app_port != "auto" and not arguments.app_port.isdigit():
+        parser.error("--app-port is a port number or auto")
     return run(arguments)
 
 

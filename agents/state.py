@@ -49,6 +49,7 @@ class JobRecord:
     stopping: bool = False
     last: str = ""  # the state and reason last reported, so that only changes go out
     kind: str = "Job"  # on Kubernetes, what job_id names: a Job, a JobSet (whose Job runs it) or a PyTorchJob
+    app: str = ""  # an app's run: its spec's app section (JSON), to open its tunnel again after a restart
 
 
 @dataclass(frozen=True)
@@ -200,15 +201,20 @@ class State:
             CREATE TABLE IF NOT EXISTS run_sequences (
                 task_id TEXT, lease_id TEXT, last INTEGER, PRIMARY KEY (task_id, lease_id));
             CREATE TABLE IF NOT EXISTS jobs (task_id TEXT PRIMARY KEY, job_id TEXT, folder TEXT,
-                account TEXT, stopping INTEGER DEFAULT 0, last TEXT DEFAULT '', kind TEXT DEFAULT 'Job');
+                account TEXT, stopping INTEGER DEFAULT 0, last TEXT DEFAULT '', kind TEXT DEFAULT 'Job',
+                app TEXT DEFAULT '');
             CREATE TABLE IF NOT EXISTS pod_logs (task_id TEXT, pod TEXT, since TEXT, seen INTEGER,
                 PRIMARY KEY (task_id, pod));
             """
         )
 
         # The jobs of an agent from before JobSets were made are all Jobs.
-        if "kind" not in {row[1] for row in db.execute("PRAGMA table_info(jobs)")}:
+        # Those from before apps ran on HPC pools are no apps.
+        columns = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
+        if "kind" not in columns:
             db.execute("ALTER TABLE jobs ADD COLUMN kind TEXT DEFAULT 'Job'")
+        if "app" not in columns:
+            db.execute("ALTER TABLE jobs ADD COLUMN app TEXT DEFAULT ''")
 
         # The outbox of an agent from before leases: its reports name no run (lease ""), and numbering goes
         # on from where it was; the plane puts them in the task's current run if this agent holds it.
@@ -299,19 +305,21 @@ class State:
         return self._runs
 
     def add_job(self, job: JobRecord) -> None:
+        stopping = int(job.stopping)
+        row = (job.task_id, job.job_id, job.folder, job.account, stopping, job.last, job.kind, job.app)
         self._write(
-            "INSERT OR REPLACE INTO jobs (task_id, job_id, folder, account, stopping, last, kind) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (job.task_id, job.job_id, job.folder, job.account, int(job.stopping), job.last, job.kind),
+            "INSERT OR REPLACE INTO jobs (task_id, job_id, folder, account, stopping, last, kind, app) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            row,
         )
 
     def jobs(self) -> list[JobRecord]:
         rows = self.db.execute(
-            "SELECT task_id, job_id, folder, account, stopping, last, kind FROM jobs ORDER BY rowid"
+            "SELECT task_id, job_id, folder, account, stopping, last, kind, app FROM jobs ORDER BY rowid"
         )
         return [
-            JobRecord(task, job, folder, account, bool(stopping), last, kind or "Job")
-            for task, job, folder, account, stopping, last, kind in rows.fetchall()
+            JobRecord(task, job, folder, account, bool(stopping), last, kind or "Job", app or "")
+            for task, job, folder, account, stopping, last, kind, app in rows.fetchall()
         ]
 
     def job_seen(self, task_id: str, last: str) -> None:

@@ -1,6 +1,7 @@
-"""The agent's end of an app's tunnel: wait for the app to answer its health check, then open a websocket
-to the plane (/agents/tunnel/, outbound like the agent's own) and serve the requests that come through it
-from the app on this host (protocol.tunnel has the frames).
+"""The agent's end of an app's tunnel: find where the app is (its port on this host, or, for an app in a
+batch job, the way to its compute node: agents.hpc.apps), wait for it to answer its health check, then
+open a websocket to the plane (/agents/tunnel/, outbound like the agent's own) and serve the requests that
+come through it from the app (protocol.tunnel has the frames).
 
 The tunnel names the app's run (task and lease) and is reconnected with backoff for as long as the run
 lasts; the plane refuses it (4404) once the lease is not the task's live run, and then it stops trying.
@@ -50,6 +51,36 @@ def tunnel_address(url: str) -> tuple[str, dict[str, Any]]:
     return address, {}
 
 
+class Upstream:
+    """Where the tunnel reaches the app: its port on this host (the bare-metal backend). An app on another
+    host is reached through a subclass that leads there (agents.hpc.apps.NodeRelay)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    @property
+    def local(self) -> str:
+        """The app's address as it sees itself (its Host, and the Origin the route checked already)."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def describe(self) -> str:
+        return f"port {self.port}"
+
+    def transport(self) -> httpx.AsyncBaseTransport:
+        return httpx.AsyncHTTPTransport()
+
+    def websocket(self, uri: str, **options: Any) -> Any:
+        """An awaitable websocket connection to the app (websockets' connect)."""
+        return websockets.connect(uri, **options)
+
+    async def aclose(self) -> None:
+        """Let go of what leads to the app (nothing here)."""
+
+
+# The app's run: where its app is once it serves, or None if the run ended before (it cannot be reached).
+Locate = Callable[[], Awaitable[Upstream | None]]
+
+
 @dataclass
 class _Websocket:
     """A websocket to the app through the tunnel, which moves to the next tunnel when one drops."""
@@ -77,13 +108,14 @@ class AppTunnel:
         task_id: str,
         lease_id: str,
         app: AppSpec,
+        locate: Locate,
         fail: Fail,
         say: Say,
     ) -> None:
         self.url, self.task_id, self.lease_id, self.app = url, task_id, lease_id, app
         self.credentials = credentials  # Authorization and X-Klique-Instance
-        self.fail, self.say = fail, say
-        self.local = f"http://127.0.0.1:{app.port}"
+        self.locate, self.fail, self.say = locate, fail, say
+        self.upstream = Upstream(app.port or 0)  # where the app is, once `locate` has found it
         self.streams: dict[int, asyncio.Queue[tunnel.Frame]] = {}
         self.credit: dict[int, asyncio.Semaphore] = {}
         self.tasks: set[asyncio.Task[None]] = set()
@@ -92,21 +124,32 @@ class AppTunnel:
         self.socket: Any = None
         self.client: httpx.AsyncClient | None = None
 
+    @property
+    def local(self) -> str:
+        return self.upstream.local
+
     async def run(self) -> None:
-        async with httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=10), follow_redirects=False
-        ) as client:
-            self.client = client
-            problem = await self._wait_healthy()
-            if problem:
-                await self.fail(problem)
-                return
-            await self.say(f"klique: the app answers on port {self.app.port}; its route is open")
-            try:
-                await self._connect_forever()
-            finally:
-                for task in list(self.websocket_tasks):
-                    task.cancel()
+        located = await self.locate()
+        if located is None:
+            return  # the run ended before its app started: its result says how
+        self.upstream = located
+        try:
+            async with httpx.AsyncClient(
+                transport=located.transport(), timeout=httpx.Timeout(None, connect=10), follow_redirects=False
+            ) as client:
+                self.client = client
+                problem = await self._wait_healthy()
+                if problem:
+                    await self.fail(problem)
+                    return
+                await self.say(f"klique: the app answers on {located.describe()}; its route is open")
+                try:
+                    await self._connect_forever()
+                finally:
+                    for task in list(self.websocket_tasks):
+                        task.cancel()
+        finally:
+            await located.aclose()
 
     async def _wait_healthy(self) -> str:
         """ "" once the app answers its health check (any answer below 500), else why it did not."""
@@ -124,8 +167,8 @@ class AppTunnel:
                 last = f"it did not answer ({type(error).__name__})"
             await asyncio.sleep(HEALTH_EVERY)
         return (
-            f"the app did not answer its health check (GET {self.app.health_path} on port {self.app.port}) "
-            f"within {self.app.startup_seconds} s: {last}"
+            f"the app did not answer its health check (GET {self.app.health_path} on "
+            f"{self.upstream.describe()}) within {self.app.startup_seconds} s: {last}"
         )
 
     async def _connect_forever(self) -> None:
@@ -281,7 +324,8 @@ class AppTunnel:
         try:
             answer = await self.client.send(request, stream=True)
         except (httpx.HTTPError, ConnectionAbortedError) as error:
-            reason = f"the app on port {self.app.port} did not take the request ({type(error).__name__})"
+            where = self.upstream.describe()
+            reason = f"the app on {where} did not take the request ({type(error).__name__})"
             await self._send(tunnel.frame(stream, tunnel.RESET, {"reason": reason}))
             return
         try:
@@ -320,10 +364,10 @@ class AppTunnel:
         ]
         passed.append(("Origin", self.local))
         try:
-            upstream = await websockets.connect(
-                f"ws://127.0.0.1:{self.app.port}{target if target.startswith('/') else '/' + target}",
+            upstream = await self.upstream.websocket(
+                f"ws://127.0.0.1:{self.upstream.port}{target if target.startswith('/') else '/' + target}",
                 additional_headers=passed,
-                subprotocols=protocols or None,  # type: ignore[arg-type]
+                subprotocols=protocols or None,
                 max_size=tunnel.MAX_MESSAGE,
                 open_timeout=10,
             )

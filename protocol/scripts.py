@@ -25,6 +25,7 @@ from protocol.batch import (
 from protocol.units import UNITS_PER_GPU
 
 SCRIPT_ON_STDIN = frozenset({"lsf"})  # bsub reads #BSUB lines only from a script on stdin
+APP_KEY_FILE = "app-key"  # in the task's folder: the key of an app's relay (agents.hpc.apps)
 
 
 @dataclass
@@ -61,6 +62,17 @@ class Scripts:
             raise Unsafe(f"{what} {path!r} is outside the folders this cluster allows ({roots}).")
         return str(resolved)
 
+    def _app_options(self, spec: Mapping[str, Any], folder: Path, nodes: int) -> list[str]:
+        """An app's run: the node reporter picks its port there (unless its template fixed one) and opens
+        the relay the agent reaches it through (agents.hpc.apps), with the run's key."""
+        if nodes != 1:
+            raise Unsafe(f"An app runs on one node; this one asks for {nodes}.")
+        app = spec["app"]
+        port = app.get("port") if isinstance(app, Mapping) else None
+        if port is not None and (type(port) is not int or not 1024 <= port <= 65535):
+            raise Unsafe("The app's port is not a port from 1024 to 65535.")
+        return ["--app-port", str(port or "auto"), "--app-key-file", str(folder / APP_KEY_FILE)]
+
     def _run_line(self, spec: Mapping[str, Any], folder: Path, nodes: int, task_id: str) -> Quoted:
         command = quote_command(spec.get("command") or [])
         reporter = [
@@ -73,6 +85,8 @@ class Scripts:
             reporter += ["--chdir", self._inside_roots(str(code["path"]), "The code path")]
         for pattern in spec.get("outputs") or []:
             reporter += ["--output", one_line(pattern, "An output pattern")]
+        if "app" in spec:
+            reporter += self._app_options(spec, folder, nodes)
         image = spec.get("image")
         prefix: list[str] = []
         if image:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import pwd
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from agents.backend import Refused, Report, Upload, refuse_declared_volumes
+from agents.hpc.apps import ADDRESS_FILE, AddressInvalid, NodeRelay, new_key, ports
 from agents.hpc.cluster import (
     OUTPUT_TAIL_LINES,
     TRANSIENT,
@@ -43,13 +45,18 @@ from agents.hpc.pbs import Pbs
 from agents.hpc.slurm import Slurm
 from agents.state import JobRecord, State
 from protocol import environment as task_environment
+from protocol.apps import AppSpec
 from protocol.batch import (
     TemplateInvalid,
     Unsafe,
 )
-from protocol.scripts import Scripts
+from protocol.scripts import APP_KEY_FILE, Scripts
 
 logger = logging.getLogger("klique.agent.hpc")
+
+APP_LOOK_SECONDS = 1.0  # how often the agent looks for a running app's relay
+APP_FAILURE_LINES = 10  # lines of a failed app's output in its reason
+MAX_REASON = 4000
 
 DIALECTS: dict[str, type[Slurm] | type[Pbs] | type[Lsf]] = {"slurm": Slurm, "pbs": Pbs, "lsf": Lsf}
 
@@ -68,6 +75,7 @@ class Batch:
     problem: str = ""  # the cluster's last complaint when its queue could not be read
     poller: asyncio.Task[None] | None = None
     reporter: Report | None = None
+    reasons: dict[str, str] = field(default_factory=dict)  # task -> why the agent stopped its run
 
     @property
     def name(self) -> str:
@@ -121,8 +129,9 @@ class Batch:
             )
         return account
 
-    def _prepare(self, folder: Path, account: str, token: str, script: str) -> Path:
-        """A fresh folder for the task, owned by the account the job runs as: token (0600), script.
+    def _prepare(self, folder: Path, account: str, token: str, script: str, app_key: str = "") -> Path:
+        """A fresh folder for the task, owned by the account the job runs as: token (0600), script, and an
+        app's key.
 
         Everything is written while the folder is still root's alone and handed over last, so the
         account can never swap a file for a link while the agent writes (a run before this one leaves
@@ -132,7 +141,10 @@ class Batch:
         folder.mkdir(mode=0o700)
         user = pwd.getpwnam(account)
         script_path = folder / "job.sh"
-        for path, text in ((folder / "token", token), (script_path, script)):
+        files = [(folder / "token", token), (script_path, script)]
+        if app_key:
+            files.append((folder / APP_KEY_FILE, app_key))
+        for path, text in files:
             descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(descriptor, "w") as handle:
                 handle.write(text)
@@ -184,6 +196,7 @@ class Batch:
         if not assignment.get("task_token"):
             raise Refused("The plane sent no task token; upgrade the control plane.", permanent=True)
         folder = self.settings.jobs_dir / task_id
+        app = (assignment.get("spec") or {}).get("app")
         try:
             script, context = Scripts(self.name, self.settings, self.url).script(assignment, account, folder)
         except (Unsafe, TemplateInvalid) as error:
@@ -191,7 +204,8 @@ class Batch:
         self.settings.jobs_dir.mkdir(parents=True, exist_ok=True)
         self.settings.jobs_dir.chmod(0o711)  # accounts reach their own task folder, and list nothing
         install_node_script(self.settings)
-        script_path = self._prepare(folder, account, str(assignment["task_token"]), script)
+        app_key = new_key() if app is not None else ""
+        script_path = self._prepare(folder, account, str(assignment["task_token"]), script, app_key)
         submit = self.dialect.submit(script_path, context)
         stdin = script.encode() if self.dialect.script_on_stdin else None
         environment = self.submission_environment(account, assignment.get("secrets") or {})
@@ -203,7 +217,7 @@ class Batch:
             job = self.dialect.job_id(submitted.stdout)
         except ValueError as error:
             raise Refused(str(error)) from None
-        self.state.add_job(JobRecord(task_id, job, str(folder), account))
+        self.state.add_job(JobRecord(task_id, job, str(folder), account, app=json.dumps(app) if app else ""))
         logger.info("task %s is %s job %s of %s", task_id, self.name, job, account)
         await report(task_id, "status", {"state": "pending", "reason": "submitted", "job_id": job}, None)
 
@@ -287,11 +301,69 @@ class Batch:
             "outputs": [],
             "cluster": cluster,
         }
+        if reason := self.reasons.pop(job.task_id, ""):
+            result["reason"] = reason
         await self.reporter(job.task_id, "result", result, None)
         self.state.remove_job(job.task_id)
         self.polled.pop(job.task_id, None)
         with contextlib.suppress(FileNotFoundError):
             (Path(job.folder) / "token").unlink()  # the token dies with the run anyway; leave nothing about
+
+    # Apps --------------------------------------------------------------------------------------------
+
+    app_ports_here = False  # an app's port is picked on its compute node, by the node reporter
+
+    def spec_of(self, task_id: str) -> dict[str, Any]:
+        """What the agent needs again of a run after a restart: an app's section; {} for other runs."""
+        job = self._job(task_id)
+        return {"app": json.loads(job.app)} if job is not None and job.app else {}
+
+    def _job(self, task_id: str) -> JobRecord | None:
+        return next((job for job in self.state.jobs() if job.task_id == task_id), None)
+
+    async def app_upstream(self, task_id: str, app: AppSpec) -> NodeRelay | None:
+        """The way to the app of a run once its job runs and its node reporter has opened the app's relay
+        (agents.hpc.apps); None if the job ends first. The node is the cluster's word, the ports the job's."""
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None  # from when the job runs, as long as the app may take to start
+        while (job := self._job(task_id)) is not None:
+            _, status = self.polled.get(task_id, ("", None))
+            if status is not None and status.state == "running" and status.host:
+                folder = Path(job.folder)
+                key = (read_owned(folder / APP_KEY_FILE, job.account) or "").strip()
+                try:
+                    found = ports(read_owned(folder / ADDRESS_FILE, job.account))
+                except AddressInvalid as error:
+                    await self.fail(task_id, f"the app's address in its folder cannot be used: {error}")
+                    return None
+                if found is not None and key:
+                    return await NodeRelay(status.host, found[0], found[1], key).open()
+                node = status.host
+                if deadline is None:
+                    deadline = loop.time() + app.startup_seconds
+                    logger.info("task %s: its job runs on %s; waiting for its app's relay", task_id, node)
+                elif loop.time() > deadline:
+                    why = f"{ADDRESS_FILE} is not in its folder, or is not its account's"
+                    await self.fail(
+                        task_id,
+                        f"the job runs on {node}, but its app's relay did not open within "
+                        f"{app.startup_seconds} s ({why})",
+                    )
+                    return None
+            await asyncio.sleep(APP_LOOK_SECONDS)
+        return None
+
+    async def fail(self, task_id: str, reason: str, grace_seconds: float = 10.0) -> None:
+        """Stop a run for a reason outside its command (an app that never answered its health check): the
+        reason, with the last lines of the job's output, goes into its result."""
+        job = self._job(task_id)
+        if job is None:
+            return
+        tail = (read_owned(Path(job.folder) / "output.log", job.account) or "").strip().splitlines()
+        if tail:
+            reason = f"{reason}; its log ends: {' | '.join(tail[-APP_FAILURE_LINES:])}"
+        self.reasons[task_id] = reason[:MAX_REASON]
+        await self.stop(task_id, grace_seconds)
 
     # Stopping ----------------------------------------------------------------------------------------
 

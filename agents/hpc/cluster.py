@@ -179,6 +179,16 @@ class JobStatus:
     exit_code: int | None = None
     elapsed_seconds: int | None = None
     gpus: str = ""
+    host: str = ""  # the node that runs the job's batch script (its first node), while it runs
+
+
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
+
+
+def node_name(text: str) -> str:
+    """A host name as the cluster gave it, or "" if it is not one (Slurm's "n/a", "(null)", nothing)."""
+    text = text.strip()
+    return text if NODE_NAME.fullmatch(text) and text.lower() not in ("n/a", "none") else ""
 
 
 @dataclass

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agents.hpc.cluster import Capacity, ClusterUnavailable, Execute, JobStatus, exit_code_of
+from agents.hpc.cluster import Capacity, ClusterUnavailable, Execute, JobStatus, exit_code_of, node_name
 from protocol.scripts import submit_command
 
 
@@ -29,9 +29,8 @@ class Lsf:
         return match.group(1)
 
     async def statuses(self, job_ids: Sequence[str], run: Execute) -> dict[str, JobStatus]:
-        shown = await run(
-            ["bjobs", "-a", "-json", "-o", "jobid stat exit_code pend_reason run_time", *job_ids], None, None
-        )
+        fields = "jobid stat exit_code pend_reason run_time exec_host"
+        shown = await run(["bjobs", "-a", "-json", "-o", fields, *job_ids], None, None)
         try:
             records = json.loads(shown.stdout or "{}").get("RECORDS", [])
         except json.JSONDecodeError:
@@ -44,12 +43,16 @@ class Lsf:
             if job in job_ids and not record.get("ERROR"):
                 code = str(record.get("EXIT_CODE") or ("0" if raw == "DONE" else ""))
                 seconds = str(record.get("RUN_TIME", "")).split(" ")[0]
+                state = self.STATES.get(raw, "pending")
+                # EXEC_HOST: "hostA" or "4*hostA:2*hostB": the first host's name
+                first = str(record.get("EXEC_HOST") or "").split(":")[0].rpartition("*")[2]
                 found[job] = JobStatus(
-                    self.STATES.get(raw, "pending"),
+                    state,
                     raw,
                     str(record.get("PEND_REASON") or "").strip(),
                     exit_code=exit_code_of(code),
                     elapsed_seconds=int(seconds) if seconds.isdigit() else None,
+                    host=node_name(first) if state == "running" else "",
                 )
         return found
 

@@ -7,7 +7,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agents.hpc.cluster import Capacity, ClusterUnavailable, Execute, JobStatus, count_of, exit_code_of
+from agents.hpc.cluster import (
+    Capacity,
+    ClusterUnavailable,
+    Execute,
+    JobStatus,
+    count_of,
+    exit_code_of,
+    node_name,
+)
 from protocol.scripts import submit_command
 
 
@@ -44,11 +52,15 @@ class Pbs:
             code = fields.get("exit_status", fields.get("Exit_status", ""))
             match = job if job in job_ids else next((j for j in job_ids if j.split(".")[0] == job), None)
             if match:
+                state = self.STATES.get(raw, "pending")
+                # exec_host: "node1/0+node1/1" (PBS Pro, Torque) or "node1/0*2": the first node's name
+                first = re.split(r"[+/*]", fields.get("exec_host", ""), maxsplit=1)[0]
                 found[match] = JobStatus(
-                    self.STATES.get(raw, "pending"),
+                    state,
                     raw,
                     fields.get("comment", ""),
                     exit_code=exit_code_of(code),
+                    host=node_name(first) if state == "running" else "",
                 )
         for job in job_ids:  # gone from qstat: it ended; its exit code is in the task's folder
             found.setdefault(job, JobStatus("ended", "gone"))

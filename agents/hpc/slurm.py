@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agents.hpc.cluster import Capacity, ClusterUnavailable, Execute, JobStatus, exit_code_of
+from agents.hpc.cluster import Capacity, ClusterUnavailable, Execute, JobStatus, exit_code_of, node_name
 from protocol.scripts import submit_command
 
 UNSETTLED_LOOKS = 5  # polls a failed job's exit code may take to reach Slurm's accounting
@@ -40,18 +40,23 @@ class Slurm:
     async def statuses(self, job_ids: Sequence[str], run: Execute) -> dict[str, JobStatus]:
         found: dict[str, JobStatus] = {}
         queue = await run(
-            ["squeue", "--noheader", "--states=all", f"--jobs={','.join(job_ids)}", "--format=%i|%T|%r"],
+            ["squeue", "--noheader", "--states=all", f"--jobs={','.join(job_ids)}", "--format=%i|%T|%r|%B"],
             None,
             None,
         )
         if queue.returncode and "invalid job id" not in queue.message.lower():
             raise ClusterUnavailable(queue.message)
         for line in queue.stdout.splitlines():
-            job, raw, reason = ([*line.split("|"), "", ""])[:3]
+            job, raw, reason, host = ([*line.split("|"), "", "", ""])[:4]
             if job.strip() in job_ids:
                 state = self._word(raw)
                 if state != "ended":  # the end, with its exit code, comes from accounting below
-                    found[job.strip()] = JobStatus(state, raw.strip(), "" if reason == "None" else reason)
+                    found[job.strip()] = JobStatus(
+                        state,
+                        raw.strip(),
+                        "" if reason == "None" else reason,
+                        host=node_name(host) if state == "running" else "",
+                    )
         rest = [job for job in job_ids if job not in found]
         if rest:
             found.update(await self._accounting(rest, run))

@@ -38,6 +38,20 @@ def test_the_agent_picks_a_port_and_puts_it_where_the_app_reads_it(tmp_path: Pat
     assert agent._with_app_port(plain) is plain
 
 
+def test_an_app_on_a_cluster_gets_its_port_on_its_node(tmp_path: Path) -> None:
+    """An HPC backend's node reporter picks the port where the app runs: the agent leaves {port} to it,
+    unless the template fixed one."""
+    from agents.hpc import Batch
+
+    agent = Agent(url="http://demo.localhost:1", token="t", backend=backend(tmp_path), agent_id="a")
+    agent.backend = Batch.__new__(Batch)
+    assigned = app_assignment("t1", ["serve", "--port={port}"])
+    assert agent._with_app_port(assigned) is assigned
+    assigned["spec"]["app"]["port"] = 8888
+    fixed = agent._with_app_port(assigned)["spec"]
+    assert (fixed["command"], fixed["environment"]["PORT"]) == (["serve", "--port=8888"], "8888")
+
+
 @pytest.mark.parametrize("section", [{"instance": "x y"}, {"instance": "ab", "port": 80}, "app"])
 def test_a_malformed_app_section_is_refused_for_good(tmp_path: Path, section: object) -> None:
     agent = Agent(url="http://demo.localhost:1", token="t", backend=backend(tmp_path), agent_id="a")
@@ -50,11 +64,11 @@ def test_a_malformed_app_section_is_refused_for_good(tmp_path: Path, section: ob
 
 def test_a_backend_that_cannot_serve_apps_refuses_them_saying_why(tmp_path: Path) -> None:
     class Cluster:
-        name = "slurm"
+        name = "kubernetes"
 
     agent = Agent(url="http://demo.localhost:1", token="t", backend=backend(tmp_path), agent_id="a")
     agent.backend = Cluster()  # type: ignore[assignment]
-    with pytest.raises(Refused, match="Apps run on bare-metal pools; a slurm pool") as refused:
+    with pytest.raises(Refused, match="Apps run on bare-metal and HPC pools; a kubernetes pool") as refused:
         agent._with_app_port(app_assignment("t1", ["serve"]))
     assert refused.value.permanent
 
@@ -86,9 +100,10 @@ def test_an_app_that_never_answers_is_stopped_with_its_logs_last_lines(tmp_path:
         async def say(line: str) -> None:
             raise AssertionError(f"an app that never answered was said to answer: {line}")
 
+        app = AppSpec.parse(spec["app"])
         tunnel = AppTunnel(
             url="http://demo.localhost:1", credentials={}, task_id="t1", lease_id="l",
-            app=AppSpec.parse(spec["app"]), fail=fail, say=say,
+            app=app, locate=lambda: metal.app_upstream("t1", app), fail=fail, say=say,
         )  # fmt: skip
         started = time.monotonic()
         await tunnel.run()
@@ -123,7 +138,7 @@ def tunnel_to(port: int) -> AppTunnel:
     """An app's tunnel for an app on `port`, driven frame by frame by the test (no plane)."""
     return AppTunnel(
         url="http://demo.localhost:1", credentials={}, task_id="t", lease_id="l",
-        app=AppSpec("0123abcd", port), fail=None, say=None,  # type: ignore[arg-type]
+        app=AppSpec("0123abcd", port), locate=None, fail=None, say=None,  # type: ignore[arg-type]
     )  # fmt: skip
 
 

@@ -210,3 +210,35 @@ def test_containers_run_through_apptainer_or_pyxis(tmp_path: Path) -> None:
     spec = {"command": ["python", "x.py"], "image": str(local)}
     pbs, _ = scripts("pbs", tmp_path).script(assignment(spec=spec), "alice", tmp_path / "jobs" / TASK)
     assert f"-- apptainer exec --nv {local} python x.py" in pbs
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_an_apps_node_reporter_picks_its_port_and_opens_its_relay(scheduler: str, tmp_path: Path) -> None:
+    folder = tmp_path / "jobs" / TASK
+    app = {"instance": "0123abcd", "port": None, "health_path": "/", "startup_seconds": 60}
+    spec = {"command": ["jupyter", "lab", "--port={port}"], "app": app}
+    script, _ = scripts(scheduler, tmp_path).script(assignment(spec=spec), "alice", folder)
+    options = f"--app-port auto --app-key-file {folder}/app-key -- jupyter lab '--port={{port}}'"
+    assert options in script  # {port} is the node's to fill in, as a word the shell leaves alone
+    fixed, _ = scripts(scheduler, tmp_path).script(
+        assignment(spec={**spec, "app": {**app, "port": 8888}}), "alice", folder
+    )
+    assert "--app-port 8888 --app-key-file" in fixed
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"nodes": 2}, "An app runs on one node; this one asks for 2"),
+        ({"app": {"port": 80}}, "The app's port is not a port from 1024 to 65535"),
+        ({"app": {"port": "8888; id"}}, "The app's port is not a port from 1024 to 65535"),
+        ({"app": {"port": True}}, "The app's port is not a port from 1024 to 65535"),
+    ],
+)
+def test_an_app_that_cannot_run_in_a_job_is_refused(
+    overrides: dict[str, Any], message: str, tmp_path: Path
+) -> None:
+    spec = {"command": ["serve"], "app": overrides.get("app", {"port": None})}
+    task = assignment(spec=spec, nodes=overrides.get("nodes", 1))
+    with pytest.raises(Unsafe, match=message):
+        scripts("slurm", tmp_path).script(task, "alice", tmp_path / "jobs" / TASK)

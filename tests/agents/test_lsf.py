@@ -180,3 +180,15 @@ def test_preemption_signals_then_kills_and_a_pending_job_is_killed_at_once(tmp_p
     kills = [argv for argv, _ in cluster.calls if argv[0] == "bkill"]
     assert kills == [["bkill", "-s", "TERM", "4821"], ["bkill", "4821"]]
     assert lsf.state.jobs()[0].stopping
+
+
+def test_bjobs_names_the_first_host_of_a_running_job_only() -> None:
+    """Where an app's relay is: the first of EXEC_HOST's hosts ("2*gpu07:2*gpu08"), while the job runs."""
+
+    async def look(name: str) -> str:
+        cluster = Cluster({"bjobs": [Completed(0, read(name), "")]})
+        return (await Lsf().statuses(["4821"], cluster))["4821"].host
+
+    assert asyncio.run(look("bjobs-running.json")) == "gpu07"
+    assert asyncio.run(look("bjobs-pending.json")) == ""
+    assert asyncio.run(look("bjobs-exit.json")) == ""

@@ -40,6 +40,56 @@ def provision_slurm_pool(demo: Demo) -> str:
     )
 
 
+def slurm_agent(demo: Demo, port: int, jobs_dir: Path, tmp_path: Path) -> list[str]:
+    """The command line of a Slurm agent for the pool of provision_slurm_pool, alice mapped to kqalice."""
+    config = tmp_path / "agent.toml"
+    config.write_text(
+        f'[agent.slurm]\njobs_dir = "{jobs_dir}"\nnode_python = "/usr/bin/python3"\npoll_seconds = 0.5\n'
+        '[agent.slurm.user_map]\nalice = "kqalice"\n'
+    )
+    token_file = tmp_path / "agent.token"
+    token_file.write_text(provision_slurm_pool(demo))
+    token_file.chmod(0o600)
+    return [
+        sys.executable, "-m", "agents.main", "--url", f"http://demo.localhost:{port}",
+        "--token-file", str(token_file), "--backend", "slurm", "--config", str(config),
+        "--agent-id", "login-1", "--work-dir", str(tmp_path / "agent"),
+    ]  # fmt: skip
+
+
+def slurm_job_of(demo: Demo, task_id: str, timeout: float = 30) -> str:
+    """The Slurm job of a task, as the agent's heartbeat last told the pool's queue."""
+    pool = next(pool for pool in demo.call("GET", "/api/v1/pools/")["results"] if pool["name"] == "hpc")
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = demo.call("GET", f"/api/v1/pools/{pool['id']}/queue/")["agents"]
+        jobs = [job["job_id"] for agent in seen for job in agent["jobs"] if job["task_id"] == task_id]
+        if jobs:
+            return str(jobs[0])
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.5)
+
+
+def stop_agent_and_plane(agent: subprocess.Popen[bytes] | None, running: Any, tmp_path: Path) -> None:
+    """The end of a test: the agent and `klique up` stopped, and no traceback in the agent's log."""
+    if agent is not None and agent.poll() is None:
+        agent.terminate()
+        agent.wait(timeout=30)
+    assert running.interrupt() == 0
+    agent_log = (tmp_path / "agent.log").read_text() if (tmp_path / "agent.log").exists() else ""
+    assert "Traceback" not in agent_log, agent_log
+
+
+def cancel_jobs_of(environment: dict[str, str], task_id: str) -> None:
+    """Cancel the Slurm jobs of a task, by their name (klique-<first 8 of its id>-...)."""
+    listed = ["squeue", "--noheader", "--format=%i %j"]
+    shown = subprocess.run(listed, env=environment, capture_output=True, text=True, check=False).stdout
+    for line in shown.splitlines():
+        job, _, name = line.strip().partition(" ")
+        if name.startswith(f"klique-{task_id[:8]}"):
+            subprocess.run(["scancel", job], env=environment, check=False)
+
+
 def wait_for_state(demo: Demo, task_id: str, states: set[str], timeout: float = 120) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
@@ -83,22 +133,10 @@ def test_tasks_run_in_slurm_as_their_users_and_survive_an_agent_restart(
     environment = clean_environment(DATABASE_URL=fresh_database, REDIS_URL=redis_url, SLURM_CONF=str(slurm))
     running = start_up(environment, tmp_path / "data")
     agent = None
-    config = tmp_path / "agent.toml"
-    config.write_text(
-        f'[agent.slurm]\njobs_dir = "{jobs_dir}"\nnode_python = "/usr/bin/python3"\npoll_seconds = 0.5\n'
-        '[agent.slurm.user_map]\nalice = "kqalice"\n'
-    )
     try:
         admin_token = running.wait_for(BANNER_CURL)[1]
         demo = Demo(running.port, admin_token)
-        token_file = tmp_path / "agent.token"
-        token_file.write_text(provision_slurm_pool(demo))
-        token_file.chmod(0o600)
-        argv = [
-            sys.executable, "-m", "agents.main", "--url", f"http://demo.localhost:{running.port}",
-            "--token-file", str(token_file), "--backend", "slurm", "--config", str(config),
-            "--agent-id", "login-1", "--work-dir", str(tmp_path / "agent"),
-        ]  # fmt: skip
+        argv = slurm_agent(demo, running.port, jobs_dir, tmp_path)
         log = (tmp_path / "agent.log").open("w")
         agent = subprocess.Popen(argv, cwd=ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT)
         task = demo.call(
@@ -183,9 +221,82 @@ def test_tasks_run_in_slurm_as_their_users_and_survive_an_agent_restart(
         assert "has no Linux account on this cluster" in ended["reason"]
         assert "[agent.slurm.user_map]" in ended["reason"]
     finally:
-        if agent is not None and agent.poll() is None:
-            agent.terminate()
-            agent.wait(timeout=30)
-        assert running.interrupt() == 0
-        agent_log = (tmp_path / "agent.log").read_text() if (tmp_path / "agent.log").exists() else ""
-        assert "Traceback" not in agent_log, agent_log
+        stop_agent_and_plane(agent, running, tmp_path)
+
+
+SERVE = """
+import http.server, os, pwd
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def answer(self, body):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def do_GET(self):
+        if self.path.startswith("/big"):
+            self.answer(bytes(range(256)) * 20000)
+        else:
+            account = pwd.getpwuid(os.getuid()).pw_name
+            self.answer(f"hello from {account} on port {os.environ['PORT']} at {self.path}".encode())
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.answer(f"{len(body)} bytes, {sum(body) % 1000}".encode())
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(os.environ["PORT"])), Handler).serve_forever()
+"""
+
+
+def test_an_app_on_a_slurm_pool_is_served_through_its_route_and_stopped_with_its_job(
+    fresh_database: str, redis_url: str, slurm: Path, jobs_dir: Path, tmp_path: Path
+) -> None:
+    """An app launched on the HPC pool runs in a Slurm job as its user's account, on a port its node
+    picked; the plane serves it at its route through the agent's tunnel and the node's relay, only to
+    whom it is shared with; stopping it cancels the job."""
+    from tests.e2e.test_apps import Route, wait_state
+
+    environment = clean_environment(DATABASE_URL=fresh_database, REDIS_URL=redis_url, SLURM_CONF=str(slurm))
+    program = jobs_dir / "serve.py"
+    program.write_text(SERVE)
+    program.chmod(0o644)
+    running = start_up(environment, tmp_path / "data")
+    agent, launched = None, {}
+    try:
+        demo = Demo(running.port, running.wait_for(BANNER_CURL)[1])
+        argv = slurm_agent(demo, running.port, jobs_dir, tmp_path)
+        log = (tmp_path / "agent.log").open("w")
+        agent = subprocess.Popen(argv, cwd=ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT)
+        template = {
+            "name": "hello-hpc", "version": "1", "command": ["/usr/bin/python3", str(program)],
+            "health": {"path": "/", "startup_seconds": 60}, "gpus": "2",
+        }  # fmt: skip
+        demo.call("POST", "/api/v1/catalogue/", json=template)
+        launched = demo.call(
+            "POST", "/api/v1/apps/", json={"entry": "hello-hpc", "compute_resource": "Research: HPC"}
+        )
+        app = wait_state(demo, launched["id"], "ready", timeout=120)
+        route = Route(running.port, app["url"], demo.token)
+
+        hello = route.get("/lab?x=1")
+        assert hello.status_code == 200, hello.text
+        assert hello.text.startswith("hello from kqalice on port "), hello.text  # the user's own account
+        assert hello.text.endswith(" at /lab?x=1")
+        body = bytes(range(256)) * 4096 * 2  # 2 MiB up, 5 MB down, through the tunnel and the relay
+        assert route.request("POST", "/upload", content=body).text == f"{len(body)} bytes, {sum(body) % 1000}"
+        big = route.get("/big")
+        assert big.content == bytes(range(256)) * 20000
+
+        stranger = demo.call("POST", "/api/v1/service-accounts/", json={"name": "stranger"})
+        made = demo.call("POST", f"/api/v1/service-accounts/{stranger['id']}/tokens/", json={"name": "t"})
+        assert Route(running.port, app["url"], made["token"]).get("/").status_code == 404
+
+        job = slurm_job_of(demo, app["task_id"])
+        demo.call("POST", f"/api/v1/apps/{app['id']}/stop/")
+        wait_state(demo, app["id"], "stopped", timeout=60)
+        wait_for_slurm(environment, job, "CANCELLED")
+        assert route.get("/").status_code == 409
+    finally:
+        if launched:  # a failure above leaves no app running in Slurm for the next test
+            cancel_jobs_of(environment, demo.call("GET", f"/api/v1/apps/{launched['id']}/")["task_id"])
+        stop_agent_and_plane(agent, running, tmp_path)
