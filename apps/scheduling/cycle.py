@@ -17,6 +17,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from django.db import connection, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from apps.core.events import publish_event
@@ -52,8 +53,12 @@ def _held_by_budgets(now: datetime) -> dict[str, str]:
     if not (blocked.tenant or blocked.projects or blocked.users):
         return {}
     held = {}
-    waiting = Task.objects.filter(state=TaskState.QUEUED).values_list("pk", "submitter_id", "project_id")
-    for pk, submitter, project in waiting:
+    waiting = Task.objects.filter(state=TaskState.QUEUED)
+    if not blocked.tenant:  # only the tasks of those spent (a deep queue is not read while one user's is)
+        waiting = waiting.filter(
+            Q(submitter_id__in=list(blocked.users)) | Q(project_id__in=list(blocked.projects))
+        )
+    for pk, submitter, project in waiting.values_list("pk", "submitter_id", "project_id"):
         reason = blocked.reason(user_id=str(submitter), project_id=str(project) if project else None)
         if reason:
             held[str(pk)] = f"Waiting for budget: {reason}"

@@ -8,6 +8,8 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from django_tenants.utils import schema_context
 
@@ -94,3 +96,43 @@ def test_gpu_cost_reaches_the_gateways_live_counters(
         finally:
             sync_redis().delete(key)
         assert Budget.objects.get(pk=wallet.pk).limit == Decimal(100)
+
+
+@pytest.mark.parametrize(
+    ("spent", "held"),
+    [
+        ({"users": ["bob"]}, {"bob-apollo", "bob-alone", "world"}),  # the world's own task is bob's
+        ({"projects": ["apollo"]}, {"bob-apollo", "alice-apollo"}),
+        ({"users": ["alice"], "projects": ["apollo"]}, {"bob-apollo", "alice-apollo", "alice-alone"}),
+        ({"tenant": True}, {"bob-apollo", "bob-alone", "alice-apollo", "alice-alone", "world"}),
+    ],
+)
+def test_a_spent_budget_holds_the_queued_tasks_that_draw_from_it_and_no_others(
+    world: World, monkeypatch: pytest.MonkeyPatch, spent: dict[str, Any], held: set[str]
+) -> None:
+    """The cycle reads only the queued tasks of the users and projects whose budget is spent (all of them
+    for the tenant's): each of those, and only those, is held with its budget's sentence."""
+    from apps.scheduling import cycle
+    from gateway.wallets import Blocked
+
+    with schema_context("acme"):
+        names = {}
+        for user in ("bob", "alice"):
+            for project in ("apollo", None):
+                (task,) = tasks_submit(
+                    tenant=world.tenant_a,
+                    user=User.objects.get(username=user),
+                    requests=[TaskRequest(compute_resource="Research: 4 GPUs", project=project)],
+                )
+                names[str(task.pk)] = f"{user}-{project or 'alone'}"
+        names[world.task_a] = "world"
+        users = {str(User.objects.get(username=name).pk): f"{name}'s" for name in spent.get("users", [])}
+        projects = {str(Project.objects.get(name=name).pk): name for name in spent.get("projects", [])}
+        blocked = Blocked("the tenant's" if spent.get("tenant") else None, projects, users)
+        monkeypatch.setattr(cycle, "spent_budgets", lambda now: blocked)
+        with CaptureQueriesContext(connection) as read:
+            found = cycle._held_by_budgets(timezone.now())
+    assert {names[task] for task in found} == held
+    (query,) = [query["sql"] for query in read.captured_queries if "scheduling_task" in query["sql"]]
+    assert (" IN (" in query) == (not spent.get("tenant"))  # not the whole queue, unless the tenant's
+    assert all(reason.startswith("Waiting for budget: ") for reason in found.values())
