@@ -191,3 +191,38 @@ def rack_demo(fresh_database: str, redis_url: str, tmp_path: Path) -> Iterator[R
         if rack is not None:
             rack.stop_agent()
         assert running.interrupt() == 0
+
+
+@pytest.fixture
+def chromium() -> Iterator[Any]:
+    """Debian's Chromium under Playwright, as the portal's tests drive it."""
+    from tests.portal.conftest import chromium_launched
+
+    with chromium_launched() as launched:
+        yield launched
+
+
+def installed(script: str) -> str:
+    """An app's program installed on this host by the project's own script (deploy/apps/SCRIPT.sh, into
+    ROOT/.tools/SCRIPT): the path it prints."""
+    made = subprocess.run(
+        [str(ROOT / "deploy" / "apps" / f"{script}.sh"), str(ROOT / ".tools" / script)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return made.stdout.strip().splitlines()[-1]
+
+
+def signed_in(chromium: Any, running: Running) -> tuple[Any, str]:
+    """A page of a new browser context signed in to the portal as the demo's admin (the password `klique
+    up` printed), on the portal's apps; and the portal's address."""
+    signed = running.printed(r"Portal:\s+(\S+)/portal/\s+\(sign in: (\S+) / (\S+)\)")
+    portal, username, password = signed[1], signed[2], signed[3]
+    page = chromium.new_context().new_page()
+    page.goto(f"{portal}/portal/sign-in/?next=/portal/apps/")
+    page.fill("#username", username)
+    page.fill("#password", password)
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{portal}/portal/apps/")
+    return page, portal

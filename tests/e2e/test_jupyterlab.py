@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +14,7 @@ import httpx
 import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-from tests.e2e.conftest import ROOT, RackDemo
+from tests.e2e.conftest import RackDemo, installed, signed_in
 from tests.e2e.test_apps import wait_state
 
 pytestmark = pytest.mark.e2e
@@ -27,24 +25,7 @@ os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's loop 
 @pytest.fixture(scope="session")
 def jupyter() -> str:
     """JupyterLab installed for this host by the project's own script (ROOT/.tools/jupyterlab)."""
-    script = ROOT / "deploy" / "apps" / "jupyterlab.sh"
-    made = subprocess.run(
-        [str(script), str(ROOT / ".tools" / "jupyterlab")], check=True, capture_output=True, text=True
-    )
-    return made.stdout.strip().splitlines()[-1]
-
-
-@pytest.fixture
-def chromium() -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    from tests.portal.conftest import CHROMIUM_ARGS, ensure_chromium
-
-    executable = ensure_chromium()
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
-        yield launched
-        launched.close()
+    return installed("jupyterlab")
 
 
 def entry(jupyter: str) -> dict[str, Any]:
@@ -69,16 +50,8 @@ def test_jupyterlab_is_launched_from_the_portal_and_runs_a_cell_through_its_rout
     jupyter: str, chromium: Any, rack_demo: RackDemo, tmp_path: Path
 ) -> None:
     demo, running = rack_demo.demo, rack_demo.running
-    signed = running.printed(r"Portal:\s+(\S+)/portal/\s+\(sign in: (\S+) / (\S+)\)")
-    portal, username, password = signed[1], signed[2], signed[3]
     demo.call("POST", "/api/v1/catalogue/", json=entry(jupyter))
-
-    page = chromium.new_context().new_page()
-    page.goto(f"{portal}/portal/sign-in/?next=/portal/apps/")
-    page.fill("#username", username)
-    page.fill("#password", password)
-    page.click("button[type=submit]")
-    page.wait_for_url(f"{portal}/portal/apps/")
+    page, portal = signed_in(chromium, running)
     page.click('details[data-entry="jupyterlab-host"] summary')
     page.click('details[data-entry="jupyterlab-host"] button[type=submit]')
     page.wait_for_selector('tr[data-state="starting"]', timeout=30_000)

@@ -5,6 +5,7 @@ which Chromium resolves to 127.0.0.1. Screenshots go to test-artifacts/portal/."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -118,8 +119,9 @@ def portal(django_db_blocker: Any, world: Any) -> Iterator[Portal]:
         committed(django_db_blocker, delete)
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
+@contextlib.contextmanager
+def chromium_launched() -> Iterator[Any]:
+    """Debian's Chromium (installed if missing) launched under Playwright."""
     from playwright.sync_api import sync_playwright
 
     executable = ensure_chromium()
@@ -127,6 +129,12 @@ def browser() -> Iterator[Any]:
         launched = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
         yield launched
         launched.close()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with chromium_launched() as launched:
+        yield launched
         # Database connections opened while Playwright's loop ran belong to that context (Django keeps
         # them per context there): close them here, or the test database could not be dropped.
         connections.close_all()
