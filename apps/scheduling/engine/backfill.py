@@ -38,7 +38,7 @@ class Backfilling(CycleState):
         events: list[tuple[float, str, int, int]] = []
         # Only the pools it could go to and those its policy has work in hold what frees for it.
         for pool_id in sorted(free.keys() | self.policy_pools[policy.id]):
-            for item in self.in_pool[pool_id]:
+            for item in self.in_pool[pool_id].values():
                 if item.ends_at is None or item.task in self.preempted:
                     continue
                 ours = self.queue_policy.get(item.queue) == policy.id

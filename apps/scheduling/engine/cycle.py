@@ -280,7 +280,7 @@ class _Cycle(Backfilling, Preempting, Explaining):
         ends_at = self.now + task.time_limit if task.time_limit is not None else None
         allocation = Allocation(task.id, task.queue, pool, task.size, self.now, ends_at)
         self._book(task, policy, pool, ends_at)
-        self.in_pool[pool].append(allocation)
+        self.in_pool[pool][task.id] = allocation
         self.policy_pools[policy.id].add(pool)
         self.placed_in_queue[task.queue].append(allocation)
         self.pool_used[pool] += task.size

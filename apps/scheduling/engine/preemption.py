@@ -33,7 +33,7 @@ class Preempting(CycleState):
         if cached is not None:
             return cached
         by_policy: dict[str, int] = defaultdict(int)
-        for allocation in self.in_pool[pool_id]:
+        for allocation in self.in_pool[pool_id].values():
             if allocation.task not in self.preempted:
                 by_policy[self.queue_policy.get(allocation.queue, "")] += allocation.size
         total = sum(min(size, max(self._excess(policy), 0)) for policy, size in by_policy.items())
@@ -99,7 +99,7 @@ class Preempting(CycleState):
             and self.placed_now[allocation.task][1] > index
         ]
         self.pool_used[pool_id] -= victim.size
-        self.in_pool[pool_id] = [a for a in self.in_pool[pool_id] if a.task != victim.task]
+        self.in_pool[pool_id].pop(victim.task, None)
         if not later:
             self._unplace(victim.task, for_policy)
             return
@@ -107,9 +107,9 @@ class Preempting(CycleState):
         self.preempted.discard(victim.task)
         self.preempted.add(moved_to.task)
         moved = Allocation(victim.task, victim.queue, moved_to.pool, victim.size, self.now)
-        self.in_pool[moved_to.pool] = [
-            moved if a.task == moved_to.task else a for a in self.in_pool[moved_to.pool]
-        ]
+        in_moved_pool = self.in_pool[moved_to.pool]  # the victim takes the later placement's place
+        del in_moved_pool[moved_to.task]
+        in_moved_pool[victim.task] = moved
         self.placed_in_queue[victim.queue] = [
             moved if a.task == victim.task else a
             for a in self.placed_in_queue[victim.queue]
@@ -142,7 +142,7 @@ class Preempting(CycleState):
         queue_policy, preempted, placed_now = self.queue_policy, self.preempted, self.placed_now
         excess: dict[str, int] = {}  # what each policy holds above its reservation
         candidates = []
-        for allocation in self.in_pool[pool_id]:
+        for allocation in self.in_pool[pool_id].values():
             policy = queue_policy.get(allocation.queue, for_policy)
             if policy == for_policy or allocation.task in preempted:
                 continue

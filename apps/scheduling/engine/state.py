@@ -87,20 +87,21 @@ class Plans:
 
 @dataclass
 class Usage:
-    """What running work holds: per pool, per policy and in all, the allocations in each pool, the pools
+    """What running work holds: per pool, per policy and in all, the allocations in each pool (by task, so
+    that one leaves in constant time however many share its pool), the pools
     each policy has work in (a superset once work leaves: planning a head reads its policy's work in those
     pools, not every pool), and each running task's policy."""
 
     pool_used: defaultdict[str, int]
     policy_used: defaultdict[str, int]
     total_used: int
-    in_pool: defaultdict[str, list[Allocation]]
+    in_pool: defaultdict[str, dict[str, Allocation]]
     policy_pools: defaultdict[str, set[str]]
     running_policy: dict[str, str]
 
     @classmethod
     def of(cls, running: Iterable[Allocation], queue_policy: Mapping[str, str]) -> Usage:
-        usage = cls(defaultdict(int), defaultdict(int), 0, defaultdict(list), defaultdict(set), {})
+        usage = cls(defaultdict(int), defaultdict(int), 0, defaultdict(dict), defaultdict(set), {})
         for allocation in running:
             usage.add(allocation, queue_policy.get(allocation.queue))
         return usage
@@ -111,7 +112,7 @@ class Usage:
             self.policy_used[policy_id] += allocation.size
             self.policy_pools[policy_id].add(allocation.pool)
         self.total_used += allocation.size
-        self.in_pool[allocation.pool].append(allocation)
+        self.in_pool[allocation.pool][allocation.task] = allocation
         self.running_policy[allocation.task] = policy_id or ""
 
     def remove(self, allocation: Allocation, policy_id: str | None) -> None:
@@ -119,9 +120,7 @@ class Usage:
         if policy_id is not None:
             self.policy_used[policy_id] -= allocation.size
         self.total_used -= allocation.size
-        self.in_pool[allocation.pool] = [
-            a for a in self.in_pool[allocation.pool] if a.task != allocation.task
-        ]
+        self.in_pool[allocation.pool].pop(allocation.task, None)
         del self.running_policy[allocation.task]
 
     def copy(self) -> Usage:
@@ -130,7 +129,7 @@ class Usage:
             defaultdict(int, self.pool_used),
             defaultdict(int, self.policy_used),
             self.total_used,
-            defaultdict(list, {pool: list(items) for pool, items in self.in_pool.items()}),
+            defaultdict(dict, {pool: dict(items) for pool, items in self.in_pool.items()}),
             defaultdict(set, {policy: set(pools) for policy, pools in self.policy_pools.items()}),
             self.running_policy,
         )
