@@ -46,6 +46,7 @@ bench: install
 	$(BIN)/python bench/agents_connected.py
 	$(BIN)/python bench/tenants_at_rest.py
 	$(BIN)/python bench/app_route.py
+	$(BIN)/python bench/app_relay.py
 	$(BIN)/python bench/model_endpoint.py
 
 lock:

@@ -366,8 +366,9 @@ class AppRelay:
             except OSError:
                 return
             with app:
-                connection.settimeout(None)
-                app.settimeout(None)
+                for end in (connection, app):  # bytes go on as they come: no Nagle delay on either side
+                    end.settimeout(None)
+                    end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 connection.sendall(APP_ANSWER)
                 back = threading.Thread(target=_copy, args=(app, connection), daemon=True)
                 back.start()
