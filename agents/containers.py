@@ -18,6 +18,10 @@ environment): machines without a registry run images built on the host or loaded
 a folder of archives (--image-archives DIR: `docker save` or `podman save` files, `.tar` or compressed),
 the agent loads the one that holds a missing image, found by the names in its manifest. A task whose
 image is on neither fails at once, its reason naming the image.
+A container runs with no capabilities and cannot gain privileges (no setuid): its root is the task's own
+user in all but name, and cannot override the permissions of the shared file system or other tasks'
+files. The operator may grant a few back to every container (KLIQUE_CONTAINER_CAPABILITIES, from an
+allow-list: IPC_LOCK for RDMA, SYS_PTRACE for profilers, SYS_NICE, KILL).
 The operator may pick the engine with KLIQUE_CONTAINER_ENGINE (a name or a path); else the first of
 docker and podman that answers is used. Each container is named for its task (`klique-<task>`), so the
 agent can remove one whose runner was killed before the engine could (agents.baremetal).
@@ -141,6 +145,29 @@ def gpu_arguments(engine_path: str, devices: list[str]) -> list[str]:
     return ["--gpus", f"device={','.join(devices)}"]
 
 
+CAPABILITIES_VARIABLE = "KLIQUE_CONTAINER_CAPABILITIES"
+CAPABILITY = re.compile(r"(CAP_)?[A-Z][A-Z0-9_]{1,30}")
+# Those the operator may grant back (each one named in KLIQUE_CONTAINER_CAPABILITIES): what GPU work asks
+# for, and none that reaches past the container. IPC_LOCK (RDMA memory registration), SYS_PTRACE
+# (debuggers, profilers: within the container's processes), SYS_NICE, KILL (within the container). Not
+# CHOWN, FOWNER, DAC_* or SETUID/SETGID: on a rootful engine they would reach other users' files on the
+# shared file system; not NET_BIND_SERVICE: with the host's network, the host's low ports.
+GRANTABLE = frozenset({"IPC_LOCK", "SYS_PTRACE", "SYS_NICE", "KILL"})
+
+
+def capabilities(value: str) -> tuple[list[str], str]:
+    """The capabilities an operator grants back to every container (a comma list), and what in the list
+    is not one of GRANTABLE."""
+    granted, refused = [], []
+    for word in (part.strip().upper() for part in value.split(",") if part.strip()):
+        name = word.removeprefix("CAP_")
+        if CAPABILITY.fullmatch(word) and name in GRANTABLE:
+            granted.append(name)
+        else:
+            refused.append(word[:40])
+    return sorted(set(granted)), ", ".join(refused)
+
+
 def run_argv(
     engine_path: str,
     *,
@@ -167,8 +194,13 @@ def run_argv(
         engine_path, "run", "--rm", "--pull=never", "--init",
         "--name", container_name(task_id),
         "--network", "host",
+        "--cap-drop=ALL", "--security-opt=no-new-privileges",
         "-v", f"{workdir}:/work", "-w", "/work",
     ]  # fmt: skip
+    granted, refused = capabilities(runner_environment.get(CAPABILITIES_VARIABLE, ""))
+    argv += [f"--cap-add={name}" for name in granted]
+    if refused:
+        notes.append(f"klique: {CAPABILITIES_VARIABLE} names what is not a capability, left out: {refused}")
     shared = runner_environment.get("KLIQUE_SHARED_PATH", "")
     if shared:
         if ":" in shared or "," in shared:

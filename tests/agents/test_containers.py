@@ -367,3 +367,70 @@ def test_an_archive_is_known_by_the_names_in_its_manifest(tmp_path: Path) -> Non
     (tmp_path / "plain.tar").write_bytes(b"not a tar at all")
     assert containers.archive_names(tmp_path / "plain.tar") == []
     assert containers.archive_holding(tmp_path / "absent", "busybox") is None
+
+
+def test_a_container_holds_no_capability_and_cannot_gain_one(podman: Podman, tmp_path: Path) -> None:
+    """Root in the container in name only: no capabilities, no setuid, and the shared file system's
+    permissions hold for it (another user's folder stays closed to it)."""
+    shared = tmp_path / "shared"
+    (shared / "someone-else").mkdir(parents=True)
+    (shared / "someone-else" / "notes.txt").write_text("theirs\n")
+    os.chown(shared / "someone-else", 54321, 54321)
+    os.chown(shared / "someone-else" / "notes.txt", 54321, 54321)
+    (shared / "someone-else").chmod(0o755)
+    (shared / "someone-else" / "notes.txt").chmod(0o644)
+    tmp_path.chmod(0o755)
+    script = (
+        "grep -E '^(CapEff|CapBnd|NoNewPrivs):' /proc/self/status; "
+        f"echo mine > {shared}/someone-else/notes.txt && echo overwrote; "
+        f"touch {shared}/someone-else/planted && echo planted; "
+        f"cat {shared}/someone-else/notes.txt"
+    )
+    bare = bare_metal(tmp_path, shared_path=str(shared))
+    recorder = run(bare, assignment("t-caps", {"command": ["sh", "-c", script], "image": podman.image}))
+    lines = recorder.lines()
+    assert "CapEff:\t0000000000000000" in lines, lines
+    assert "CapBnd:\t0000000000000000" in lines, lines
+    assert "NoNewPrivs:\t1" in lines, lines
+    assert "overwrote" not in lines
+    assert "planted" not in lines
+    assert "theirs" in lines
+    assert (shared / "someone-else" / "notes.txt").read_text() == "theirs\n"
+
+
+def test_an_operator_grants_back_only_capabilities_of_the_allow_list(
+    monkeypatch: pytest.MonkeyPatch, podman: Podman, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("KLIQUE_CONTAINER_CAPABILITIES", "ipc_lock, CAP_SYS_ADMIN")
+    bare = bare_metal(tmp_path)
+    script = "grep -E '^CapEff:' /proc/self/status"
+    recorder = run(bare, assignment("t-grant", {"command": ["sh", "-c", script], "image": podman.image}))
+    lines = recorder.lines()
+    assert "CapEff:\t0000000000004000" in lines, lines  # IPC_LOCK (14) alone
+    assert any("names what is not a capability, left out: CAP_SYS_ADMIN" in line for line in lines), lines
+
+
+@pytest.mark.parametrize(
+    ("value", "granted", "refused"),
+    [
+        ("", [], ""),
+        ("IPC_LOCK", ["IPC_LOCK"], ""),
+        ("cap_sys_ptrace, SYS_NICE,SYS_NICE", ["SYS_NICE", "SYS_PTRACE"], ""),
+        ("SYS_ADMIN", [], "SYS_ADMIN"),
+        ("ALL", [], "ALL"),
+        ("DAC_OVERRIDE,CHOWN,SETUID,NET_BIND_SERVICE", [], "DAC_OVERRIDE, CHOWN, SETUID, NET_BIND_SERVICE"),
+        ("IPC_LOCK --privileged", [], "IPC_LOCK --PRIVILEGED"),
+        ("IPC_LOCK;id", [], "IPC_LOCK;ID"),
+        ("-v/:/host", [], "-V/:/HOST"),
+    ],
+)
+def test_only_named_capabilities_of_the_allow_list_reach_the_engine(
+    value: str, granted: list[str], refused: str
+) -> None:
+    assert containers.capabilities(value) == (granted, refused)
+    argv, _ = _argv("podman", {"KLIQUE_CONTAINER_CAPABILITIES": value})
+    assert "--cap-drop=ALL" in argv
+    assert "--security-opt=no-new-privileges" in argv
+    assert [word for word in argv if word.startswith("--cap-add")] == [
+        f"--cap-add={name}" for name in granted
+    ]
