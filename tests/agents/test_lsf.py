@@ -192,3 +192,44 @@ def test_bjobs_names_the_first_host_of_a_running_job_only() -> None:
     assert asyncio.run(look("bjobs-running.json")) == "gpu07"
     assert asyncio.run(look("bjobs-pending.json")) == ""
     assert asyncio.run(look("bjobs-exit.json")) == ""
+
+
+def test_an_app_on_lsf_is_reached_at_the_host_bjobs_names(tmp_path: Path) -> None:
+    """The way to an app in an LSF job: the node from EXEC_HOST, the ports its node reporter wrote, the
+    key the agent made; nothing while the job waits."""
+    from agents.hpc.apps import NodeRelay
+    from protocol.apps import AppSpec
+
+    cluster = Cluster(
+        {
+            "bsub": [Completed(0, read("bsub.out"), "")],
+            "bjobs": [
+                Completed(0, read("bjobs-pending.json"), ""),
+                Completed(0, read("bjobs-running.json"), ""),
+            ],
+        }
+    )
+    lsf, reports = backend(tmp_path, cluster), Reports()
+    app = {"instance": "0123abcd", "port": None, "health_path": "/", "startup_seconds": 60}
+    given = {**assignment(), "nodes": 1, "spec": {"command": ["serve", "--port={port}"], "app": app}}
+
+    async def scenario() -> NodeRelay | None:
+        await lsf.start(given, reports)  # its poller's first look: pending
+        looking = asyncio.ensure_future(lsf.app_upstream(TASK, AppSpec.parse(app)))
+        await asyncio.sleep(0.3)
+        assert not looking.done()  # a pending job has no node
+        folder = tmp_path / "jobs" / TASK
+        (folder / "app-address").write_text('{"relay": 40001, "app": 40000}')  # as the reporter writes it
+        await lsf.poll()  # running on 2*gpu07:2*gpu08
+        found = await asyncio.wait_for(looking, 10)
+        assert lsf.poller is not None
+        lsf.poller.cancel()
+        return found
+
+    found = asyncio.run(scenario())
+    assert isinstance(found, NodeRelay)
+    assert (found.host, found.relay_port, found.port) == ("gpu07", 40001, 40000)
+    assert found.key == (tmp_path / "jobs" / TASK / "app-key").read_text()
+    script = cluster.calls[0][1]
+    assert script is not None
+    assert b"--app-port auto --app-key-file" in script
