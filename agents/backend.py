@@ -45,6 +45,16 @@ async def upload_outputs(
     return uploaded, failed
 
 
+MAX_REASON = 500  # characters of a reason outside the task's own command that go into a result
+
+
+def with_log_end(reason: str, log: str, count: int = 3) -> str:
+    """A reason for stopping a run from outside its command (an app that never answered), with the last
+    `count` lines of its output joined by " | ", at most MAX_REASON characters."""
+    tail = " | ".join(line.strip() for line in log.splitlines()[-count:] if line.strip())
+    return (f"{reason}; its log ends: {tail}" if tail else reason)[:MAX_REASON]
+
+
 class Refused(Exception):
     """This environment cannot run the task; the message goes back to the plane as the reason.
 

@@ -31,7 +31,15 @@ from pathlib import Path
 from typing import Any
 
 from agents import containers
-from agents.backend import Refused, Report, Upload, refuse_declared_volumes, upload_outputs
+from agents.backend import (
+    MAX_REASON,
+    Refused,
+    Report,
+    Upload,
+    refuse_declared_volumes,
+    upload_outputs,
+    with_log_end,
+)
 from agents.runner import reason_path
 from agents.state import RunRecord, State
 from agents.tunnel import Upstream
@@ -42,7 +50,6 @@ from protocol.units import UNITS_PER_GPU
 
 MAX_LINE = 64 * 1024  # longer lines go out in pieces of this many characters, never dropped
 POLL_SECONDS = 0.2
-MAX_REASON = 500  # characters of a runner's reason that go into a result
 
 __all__ = ["BareMetal", "MigDevice", "Refused", "Report", "Upload", "detect_gpus", "split_lines"]
 
@@ -136,15 +143,14 @@ def _reason(run: RunRecord) -> str:
         return ""
 
 
-def _last_lines(path: Path, count: int = 3) -> str:
-    """The last lines of a log, joined with " | " (its end only is read)."""
+def _log_end(path: Path) -> str:
+    """The end of a log (its last 4 KiB only are read)."""
     try:
         with open(path, "rb") as log:
             log.seek(max(0, log.seek(0, os.SEEK_END) - 4096))
-            text = log.read().decode(errors="replace")
+            return log.read().decode(errors="replace")
     except OSError:
         return ""
-    return " | ".join(line.strip() for line in text.splitlines()[-count:] if line.strip())
 
 
 def split_lines(text: str) -> list[str]:
@@ -458,11 +464,8 @@ class BareMetal:
         run = self.state.run(task_id)
         if run is None:
             return
-        tail = _last_lines(Path(run.log_path))
-        if tail:
-            reason = f"{reason}; its log ends: {tail}"
         with contextlib.suppress(OSError):
-            Path(reason_path(run.exit_path)).write_text(reason[:MAX_REASON])
+            Path(reason_path(run.exit_path)).write_text(with_log_end(reason, _log_end(Path(run.log_path))))
         await self.stop(task_id, grace_seconds)
 
     def _remove_container(self, run: RunRecord) -> None:

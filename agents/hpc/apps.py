@@ -99,12 +99,6 @@ async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> Non
         pass  # one side went away: the other is closed below
 
 
-async def _close(end: asyncio.StreamWriter) -> None:
-    end.close()
-    with contextlib.suppress(OSError):
-        await end.wait_closed()
-
-
 class NodeRelay(Upstream):
     """The agent's end of the way to an app on a compute node: a Unix socket in a folder of the agent's
     own, each connection to which is a connection to the app through the node's relay."""
@@ -132,7 +126,7 @@ class NodeRelay(Upstream):
             reader, writer = await reach(self.host, self.relay_port, self.key)
         except (OSError, TimeoutError) as error:
             self.problem = str(error)
-            await _close(client_writer)
+            client_writer.close()
             self.connections.discard(client_writer)
             return
         self.problem = ""

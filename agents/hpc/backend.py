@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agents.backend import Refused, Report, Upload, refuse_declared_volumes
+from agents.backend import Refused, Report, Upload, refuse_declared_volumes, with_log_end
 from agents.hpc.apps import ADDRESS_FILE, AddressInvalid, NodeRelay, new_key, ports
 from agents.hpc.cluster import (
     OUTPUT_TAIL_LINES,
@@ -55,8 +55,6 @@ from protocol.scripts import APP_KEY_FILE, Scripts
 logger = logging.getLogger("klique.agent.hpc")
 
 APP_LOOK_SECONDS = 1.0  # how often the agent looks for a running app's relay
-APP_FAILURE_LINES = 10  # lines of a failed app's output in its reason
-MAX_REASON = 4000
 
 DIALECTS: dict[str, type[Slurm] | type[Pbs] | type[Lsf]] = {"slurm": Slurm, "pbs": Pbs, "lsf": Lsf}
 
@@ -189,7 +187,7 @@ class Batch:
         """Submit the task's job as the user's account, or raise Refused with the reason."""
         self._ensure_poller(report)
         task_id = str(assignment["task_id"])
-        if any(job.task_id == task_id for job in self.state.jobs()):
+        if self._job(task_id) is not None:
             return  # a repeated assignment of a task whose job is already in the cluster
         refuse_declared_volumes(assignment, self.name.upper())
         account = self.account_for(str(assignment.get("user") or ""))
@@ -359,17 +357,15 @@ class Batch:
         job = self._job(task_id)
         if job is None:
             return
-        tail = (read_owned(Path(job.folder) / "output.log", job.account) or "").strip().splitlines()
-        if tail:
-            reason = f"{reason}; its log ends: {' | '.join(tail[-APP_FAILURE_LINES:])}"
-        self.reasons[task_id] = reason[:MAX_REASON]
+        output = read_owned(Path(job.folder) / "output.log", job.account) or ""
+        self.reasons[task_id] = with_log_end(reason, output)
         await self.stop(task_id, grace_seconds)
 
     # Stopping ----------------------------------------------------------------------------------------
 
     async def stop(self, task_id: str, grace_seconds: float) -> None:
         """SIGTERM through the cluster, then cancel after the grace period (at once for a waiting job)."""
-        job = next((job for job in self.state.jobs() if job.task_id == task_id), None)
+        job = self._job(task_id)
         if job is None:
             return
         self.state.job_stopping(task_id)
