@@ -51,6 +51,7 @@ RETRIED_STATUSES = frozenset({408, 422, 425, 429, 500, 502, 503, 504, 507})
 # An app's relay (AppRelay): the words the agent opens with, and the relay's answer (agents.hpc.apps).
 APP_HELLO = b"KLIQUE-APP/1 "
 APP_ANSWER = b"KLIQUE-APP/1 OK\n"
+APP_ADDRESS_FILE = "app-address"  # in the task's folder: the relay's and the app's ports
 APP_HANDSHAKE_SECONDS = 10.0
 APP_HANDSHAKES = 32  # callers a relay waits on at once for the key; more are turned away
 
@@ -400,9 +401,9 @@ def serve_app(arguments: argparse.Namespace, workdir: Path) -> tuple[list[str], 
     app_port = free_loopback_port() if arguments.app_port == "auto" else int(arguments.app_port)
     relay = AppRelay(Path(arguments.app_key_file).read_text().strip(), app_port)
     threading.Thread(target=relay.serve_forever, daemon=True).start()
-    written = workdir / "app-address.new"
+    written = workdir / f"{APP_ADDRESS_FILE}.new"
     written.write_text(json.dumps({"relay": relay.port, "app": app_port}))
-    written.replace(workdir / "app-address")
+    written.replace(workdir / APP_ADDRESS_FILE)
     command = [word.replace("{port}", str(app_port)) for word in arguments.command]
     return command, {"PORT": str(app_port)}
 

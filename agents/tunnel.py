@@ -124,10 +124,6 @@ class AppTunnel:
         self.socket: Any = None
         self.client: httpx.AsyncClient | None = None
 
-    @property
-    def local(self) -> str:
-        return self.upstream.local
-
     async def run(self) -> None:
         located = await self.locate()
         if located is None:
@@ -159,7 +155,7 @@ class AppTunnel:
         last = "it did not answer"
         while loop.time() < deadline:
             try:
-                answer = await self.client.get(self.local + self.app.health_path, timeout=5)
+                answer = await self.client.get(self.upstream.local + self.app.health_path, timeout=5)
                 if answer.status_code < 500:
                     return ""
                 last = f"it answered {answer.status_code}"
@@ -317,8 +313,8 @@ class AppTunnel:
                 pass
         request = self.client.build_request(
             str(head.get("method") or "GET"),
-            self.local + target,
-            headers=[*headers, (b"origin", self.local.encode())],  # the route checked the real one
+            self.upstream.local + target,
+            headers=[*headers, (b"origin", self.upstream.local.encode())],  # the route checked the real one
             content=body if head.get("body") else None,
         )
         try:
@@ -362,7 +358,7 @@ class AppTunnel:
             for name, value in headers
             if name not in (b"sec-websocket-protocol", b"x-forwarded-host")
         ]
-        passed.append(("Origin", self.local))
+        passed.append(("Origin", self.upstream.local))
         try:
             upstream = await self.upstream.websocket(
                 f"ws://127.0.0.1:{self.upstream.port}{target if target.startswith('/') else '/' + target}",

@@ -207,6 +207,7 @@ def test_a_relay_needs_a_key_of_64_hex_digits(key: str) -> None:
 
 def test_the_node_and_the_agent_speak_the_same_words() -> None:
     assert (node.APP_HELLO, node.APP_ANSWER) == (apps.HELLO, apps.ANSWER)
+    assert node.APP_ADDRESS_FILE == apps.ADDRESS_FILE
 
 
 class Listener:
