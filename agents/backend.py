@@ -3,6 +3,7 @@ submitters (Slurm, PBS, LSF) alike."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -46,6 +47,13 @@ async def upload_outputs(
 
 
 MAX_REASON = 500  # characters of a reason outside the task's own command that go into a result
+
+
+def free_port() -> int:
+    """A port no one on this host listens on now (the app binds it moments later)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def with_log_end(reason: str, log: str, count: int = 3) -> str:

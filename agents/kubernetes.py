@@ -36,10 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agents.backend import Refused, Report, Upload, upload_outputs
+from agents.backend import Refused, Report, Upload, free_port, upload_outputs, with_log_end
 from agents.baremetal import split_lines
 from agents.leadership import Conflict, Leadership
+from agents.relay import NodeRelay, new_key
 from agents.state import JobRecord, LogCursor, State
+from protocol import apps as protocol_apps
 from protocol import environment as task_environment
 from protocol import pods
 from protocol import volumes as task_volumes
@@ -64,6 +66,8 @@ IMAGE_PULL = frozenset({"ErrImagePull", "ImagePullBackOff", "RegistryUnavailable
 ADMISSION_SECONDS = 5.0  # how often Kueue's Workloads are read while a Job waits for admission
 WORKLOAD_READ_SECONDS = 2.0  # how often the JobSets (while one's Job is not seen) and PyTorchJobs are listed
 DISCOVERY_SECONDS = 300.0  # how long the answer "which workload APIs does the cluster serve" is kept
+APP_LOOK_SECONDS = 1.0  # how often the agent looks whether an app's pod runs
+LOG_TAIL_LINES = 3  # the last lines of a run's log kept for the reason of an app stopped from outside
 GPU_RESOURCE = re.compile(r"nvidia\.com/gpu|nvidia\.com/gpu\.shared|nvidia\.com/mig-[a-z0-9.+]+|amd\.com/gpu")
 
 
@@ -85,6 +89,7 @@ class KubeSettings:
     lease_name: str = ""
     lease_seconds: int = 15
     multi_node: str = "auto"  # one of pods.MULTI_NODE_KINDS, or "auto": JobSet, else PyTorchJob, where served
+    relay_image: str = ""  # the image an app's relay runs from (the agent's own); "" serves no apps
 
     @classmethod
     def read(cls, config: Mapping[str, Any], agent_id: str) -> KubeSettings:
@@ -116,6 +121,7 @@ class KubeSettings:
             "lease_name",
             "lease_seconds",
             "multi_node",
+            "relay_image",
         }
         unknown = sorted(set(table) - known)
         if unknown:
@@ -161,6 +167,7 @@ class KubeSettings:
             lease_name=str(table.get("lease_name") or _lease_name(agent_id)),
             lease_seconds=int(table.get("lease_seconds", 15)),
             multi_node=multi_node,
+            relay_image=str(table.get("relay_image") or ""),
         )
 
     def template_for(self, compute_resource: str) -> pods.Template:
@@ -861,6 +868,8 @@ class Kubernetes:
     # (listed when, JobSets or PyTorchJobs by name), listed every WORKLOAD_READ_SECONDS while needed
     served: tuple[float, frozenset[str]] = (0.0, frozenset())  # the custom workload kinds served, and when
     loop: asyncio.AbstractEventLoop | None = None
+    reasons: dict[str, str] = field(default_factory=dict)  # task -> why it was stopped from outside (fail)
+    tails: dict[str, list[str]] = field(default_factory=dict)  # task -> the last lines of its log read
 
     # What the agent loop asks ---------------------------------------------------------------------------
 
@@ -936,6 +945,7 @@ class Kubernetes:
             task_volumes.chosen(task_volumes.wanted(spec.get("volumes")), self.settings.cluster.volumes)
         except task_volumes.VolumeRefused as error:
             raise Refused(str(error), permanent=True) from None
+        relay = self._relay(spec) if "app" in spec else None
         template = self.settings.template_for(str(assignment.get("compute_resource") or ""))
         cluster = self.settings.cluster
         try:
@@ -951,6 +961,7 @@ class Kubernetes:
                 cluster,
                 tenant=str(assignment.get("tenant") or ""),
                 environment=environment,
+                relay=relay,
             )
         except pods.PodTemplateInvalid as error:
             raise Refused(str(error), permanent=True) from None
@@ -959,18 +970,44 @@ class Kubernetes:
             await self._create(manifests)
         except ApiProblem as problem:
             self.create_problem = str(problem)
-            with contextlib.suppress(ApiProblem):  # nothing of a run that was not made is left behind
-                await self._call(self.api.delete, "Secret", name, verb="delete", resource="secrets")
+            for secret in (manifests.secret, manifests.app_secret):  # nothing of a run not made is left
+                if secret is not None:
+                    with contextlib.suppress(ApiProblem):
+                        await self._call(
+                            self.api.delete, "Secret", _name(secret), verb="delete", resource="secrets"
+                        )
             raise Refused(
                 f"The {manifests.kind} was not created: {problem}", permanent=problem.permanent
             ) from None
         self.create_problem = ""
         user = str(assignment.get("user") or "")
-        self.state.add_job(JobRecord(task_id, name, cluster.namespace, user, kind=manifests.kind))
+        app = json.dumps({"app": spec["app"], "relay_port": relay.port, "key": relay.key}) if relay else ""
+        self.state.add_job(JobRecord(task_id, name, cluster.namespace, user, kind=manifests.kind, app=app))
         logger.info("task %s is %s %s in namespace %s", task_id, manifests.kind, name, cluster.namespace)
         await report(task_id, "status", {"state": "pending", "reason": "submitted", "job_id": name}, None)
         self.state.job_seen(task_id, "pending|submitted")
         self.changed.set()
+
+    def _relay(self, spec: Mapping[str, Any]) -> pods.Relay:
+        """An app's relay: its sidecar's image and port, and a key for this run alone. The app's port was
+        picked by the agent loop (a pod's network is its own: any port is free there)."""
+        if not self.settings.relay_image:
+            raise Refused(
+                "This Kubernetes pool serves no apps: its agent has no relay_image in [agent.kubernetes] "
+                "(the agent's own image; the klique-agent Helm chart sets it). Launch the app on another "
+                "compute resource, or ask an administrator to set it.",
+                permanent=True,
+            )
+        try:
+            app_port = protocol_apps.AppSpec.parse(spec["app"]).port
+        except protocol_apps.TemplateInvalid as error:
+            raise Refused(f"The app cannot be run: {error}", permanent=True) from None
+        if app_port is None:
+            raise Refused("The app cannot be run: its port was not chosen.", permanent=True)
+        relay_port = free_port()
+        while relay_port == app_port:
+            relay_port = free_port()
+        return pods.Relay(self.settings.relay_image, relay_port, app_port, new_key())
 
     async def _multi_node(self) -> str:
         """The workload of a multi-node task: as configured, or with "auto" JobSet, else PyTorchJob, where the
@@ -1012,8 +1049,9 @@ class Kubernetes:
         other two. One that exists already is this run's own (the name carries the lease): an assignment
         repeated."""
         name = manifests.job["metadata"]["name"]
-        if await self._create_one(manifests.secret, "secrets") is None:
-            await self._call(self.api.replace_secret, manifests.secret, verb="replace", resource="secrets")
+        for secret in (manifests.secret, manifests.app_secret):
+            if secret is not None and await self._create_one(secret, "secrets") is None:
+                await self._call(self.api.replace_secret, secret, verb="replace", resource="secrets")
         if manifests.service is not None:
             await self._create_one(manifests.service, "services")
         custom = pods.CUSTOM_WORKLOADS.get(manifests.kind)
@@ -1024,9 +1062,14 @@ class Kubernetes:
             self.workloads.setdefault(manifests.kind, (0.0, {}))[1][name] = job
         elif job and name not in self.seen_jobs:  # what the watch will say: known now, not after its lag
             self.seen_jobs[name] = job
-        for kind in ("Secret", "Service") if manifests.service is not None else ("Secret",):
+        owned = [("Secret", name)]
+        if manifests.service is not None:
+            owned.append(("Service", name))
+        if manifests.app_secret is not None:
+            owned.append(("Secret", pods.app_secret_name(name)))
+        for kind, item in owned:
             with contextlib.suppress(ApiProblem):  # the agent deletes them itself anyway
-                await self._call(self.api.own, kind, name, job, verb="patch", resource=kind.lower() + "s")
+                await self._call(self.api.own, kind, item, job, verb="patch", resource=kind.lower() + "s")
 
     async def _create_one(self, manifest: Mapping[str, Any], resource: str) -> dict[str, Any] | None:
         """The object as created, or None where it exists already."""
@@ -1413,6 +1456,9 @@ class Kubernetes:
             if lines:
                 stream = f"rank-{_index(pod)}" if many else "stdout"
                 pieces = [piece for line in lines for piece in split_lines(line)]
+                if record.app:  # an app stopped from outside quotes them
+                    kept = [*self.tails.get(record.task_id, []), *lines]
+                    self.tails[record.task_id] = kept[-LOG_TAIL_LINES:]
                 await self.reporter(record.task_id, "log", {"stream": stream, "lines": pieces}, after)
 
     async def _end(
@@ -1436,13 +1482,15 @@ class Kubernetes:
                 "namespace": record.folder,
                 "state": seen.reason or seen.state,
             }
-            result = {
+            result: dict[str, Any] = {
                 "exit_code": seen.exit_code,
                 "stopped": record.stopping,
                 "outputs": uploaded,
                 "outputs_failed": failed,
                 "cluster": cluster,
             }
+            if reason := self.reasons.pop(record.task_id, ""):
+                result["reason"] = reason
             await self.reporter(record.task_id, "result", result, None)
             self._forget(record)
             await self._clean(record, workload=delete_job)
@@ -1453,12 +1501,16 @@ class Kubernetes:
         """The run's Secret and Service (and its workload, when asked) are deleted; the workload itself
         otherwise stays until its TTL, for `kubectl describe`."""
         name = record.job_id
-        kinds = ("Secret", "Service", record.kind) if workload else ("Secret", "Service")
-        for kind in kinds:
+        made = [("Secret", name), ("Service", name)]
+        if record.app:
+            made.append(("Secret", pods.app_secret_name(name)))
+        if workload:
+            made.append((record.kind, name))
+        for kind, item in made:
             try:
-                await self._call(self.api.delete, kind, name, verb="delete", resource=kind.lower() + "s")
+                await self._call(self.api.delete, kind, item, verb="delete", resource=kind.lower() + "s")
             except ApiProblem as problem:
-                logger.warning("%s %s was not deleted: %s", kind, name, problem)
+                logger.warning("%s %s was not deleted: %s", kind, item, problem)
 
     async def _give_up(self, record: JobRecord, reason: str, task_pods: list[dict[str, Any]]) -> None:
         """The task cannot run as asked (an image that cannot be pulled): its Job goes, the task fails."""
@@ -1486,6 +1538,7 @@ class Kubernetes:
         """The run is over for this agent: its record, timers and the watch's notes of it go."""
         self.state.remove_job(record.task_id)
         self.since.pop(record.task_id, None)
+        self.tails.pop(record.task_id, None)
         self.created_at.pop(record.job_id, None)
         self.gone_jobs.discard(record.job_id)
         for _, items in self.workloads.values():
@@ -1512,11 +1565,48 @@ class Kubernetes:
         folder = self.settings.outputs_dir / record.task_id
         return await upload_outputs(folder, record.task_id, patterns, self.upload, self.reporter)
 
+    # Apps -------------------------------------------------------------------------------------------------
+
+    app_ports_here = True  # the agent names the app's port: a pod's network is its own, any port is free
+
+    def _record(self, task_id: str) -> JobRecord | None:
+        return next((job for job in self.state.jobs() if job.task_id == task_id), None)
+
+    def spec_of(self, task_id: str) -> dict[str, Any]:
+        """What the agent needs again of a run after a restart: an app's section; {} for other runs."""
+        record = self._record(task_id)
+        return {"app": json.loads(record.app)["app"]} if record is not None and record.app else {}
+
+    async def app_upstream(self, task_id: str, app: protocol_apps.AppSpec) -> NodeRelay | None:
+        """The way to the app of a run once its pod runs: the pod's address as the cluster gives it, the
+        relay's port and key as this agent chose them (pods.Relay); None if the run ends first."""
+        while (record := self._record(task_id)) is not None:
+            relay = json.loads(record.app) if record.app else None
+            if relay is None or record.stopping:
+                return None
+            for pod in self.pods_of(record):
+                status = pod.get("status") or {}
+                if status.get("phase") == "Running" and status.get("podIP"):
+                    where = f"pod {_name(pod)}"
+                    return await NodeRelay(
+                        status["podIP"], relay["relay_port"], app.port or 0, relay["key"], place=where
+                    ).open()
+            await asyncio.sleep(APP_LOOK_SECONDS)
+        return None
+
+    async def fail(self, task_id: str, reason: str, grace_seconds: float = 10.0) -> None:
+        """Stop a run for a reason outside its command (an app that never answered its health check): the
+        reason, with the last lines of its log, goes into its result."""
+        if self._record(task_id) is None:
+            return
+        self.reasons[task_id] = with_log_end(reason, "\n".join(self.tails.get(task_id, [])))
+        await self.stop(task_id, grace_seconds)
+
     # Stopping -------------------------------------------------------------------------------------------
 
     async def stop(self, task_id: str, grace_seconds: float) -> None:
         """Delete the task's pods with the grace period (SIGTERM, then SIGKILL after it), and its Job."""
-        record = next((job for job in self.state.jobs() if job.task_id == task_id), None)
+        record = self._record(task_id)
         if record is None:
             return
         self.state.job_stopping(task_id)

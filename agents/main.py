@@ -53,7 +53,7 @@ import httpx
 import websockets
 
 from agents import __version__
-from agents.backend import Backend, Refused
+from agents.backend import Backend, Refused, free_port
 from agents.baremetal import BareMetal, detect_gpus
 from agents.hpc import DIALECTS, Batch, Settings
 from agents.state import Position, State, StateLost
@@ -392,8 +392,8 @@ class Agent:
             return assignment
         if not hasattr(self.backend, "app_upstream"):
             raise Refused(
-                f"Apps run on bare-metal and HPC pools; a {self.backend.name} pool does not serve them yet. "
-                "Launch it on a compute resource whose pools are bare-metal or HPC.",
+                f"Apps run on bare-metal, HPC and Kubernetes pools; a {self.backend.name} pool does not "
+                "serve them. Launch it on a compute resource whose pools are one of those.",
                 permanent=True,
             )
         try:
@@ -528,13 +528,6 @@ class Agent:
         self.stopping.set()
         if self.socket is not None:
             await self.socket.close()
-
-
-def free_port() -> int:
-    """A port no one on this host listens on now (the app binds it moments later)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class Checked(str):

@@ -9,7 +9,9 @@ answers, the node's GPU utilization and memory every --metrics-seconds. On the f
 task's declared outputs when the command ends and writes the exit code beside them.
 SIGTERM (a cancel or preemption through the batch system) is passed on to the command's process group.
 An app from the catalogue (--app-port) is started on a port of this node's loopback, behind a relay that
-lets in only the agent, which holds the run's key (AppRelay; agents.hpc.apps is the agent's side).
+lets in only the agent, which holds the run's key (AppRelay; agents.relay is the agent's side).
+`klique-node relay` runs such a relay alone, beside an app another process serves: a Kubernetes pod's
+sidecar (protocol.pods), with the key in $KLIQUE_APP_KEY.
 
 Standard library only, and runnable as a plain script (`python3 node.py ...`), so any Python 3.9+ on a
 compute node will do: compute nodes need outbound HTTPS to the plane, and nothing else (an app's relay
@@ -48,11 +50,12 @@ UPLOAD_PATIENCE_SECONDS = 300.0  # how long an output upload is retried while th
 # Answers that mean "not now": the plane down or restarting, its store full or not writable, a checksum
 # that did not match what arrived. Anything else is final.
 RETRIED_STATUSES = frozenset({408, 422, 425, 429, 500, 502, 503, 504, 507})
-# An app's relay (AppRelay): the words the agent opens with, and the relay's answer (agents.hpc.apps).
+# An app's relay (AppRelay): the words the agent opens with, and the relay's answer (agents.relay).
 APP_HELLO = b"KLIQUE-APP/1 "
 APP_ANSWER = b"KLIQUE-APP/1 OK\n"
 APP_ADDRESS_FILE = "app-address"  # in the task's folder: the relay's and the app's ports
 APP_HANDSHAKE_SECONDS = 10.0
+APP_KEY_VARIABLE = "KLIQUE_APP_KEY"  # `klique-node relay`'s key, from the pod's own Secret
 APP_HANDSHAKES = 32  # callers a relay waits on at once for the key; more are turned away
 
 
@@ -318,16 +321,16 @@ def upload_outputs(reporter: Reporter, folder: Path, patterns: list[str]) -> Non
 class AppRelay:
     """An app's way in from the agent on the login node: a port on this node's network that leads to the
     app (on this node's loopback) only for a caller who first sends HELLO with the run's key; anyone else
-    is disconnected having reached nothing (agents.hpc.apps is the agent's side)."""
+    is disconnected having reached nothing (agents.relay is the agent's side)."""
 
-    def __init__(self, key: str, app_port: int) -> None:
+    def __init__(self, key: str, app_port: int, port: int = 0) -> None:
         if not re.fullmatch(r"[0-9a-f]{64}", key):
             raise ValueError("the app key file does not hold a key")
         self.expected, self.app_port = APP_HELLO + key.encode() + b"\n", app_port
         if socket.has_dualstack_ipv6():
-            self.server = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+            self.server = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
         else:
-            self.server = socket.create_server(("", 0))
+            self.server = socket.create_server(("", port))
         self.port = int(self.server.getsockname()[1])
         self.greeting = threading.BoundedSemaphore(APP_HANDSHAKES)  # callers not yet known to hold the key
 
@@ -472,7 +475,32 @@ def run(arguments: argparse.Namespace) -> int:
     return code
 
 
+def relay(argv: list[str]) -> int:
+    """`klique-node relay --port N --app-port M`: the relay alone, in front of an app on this loopback that
+    another process serves (a pod's sidecar), until SIGTERM; the key is in $KLIQUE_APP_KEY."""
+    parser = argparse.ArgumentParser(prog="klique-node relay", description=relay.__doc__)
+    parser.add_argument("--port", type=int, required=True, help="where callers connect, on every address")
+    parser.add_argument("--app-port", type=int, required=True, help="the app's port on this loopback")
+    arguments = parser.parse_args(argv)
+    if not all(1 <= port <= 65535 for port in (arguments.port, arguments.app_port)):
+        parser.error("ports are whole numbers from 1 to 65535")
+    try:
+        server = AppRelay(os.environ.get(APP_KEY_VARIABLE, "").strip(), arguments.app_port, arguments.port)
+    except ValueError:
+        parser.error(f"${APP_KEY_VARIABLE} does not hold the run's app key (64 hexadecimal digits)")
+    except OSError as error:
+        print(f"klique-node relay: port {arguments.port} cannot be opened: {error}", file=sys.stderr)
+        return 1
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: server.server.close())
+    print(f"klique-node relay: port {server.port} leads to the app on port {arguments.app_port}", flush=True)
+    server.serve_forever()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["relay"]:
+        return relay(argv[1:])
     parser = argparse.ArgumentParser(prog="klique-node", description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True, help="the tenant's address")
     parser.add_argument("--task", required=True)

@@ -1,5 +1,5 @@
 """The agent's end of an app's tunnel: find where the app is (its port on this host, or, for an app in a
-batch job, the way to its compute node: agents.hpc.apps), wait for it to answer its health check, then
+batch job or a pod, the way to its relay: agents.relay), wait for it to answer its health check, then
 open a websocket to the plane (/agents/tunnel/, outbound like the agent's own) and serve the requests that
 come through it from the app (protocol.tunnel has the frames).
 
@@ -53,7 +53,7 @@ def tunnel_address(url: str) -> tuple[str, dict[str, Any]]:
 
 class Upstream:
     """Where the tunnel reaches the app: its port on this host (the bare-metal backend). An app on another
-    host is reached through a subclass that leads there (agents.hpc.apps.NodeRelay)."""
+    host is reached through a subclass that leads there (agents.relay.NodeRelay)."""
 
     def __init__(self, port: int) -> None:
         self.port = port

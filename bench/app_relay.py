@@ -6,7 +6,7 @@ catalogue tests' app) as its app: the reporter picks the app's port and opens it
 this process, as the agent's tunnel would (httpx, asynchronous, one keep-alive connection):
 
 - baseline: GET / to the app's port directly;
-- Klique:   GET / through the agent's end (agents.hpc.apps.NodeRelay: its Unix socket, the handshake with
+- Klique:   GET / through the agent's end (agents.relay.NodeRelay: its Unix socket, the handshake with
             the run's key) and the node's relay.
 
 Prints requests per second and p50/p99 latency of both, the latency the relay adds, a 20 MB answer's
@@ -31,7 +31,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agents.hpc import apps  # noqa: E402 -- after the project root is importable
+from agents import relay as agent_end  # noqa: E402 -- after the project root is importable
 
 APP = [
     sys.executable, "-m", "uvicorn", "--app-dir", str(ROOT / "tests" / "e2e"), "app_server:app",
@@ -64,7 +64,7 @@ async def measure(client: httpx.AsyncClient, count: int) -> tuple[float, list[fl
 async def both(folder: Path, key: str, count: int) -> dict[str, tuple[float, list[float], float]]:
     ports = json.loads((folder / "app-address").read_text())
     direct = httpx.AsyncClient(base_url=f"http://127.0.0.1:{ports['app']}", timeout=60)
-    relay = await apps.NodeRelay("127.0.0.1", ports["relay"], ports["app"], key).open()
+    relay = await agent_end.NodeRelay("127.0.0.1", ports["relay"], ports["app"], key).open()
     through = httpx.AsyncClient(transport=relay.transport(), base_url=relay.local, timeout=60)
     try:
         results: dict[str, list[tuple[float, list[float], float]]] = {"direct": [], "relay": []}
@@ -91,7 +91,7 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as temporary:
         folder = Path(temporary)
-        key = apps.new_key()
+        key = agent_end.new_key()
         (folder / "token").write_text("kqt_bench")
         (folder / "app-key").write_text(key)
         reporter = subprocess.Popen(

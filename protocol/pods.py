@@ -12,7 +12,12 @@ a `schedulerName` with its gang annotations, volumes, an image. Klique owns the 
   (whole GPUs, a MIG slice, or a share of one: see `gpu_limits`), Klique's variables, and the task's
   environment and secrets from the task's Secret (`envFrom`), never as values in the pod spec;
 - `restartPolicy: Never`, the shared file system at the same path as on every pool, the task's folder on
-  the work volume, and an `emptyDir` scratch.
+  the work volume, and an `emptyDir` scratch;
+- for an app from the catalogue (`Relay`), its relay as a native sidecar (an init container that keeps
+  running, Kubernetes 1.29 and later): `klique-node relay` from the agent's image, confined (no
+  capabilities, not root, a read-only root), which leads to the app on the pod's loopback only for a
+  caller who opens with the run's key (agents.relay, agents.node.AppRelay). The key is in a Secret of its
+  own that only the sidecar reads, never in the app's environment.
 
 A multi-node task is one of three workloads (`ClusterSettings.multi_node`), one pod per node either way:
 - `indexed-job`: an Indexed Job of one pod per node and a headless Service Klique makes for their names;
@@ -68,6 +73,9 @@ CUSTOM_WORKLOADS = {
     "PyTorchJob": (PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, PYTORCHJOB_PLURAL),
 }
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # on each pod of an Indexed Job
+RELAY_CONTAINER = "klique-relay"  # an app's relay, the pod's sidecar
+RELAY_USER = 65534  # the relay runs as nobody: it reads nothing but its code
+APP_KEY_VARIABLE = "KLIQUE_APP_KEY"  # the relay's key (agents.node's name for it)
 
 VARIABLES = {
     "task_id": "the task's id",
@@ -276,10 +284,27 @@ def _build(name: str, node: yaml.Node, values: Mapping[str, str], used: dict[str
 
 
 @dataclass(frozen=True)
+class Relay:
+    """An app's relay beside it in its pod: the image it runs from (the agent's own), the port it takes
+    callers on, the app's port on the pod's loopback, and the run's key."""
+
+    image: str
+    port: int
+    app_port: int
+    key: str
+
+
+def app_secret_name(job: str) -> str:
+    """The Secret that holds an app's relay key: beside the run's, which the app's container reads whole."""
+    return f"{job}-app"
+
+
+@dataclass(frozen=True)
 class Manifests:
     job: dict[str, Any]  # the workload: a batch/v1 Job, or for a multi-node task a JobSet or PyTorchJob
     secret: dict[str, Any]
     service: dict[str, Any] | None  # a multi-node Indexed Job's headless Service (the others make theirs)
+    app_secret: dict[str, Any] | None = None  # an app's relay key (Relay), for its sidecar alone
 
     @property
     def kind(self) -> str:
@@ -370,9 +395,11 @@ def render(
     *,
     tenant: str = "",
     environment: Mapping[str, str] | None = None,
+    relay: Relay | None = None,
 ) -> Manifests:
     """The Job, Secret and Service of one run of the task. `environment` is the task's variables and
-    secrets, checked by the caller: they go into the Secret only. Raises PodTemplateInvalid."""
+    secrets, checked by the caller: they go into the Secret only. An app's run has its `relay` beside it.
+    Raises PodTemplateInvalid."""
     try:
         values = values_for(assignment, settings)
         limits, fraction = gpu_limits(assignment, settings)
@@ -426,6 +453,11 @@ def render(
     except task_volumes.VolumeRefused as error:
         raise PodTemplateInvalid(template.name, None, str(error)) from None
     _volumes(spec, containers[index], values["task_id"], settings, declared)
+    app_secret = (
+        _add_relay(template, spec, relay, name=name, labels=labels, settings=settings, nodes=nodes)
+        if relay
+        else None
+    )
     job = _job(pod, name, labels, annotations, nodes=nodes, settings=settings)
     if on_jobset:
         job = _jobset(job, settings)
@@ -441,7 +473,61 @@ def render(
             "stringData": dict(environment or {}),
         },
         service=_service(name, labels, settings) if nodes > 1 and job["kind"] == "Job" else None,
+        app_secret=app_secret,
     )
+
+
+def _add_relay(
+    template: Template,
+    spec: dict[str, Any],
+    relay: Relay,
+    *,
+    name: str,
+    labels: Mapping[str, str],
+    settings: ClusterSettings,
+    nodes: int,
+) -> dict[str, Any]:
+    """The app's relay into the pod spec; the Secret that holds its key."""
+    if nodes > 1:
+        raise PodTemplateInvalid(template.name, None, "an app runs on one node; its size asks for more")
+    if any(item.get("name") == RELAY_CONTAINER for item in _listed(spec, "initContainers")):
+        where = template.line("spec", "initContainers")
+        problem = f"no init container may be named {RELAY_CONTAINER!r}: that is an app's relay"
+        raise PodTemplateInvalid(template.name, where, problem)
+    spec["initContainers"].append(_relay_container(relay, name))
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": app_secret_name(name), "namespace": settings.namespace, "labels": dict(labels)},
+        "type": "Opaque",
+        "stringData": {"key": relay.key},
+    }
+
+
+def _relay_container(relay: Relay, job: str) -> dict[str, Any]:
+    """The app's relay as a native sidecar: started before the app (once its port takes connections),
+    running beside it, stopped after it."""
+    key = {"secretKeyRef": {"name": app_secret_name(job), "key": "key"}}
+    command = ["klique-node", "relay", "--port", str(relay.port), "--app-port", str(relay.app_port)]
+    return {
+        "name": RELAY_CONTAINER,
+        "image": relay.image,
+        "restartPolicy": "Always",
+        "command": command,
+        "env": [{"name": APP_KEY_VARIABLE, "valueFrom": key}],
+        "ports": [{"name": "klique-relay", "containerPort": relay.port, "protocol": "TCP"}],
+        "startupProbe": {"tcpSocket": {"port": relay.port}, "periodSeconds": 1, "failureThreshold": 60},
+        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RELAY_USER,
+            "runAsGroup": RELAY_USER,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
 
 
 def _mapping(parent: dict[str, Any], key: str) -> dict[str, Any]:
@@ -769,6 +855,8 @@ SAMPLE_ASSIGNMENT: dict[str, Any] = {
     "spec": {"command": ["true"]},
 }
 
+SAMPLE_RELAY = Relay(image="klique:sample", port=7070, app_port=8888, key="0" * 64)
+
 
 def check(name: str, text: str, settings: ClusterSettings) -> Template:
     """Parse the template and render it for a sample one-GPU and a sample two-node task, each manifest
@@ -777,12 +865,14 @@ def check(name: str, text: str, settings: ClusterSettings) -> Template:
     template = Template.parse(name, text)
     every_volume = {**SAMPLE_ASSIGNMENT["spec"], "volumes": sorted(settings.volumes)}  # each source checked
     two_nodes = {**SAMPLE_ASSIGNMENT, "size_units": 4 * UNITS_PER_GPU, "nodes": 2, "spec": every_volume}
-    samples = [(SAMPLE_ASSIGNMENT, settings)] + [
-        (two_nodes, dataclasses.replace(settings, multi_node=kind)) for kind in MULTI_NODE_KINDS
+    samples = [(SAMPLE_ASSIGNMENT, settings, None), (SAMPLE_ASSIGNMENT, settings, SAMPLE_RELAY)] + [
+        (two_nodes, dataclasses.replace(settings, multi_node=kind), None) for kind in MULTI_NODE_KINDS
     ]
-    for sample, cluster in samples:
-        manifests = render(template, sample, cluster, tenant="sample", environment={"SAMPLE": "1"})
-        for manifest in (manifests.job, manifests.secret, manifests.service):
+    for sample, cluster, relay in samples:
+        manifests = render(
+            template, sample, cluster, tenant="sample", environment={"SAMPLE": "1"}, relay=relay
+        )
+        for manifest in (manifests.job, manifests.secret, manifests.service, manifests.app_secret):
             if manifest is None:
                 continue
             try:

@@ -129,6 +129,7 @@ def test_the_agent_chart_lints_renders_and_validates(helm: Path, values: list[st
     settings = KubeSettings.read(tomllib.loads(config["data"]["agent.toml"]), "release")  # the agent reads it
     assert settings.cluster.namespace == "ml"
     assert (settings.leader_election, settings.lease_seconds) == (True, 15)
+    assert settings.relay_image == container["image"]  # apps' relays run from the agent's own image
     pod_name = {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
     assert pod_name in container["env"]  # the Lease names the pod that holds it
     if values:

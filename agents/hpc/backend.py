@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from agents.backend import Refused, Report, Upload, refuse_declared_volumes, with_log_end
-from agents.hpc.apps import ADDRESS_FILE, AddressInvalid, NodeRelay, new_key, ports
+from agents.hpc.apps import ADDRESS_FILE, AddressInvalid, ports
 from agents.hpc.cluster import (
     OUTPUT_TAIL_LINES,
     TRANSIENT,
@@ -43,6 +43,7 @@ from agents.hpc.cluster import (
 from agents.hpc.lsf import Lsf
 from agents.hpc.pbs import Pbs
 from agents.hpc.slurm import Slurm
+from agents.relay import NodeRelay, new_key
 from agents.state import JobRecord, State
 from protocol import environment as task_environment
 from protocol.apps import AppSpec

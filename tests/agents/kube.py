@@ -473,16 +473,15 @@ class Kubelet:
         condition = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}
         self.patch_pod(name, {"phase": "Pending", "conditions": [condition]})
 
-    def run(self, name: str, node: str = "gpu-node-1") -> None:
-        self.patch_pod(
-            name,
-            {
-                "phase": "Running",
-                "conditions": [{"type": "PodScheduled", "status": "True"}],
-                "containerStatuses": [{"name": "main", "state": {"running": {"startedAt": now()}}, **IMAGE}],
-            },
-            {"nodeName": node},
-        )
+    def run(self, name: str, node: str = "gpu-node-1", ip: str = "") -> None:
+        status: dict[str, Any] = {
+            "phase": "Running",
+            "conditions": [{"type": "PodScheduled", "status": "True"}],
+            "containerStatuses": [{"name": "main", "state": {"running": {"startedAt": now()}}, **IMAGE}],
+        }
+        if ip:
+            status["podIP"] = ip
+        self.patch_pod(name, status, {"nodeName": node})
         assert self.cluster.emulator is not None
         emulator = self.cluster.emulator
         self.cluster.call(lambda: emulator.logs.setdefault(name, []))

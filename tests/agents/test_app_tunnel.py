@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from agents.backend import Refused
-from agents.main import Agent, free_port
+from agents.backend import Refused, free_port
+from agents.main import Agent
 from agents.tunnel import AppTunnel, tunnel_address
 from protocol.apps import AppSpec
 from tests.agents.test_baremetal import Recorder, backend
@@ -63,12 +63,13 @@ def test_a_malformed_app_section_is_refused_for_good(tmp_path: Path, section: ob
 
 
 def test_a_backend_that_cannot_serve_apps_refuses_them_saying_why(tmp_path: Path) -> None:
-    class Cluster:
-        name = "kubernetes"
+    class Cluster:  # a backend of a kind without apps
+        name = "nomad"
 
     agent = Agent(url="http://demo.localhost:1", token="t", backend=backend(tmp_path), agent_id="a")
     agent.backend = Cluster()  # type: ignore[assignment]
-    with pytest.raises(Refused, match="Apps run on bare-metal and HPC pools; a kubernetes pool") as refused:
+    words = "Apps run on bare-metal, HPC and Kubernetes pools; a nomad pool"
+    with pytest.raises(Refused, match=words) as refused:
         agent._with_app_port(app_assignment("t1", ["serve"]))
     assert refused.value.permanent
 

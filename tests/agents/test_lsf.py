@@ -197,7 +197,7 @@ def test_bjobs_names_the_first_host_of_a_running_job_only() -> None:
 def test_an_app_on_lsf_is_reached_at_the_host_bjobs_names(tmp_path: Path) -> None:
     """The way to an app in an LSF job: the node from EXEC_HOST, the ports its node reporter wrote, the
     key the agent made; nothing while the job waits."""
-    from agents.hpc.apps import NodeRelay
+    from agents.relay import NodeRelay
     from protocol.apps import AppSpec
 
     cluster = Cluster(

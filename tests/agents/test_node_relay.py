@@ -1,4 +1,4 @@
-"""An app's relay on its compute node (agents.node.AppRelay) and the agent's end of it (agents.hpc.apps):
+"""An app's relay on its compute node (agents.node.AppRelay) and the agent's end of it (agents.relay):
 the node reporter started as a real process with an app behind it; the relay leads to the app only for a
 caller who opens with the run's key, and the agent sends nothing on to a far end that is not the relay."""
 
@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from agents import node
+from agents import relay as agent_end
 from agents.hpc import apps
 
 APP = """
@@ -53,7 +54,7 @@ class Running:
 
     def get(self, path: str = "/") -> str:
         async def fetch() -> str:
-            upstream = await apps.NodeRelay("127.0.0.1", self.relay, self.app, self.key).open()
+            upstream = await agent_end.NodeRelay("127.0.0.1", self.relay, self.app, self.key).open()
             try:
                 async with httpx.AsyncClient(
                     transport=upstream.transport(), base_url=upstream.local
@@ -79,7 +80,7 @@ def relayed(tmp_path: Path) -> Iterator[Running]:
 
 def start_reporter(folder: Path, command: list[str]) -> Running:
     """The node reporter (a process of its own) running an app, once it answers through its relay."""
-    key = apps.new_key()
+    key = agent_end.new_key()
     (folder / "token").write_text("kqt_x")
     (folder / "app-key").write_text(key)
     argv = [
@@ -130,17 +131,17 @@ def raw_exchange(port: int, payload: bytes, pause: float = 0.0) -> bytes:
 
 
 def wrong_hellos(key: str) -> list[bytes]:
-    other = apps.new_key()
+    other = agent_end.new_key()
     return [
         b"",
         b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # plain HTTP, as a port scan or a browser would send
-        apps.hello(other),  # another run's key
-        apps.hello(key.upper()),  # the key, other case
-        apps.HELLO + key[:-1].encode() + b"\n",  # one digit short
-        apps.HELLO + key.encode() + b" \n",  # one byte more
+        agent_end.hello(other),  # another run's key
+        agent_end.hello(key.upper()),  # the key, other case
+        agent_end.HELLO + key[:-1].encode() + b"\n",  # one digit short
+        agent_end.HELLO + key.encode() + b" \n",  # one byte more
         b"KLIQUE-APP/2 " + key.encode() + b"\n",  # another version's words
-        apps.hello(key)[:-1] + b"\r",
-        b"\x00" * len(apps.hello(key)),
+        agent_end.hello(key)[:-1] + b"\r",
+        b"\x00" * len(agent_end.hello(key)),
     ]
 
 
@@ -153,15 +154,15 @@ def test_anyone_without_the_runs_key_reaches_nothing(relayed: Running) -> None:
 
 def test_the_key_may_come_in_pieces_and_the_app_answers_behind_the_relays_words(relayed: Running) -> None:
     request = b"GET /split HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    answered = raw_exchange(relayed.relay, apps.hello(relayed.key) + request, pause=0.3)
-    assert answered.startswith(apps.ANSWER + b"HTTP/1.")
+    answered = raw_exchange(relayed.relay, agent_end.hello(relayed.key) + request, pause=0.3)
+    assert answered.startswith(agent_end.ANSWER + b"HTTP/1.")
     assert answered.endswith(b"path=/split requests=2")
 
 
 def test_a_caller_who_sends_nothing_is_let_go(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The relay in this process, with a short handshake time: a silent caller holds no thread for long."""
     monkeypatch.setattr(node, "APP_HANDSHAKE_SECONDS", 0.5)
-    relay = node.AppRelay(apps.new_key(), 9)
+    relay = node.AppRelay(agent_end.new_key(), 9)
     threading.Thread(target=relay.serve_forever, daemon=True).start()
     try:
         with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as silent:
@@ -178,7 +179,7 @@ def test_callers_who_say_nothing_cannot_crowd_out_the_agent(monkeypatch: pytest.
     monkeypatch.setattr(node, "APP_HANDSHAKES", 4)
     monkeypatch.setattr(node, "APP_HANDSHAKE_SECONDS", 1.0)
     app = socket.create_server(("127.0.0.1", 0))
-    key = apps.new_key()
+    key = agent_end.new_key()
     relay = node.AppRelay(key, app.getsockname()[1])
     threading.Thread(target=relay.serve_forever, daemon=True).start()
     try:
@@ -192,8 +193,8 @@ def test_callers_who_say_nothing_cannot_crowd_out_the_agent(monkeypatch: pytest.
             assert caller.recv(10) == b""  # let go after their time
             caller.close()
         with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as agent:
-            agent.sendall(apps.hello(key))
-            assert agent.recv(len(apps.ANSWER)) == apps.ANSWER
+            agent.sendall(agent_end.hello(key))
+            assert agent.recv(len(agent_end.ANSWER)) == agent_end.ANSWER
     finally:
         relay.server.close()
         app.close()
@@ -206,7 +207,7 @@ def test_a_relay_needs_a_key_of_64_hex_digits(key: str) -> None:
 
 
 def test_the_node_and_the_agent_speak_the_same_words() -> None:
-    assert (node.APP_HELLO, node.APP_ANSWER) == (apps.HELLO, apps.ANSWER)
+    assert (node.APP_HELLO, node.APP_ANSWER) == (agent_end.HELLO, agent_end.ANSWER)
     assert node.APP_ADDRESS_FILE == apps.ADDRESS_FILE
 
 
@@ -249,12 +250,12 @@ def test_the_agent_sends_nothing_on_to_a_far_end_that_is_not_the_relay(
 ) -> None:
     """A port the job's folder names is the account's word: whatever listens there gets the hello line
     and no request."""
-    monkeypatch.setattr(apps, "HANDSHAKE_SECONDS", 1.0)
+    monkeypatch.setattr(agent_end, "HANDSHAKE_SECONDS", 1.0)
     service = Listener(answer)
-    key = apps.new_key()
+    key = agent_end.new_key()
 
     async def scenario() -> str:
-        upstream = await apps.NodeRelay("127.0.0.1", service.port, 8888, key).open()
+        upstream = await agent_end.NodeRelay("127.0.0.1", service.port, 8888, key).open()
         try:
             async with httpx.AsyncClient(transport=upstream.transport(), base_url=upstream.local) as client:
                 with pytest.raises(httpx.HTTPError):
@@ -264,7 +265,7 @@ def test_the_agent_sends_nothing_on_to_a_far_end_that_is_not_the_relay(
             await upstream.aclose()
 
     described = asyncio.run(scenario())
-    assert service.received == apps.hello(key)
+    assert service.received == agent_end.hello(key)
     assert "(" in described
     assert described.startswith("port 8888 of node 127.0.0.1")
 
@@ -296,7 +297,7 @@ def test_no_address_yet_is_not_an_error() -> None:
 
 def test_the_agents_socket_to_the_app_is_its_own(tmp_path: Path) -> None:
     async def scenario() -> None:
-        upstream = await apps.NodeRelay("127.0.0.1", 40000, 40001, apps.new_key()).open()
+        upstream = await agent_end.NodeRelay("127.0.0.1", 40000, 40001, agent_end.new_key()).open()
         folder = Path(upstream.path).parent
         assert folder.stat().st_mode & 0o777 == 0o700
         await upstream.aclose()
@@ -318,7 +319,7 @@ def test_a_websocket_reaches_the_app_through_the_relay(tmp_path: Path) -> None:
     )  # fmt: skip
 
     async def echo() -> list[str]:
-        upstream = await apps.NodeRelay("127.0.0.1", running.relay, running.app, running.key).open()
+        upstream = await agent_end.NodeRelay("127.0.0.1", running.relay, running.app, running.key).open()
         try:
             async with upstream.websocket(f"ws://127.0.0.1:{running.app}/ws", open_timeout=10) as socket_:
                 answers = []
@@ -334,3 +335,62 @@ def test_a_websocket_reaches_the_app_through_the_relay(tmp_path: Path) -> None:
     finally:
         running.process.terminate()
         running.process.wait(10)
+
+
+def relay_alone(port: int, app_port: int, key: str | None) -> subprocess.Popen[str]:
+    """`klique-node relay` as a pod's sidecar runs it, with the key in its environment."""
+    environment = {"PATH": "/usr/bin:/bin"} | ({node.APP_KEY_VARIABLE: key} if key is not None else {})
+    return subprocess.Popen(
+        [sys.executable, "-m", "agents.node", "relay", "--port", str(port), "--app-port", str(app_port)],
+        env=environment,
+        cwd=Path(__file__).parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_the_relay_alone_leads_to_an_app_beside_it_only_with_the_key_and_stops_on_sigterm() -> None:
+    app_port, port, key = node.free_loopback_port(), node.free_loopback_port(), agent_end.new_key()
+    app = subprocess.Popen(
+        [sys.executable, "-c", APP, "beside"], env={"PORT": str(app_port), "PATH": "/usr/bin:/bin"}
+    )
+    relay = relay_alone(port, app_port, key)
+    try:
+        assert relay.stdout is not None
+        assert relay.stdout.readline().strip() == (
+            f"klique-node relay: port {port} leads to the app on port {app_port}"
+        )
+        deadline = time.monotonic() + 20
+        while True:
+            answered = raw_exchange(port, agent_end.hello(key) + b"GET /x HTTP/1.0\r\n\r\n", pause=0.1)
+            if answered.startswith(agent_end.ANSWER + b"HTTP/1.0 200"):
+                break
+            assert time.monotonic() < deadline, answered
+            time.sleep(0.2)
+        assert answered.endswith(f"port={app_port} beside path=/x requests=1".encode())
+        for stranger in (agent_end.hello(agent_end.new_key()), b"GET / HTTP/1.0\r\n\r\n" + b"." * 80):
+            assert raw_exchange(port, stranger) == b"", stranger
+        relay.terminate()
+        assert relay.wait(10) == 0
+    finally:
+        for process in (app, relay):
+            process.kill()
+            process.wait(10)
+
+
+@pytest.mark.parametrize("key", [None, "", "0" * 63, "A" * 64, "0" * 32 + " " + "0" * 31, "0" * 64 + "0"])
+def test_the_relay_alone_will_not_start_without_a_key(key: str | None) -> None:
+    relay = relay_alone(node.free_loopback_port(), node.free_loopback_port(), key)
+    output, _ = relay.communicate(timeout=20)
+    assert relay.returncode == 2
+    assert "$KLIQUE_APP_KEY does not hold the run's app key (64 hexadecimal digits)" in output
+
+
+def test_the_relay_alone_says_when_its_port_is_taken() -> None:
+    with socket.create_server(("", 0)) as taken:
+        port = taken.getsockname()[1]
+        relay = relay_alone(port, node.free_loopback_port(), agent_end.new_key())
+        output, _ = relay.communicate(timeout=20)
+    assert relay.returncode == 1
+    assert f"klique-node relay: port {port} cannot be opened" in output

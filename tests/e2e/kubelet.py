@@ -8,17 +8,23 @@ container like a kubelet, except that there is no container runtime here: its co
 of this host, with the pod's environment (its `env`, field references and the `envFrom` Secret), its
 task folder on the work volume mapped to a folder here, its output written to the pod's log with
 timestamps, and its exit code put in the pod's status. Deleting a pod sends SIGTERM and, after its grace
-period, SIGKILL; the Job's condition follows its pods. On a cluster with JobSet (`Cluster(jobset=True)`) it is
+period, SIGKILL; the Job's condition follows its pods. A native sidecar (an init container with
+`restartPolicy: Always`, as an app's relay) runs as a process too, started before the main container once
+its startup probe's port answers and stopped when it ends; Klique's `klique-node` is this checkout's. Every
+pod's address is this host's loopback. On a cluster with JobSet (`Cluster(jobset=True)`) it is
 the JobSet controller too: each JobSet that is not suspended gets its Job (`Kubelet.make_jobset_job`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,6 +51,12 @@ class Running:
     gpus: dict[str, int]
     reader: threading.Thread
     stopping_since: float = 0.0
+    sidecars: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def stop_sidecars(self, signum: int = signal.SIGTERM) -> None:
+        for sidecar in self.sidecars:
+            if sidecar.poll() is None:
+                os.killpg(sidecar.pid, signum)
 
 
 @dataclass
@@ -75,6 +87,7 @@ class LocalNode:
         for run in list(self.running.values()):
             if run.process.poll() is None:
                 os.killpg(run.process.pid, signal.SIGKILL)
+            run.stop_sidecars(signal.SIGKILL)
 
     def _list(self, call: Any) -> list[dict[str, Any]]:
         return list(json.loads(call(NAMESPACE, _preload_content=False).data).get("items") or [])
@@ -190,20 +203,29 @@ class LocalNode:
             return
         self._run(name, pod, asks)
 
-    def _environment(self, pod: dict[str, Any], folder: Path) -> dict[str, str]:
-        main = pod["spec"]["containers"][0]
-        environment = {"PATH": os.environ["PATH"], "PYTHONUNBUFFERED": "1", "HOME": str(folder)}
+    def _secret(self, name: str) -> dict[str, str]:
+        found = json.loads(self.core.read_namespaced_secret(name, NAMESPACE, _preload_content=False).data)
+        return dict(found.get("stringData") or {})
+
+    def _environment(
+        self, pod: dict[str, Any], folder: Path, container: dict[str, Any] | None = None
+    ) -> dict[str, str]:
+        main = container or pod["spec"]["containers"][0]
+        klique_node = str(Path(sys.executable).parent)  # where this checkout's klique-node is
+        environment = {
+            "PATH": f"{klique_node}:{os.environ['PATH']}",
+            "PYTHONUNBUFFERED": "1",
+            "HOME": str(folder),
+        }
         for source in main.get("envFrom") or []:
-            secret = json.loads(
-                self.core.read_namespaced_secret(
-                    source["secretRef"]["name"], NAMESPACE, _preload_content=False
-                ).data
-            )
-            environment.update(secret.get("stringData") or {})
+            environment.update(self._secret(source["secretRef"]["name"]))
         annotations = pod["metadata"].get("annotations") or {}
         for item in main.get("env") or []:
             if "value" in item:
                 environment[item["name"]] = str(item["value"])
+            elif "secretKeyRef" in item["valueFrom"]:
+                reference = item["valueFrom"]["secretKeyRef"]
+                environment[item["name"]] = self._secret(reference["name"])[reference["key"]]
             else:  # metadata.annotations['...']
                 path = item["valueFrom"]["fieldRef"]["fieldPath"]
                 environment[item["name"]] = str(annotations.get(path.split("'")[1], ""))
@@ -214,6 +236,7 @@ class LocalNode:
         task = pod["metadata"]["labels"]["klique.io/task"]
         folder = self.work_root / task
         folder.mkdir(parents=True, exist_ok=True)
+        sidecars = self._sidecars(name, pod, folder)
         main = pod["spec"]["containers"][0]
         process = subprocess.Popen(
             main["command"],
@@ -227,7 +250,9 @@ class LocalNode:
         assert self.cluster.emulator is not None
         emulator = self.cluster.emulator
         self.cluster.call(lambda: emulator.logs.setdefault(name, []))
-        self.running[name] = Running(process, name, pod["metadata"]["labels"]["job-name"], asks, reader)
+        self.running[name] = Running(
+            process, name, pod["metadata"]["labels"]["job-name"], asks, reader, sidecars=sidecars
+        )
         reader.start()
         self._patch(
             name,
@@ -235,6 +260,7 @@ class LocalNode:
                 "spec": {"nodeName": NODE},
                 "status": {
                     "phase": "Running",
+                    "podIP": "127.0.0.1",
                     "conditions": [{"type": "PodScheduled", "status": "True"}],
                     "containerStatuses": [
                         {"name": "main", "state": {"running": {"startedAt": stamp()}}, **IMAGE}
@@ -242,6 +268,30 @@ class LocalNode:
                 },
             },
         )
+
+    def _sidecars(self, name: str, pod: dict[str, Any], folder: Path) -> list[subprocess.Popen[bytes]]:
+        """The pod's native sidecars, each started once its startup probe's port takes connections."""
+        started = []
+        for container in pod["spec"].get("initContainers") or []:
+            if container.get("restartPolicy") != "Always":
+                continue
+            log = (self.work_root.parent / f"{name}-{container['name']}.log").open("ab")
+            started.append(
+                subprocess.Popen(
+                    container["command"],
+                    env=self._environment(pod, folder, container),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            port = ((container.get("startupProbe") or {}).get("tcpSocket") or {}).get("port")
+            deadline = time.monotonic() + 10
+            while port and time.monotonic() < deadline and started[-1].poll() is None:
+                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+                time.sleep(0.05)
+        return started
 
     def _read(self, pod: str, process: subprocess.Popen[bytes]) -> None:
         assert process.stdout is not None
@@ -253,6 +303,7 @@ class LocalNode:
 
     def _ended(self, name: str, run: Running, code: int) -> None:
         del self.running[name]
+        run.stop_sidecars()  # they end after the main container
         exit_code = 128 - code if code < 0 else code  # killed by a signal: 128 + its number
         terminated = {
             "exitCode": exit_code,
@@ -280,6 +331,7 @@ class LocalNode:
             os.killpg(run.process.pid, signal.SIGTERM)
         elif time.monotonic() - run.stopping_since > self.grace_seconds:
             os.killpg(run.process.pid, signal.SIGKILL)
+            run.stop_sidecars(signal.SIGKILL)
 
     def _job_verdict(self, name: str, job: dict[str, Any], pods: list[dict[str, Any]]) -> None:
         if (job.get("status") or {}).get("conditions") or not pods:

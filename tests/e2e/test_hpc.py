@@ -236,6 +236,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path.startswith("/big"):
             self.answer(bytes(range(256)) * 20000)
+        elif self.path == "/environment":
+            self.answer(" ".join(sorted(os.environ)).encode())
         else:
             account = pwd.getpwuid(os.getuid()).pw_name
             self.answer(f"hello from {account} on port {os.environ['PORT']} at {self.path}".encode())

@@ -23,7 +23,7 @@ from tests.agents.kube import Cluster, Kubelet
 from tests.e2e.conftest import ROOT, Running, clean_environment, start_up
 from tests.e2e.kubelet import LocalNode
 from tests.e2e.test_agent_crash import Demo
-from tests.e2e.test_hpc import wait_for_reason, wait_for_state
+from tests.e2e.test_hpc import SERVE, wait_for_reason, wait_for_state
 from tests.e2e.test_up import BANNER_CURL
 
 pytestmark = pytest.mark.e2e
@@ -81,7 +81,20 @@ class Plane:
             f'outputs_dir = "{self.volume}"\n'
             'work_volume = { persistentVolumeClaim = { claimName = "klique-work" } }\n'
             "poll_seconds = 0.2\ngang_seconds = 4\n"
+            'relay_image = "ghcr.io/klique/klique:test"\n'
         )
+
+    def token_file(self, demo: Demo) -> Path:
+        """The pool provisioned (provision) and its agent token in a file of mode 600."""
+        token_file = self.tmp_path / "agent.token"
+        token_file.write_text(provision(demo))
+        token_file.chmod(0o600)
+        return token_file
+
+    def stop_agent(self) -> None:
+        if self.agent is not None and self.agent.poll() is None:
+            self.agent.terminate()
+            self.agent.wait(15)
 
     def start_agent(self, demo: Demo, token_file: Path, *extra: str, log: str = "agent.log") -> None:
         self.agent = self.spawn_agent(demo, token_file, *extra, log=log)
@@ -160,9 +173,7 @@ def test_tasks_of_each_size_run_on_kubernetes_and_survive_an_agent_killed_mid_jo
     secret = f"klq-k8s-{secrets.token_hex(12)}"
     try:
         demo = Demo(running.port, running.wait_for(BANNER_CURL)[1])
-        token_file = tmp_path / "agent.token"
-        token_file.write_text(provision(demo))
-        token_file.chmod(0o600)
+        token_file = plane.token_file(demo)
         demo.call(
             "POST",
             "/api/v1/secrets/",
@@ -222,11 +233,85 @@ def test_tasks_of_each_size_run_on_kubernetes_and_survive_an_agent_killed_mid_jo
         assert secret not in (tmp_path / "agent.log").read_text()
     finally:
         node.stop()
-        if plane.agent is not None and plane.agent.poll() is None:
-            plane.agent.terminate()
-            plane.agent.wait(15)
+        plane.stop_agent()
         assert running.interrupt() == 0
     assert secret not in running.everything()  # web, worker, beat and the demo agent print there
+
+
+def test_an_app_on_a_kubernetes_pool_is_served_through_its_relay_and_stopped_with_its_pod(
+    fresh_database: str, redis_url: str, tmp_path: Path, cluster: Cluster
+) -> None:
+    """An app launched on the Kubernetes pool runs in a pod with its relay as a sidecar; the plane serves it
+    at its route through the agent's tunnel and the relay (only to whom it is shared with), again after the
+    agent was killed and started; stopping it deletes the pod, its relay and its key's Secret."""
+    from tests.e2e.test_apps import Route, wait_state
+
+    environment = clean_environment(DATABASE_URL=fresh_database, REDIS_URL=redis_url)
+    running = start_up(environment, tmp_path / "data")
+    plane = Plane(tmp_path, cluster)
+    node = LocalNode(cluster, plane.volume).start()
+    program = tmp_path / "serve.py"
+    program.write_text(SERVE)
+    try:
+        demo = Demo(running.port, running.wait_for(BANNER_CURL)[1])
+        token_file = plane.token_file(demo)
+        plane.start_agent(demo, token_file)
+        template = {
+            "name": "hello-k8s", "version": "1", "command": [sys.executable, str(program)],
+            "health": {"path": "/", "startup_seconds": 60}, "gpus": "2",
+        }  # fmt: skip
+        demo.call("POST", "/api/v1/catalogue/", json=template)
+        launched = demo.call(
+            "POST", "/api/v1/apps/", json={"entry": "hello-k8s", "compute_resource": "K8s: 2 GPUs"}
+        )
+        app = wait_state(demo, launched["id"], "ready", timeout=120)
+        route = Route(running.port, app["url"], demo.token)
+        hello = route.get("/lab?x=1")
+        assert hello.status_code == 200, hello.text
+        assert hello.text.startswith("hello from "), hello.text
+        assert hello.text.endswith(" at /lab?x=1")
+        body = bytes(range(256)) * 4096 * 2  # 2 MiB up, 5 MB down, through the tunnel and the relay
+        assert route.request("POST", "/upload", content=body).text == f"{len(body)} bytes, {sum(body) % 1000}"
+        assert route.get("/big").content == bytes(range(256)) * 20000
+        seen = route.get("/environment").text.split()
+        assert "PORT" in seen
+        assert "KLIQUE_APP_KEY" not in seen  # the relay's key is the sidecar's alone
+
+        (job,) = [job for job in Kubelet(cluster).jobs() if app["task_id"] in str(job)]
+        name = job["metadata"]["name"]
+        (run,) = node.running.values()
+        (relay,) = run.sidecars
+        assert relay.poll() is None
+
+        stranger = demo.call("POST", "/api/v1/service-accounts/", json={"name": "stranger"})
+        made = demo.call("POST", f"/api/v1/service-accounts/{stranger['id']}/tokens/", json={"name": "t"})
+        assert Route(running.port, app["url"], made["token"]).get("/").status_code == 404
+
+        # The agent is killed and started again: it finds the app's relay from its state.
+        assert plane.agent is not None
+        plane.agent.send_signal(signal.SIGKILL)
+        plane.agent.wait(10)
+        plane.start_agent(demo, token_file)
+        deadline = time.monotonic() + 60
+        while (again := route.get("/again")).status_code != 200:
+            assert time.monotonic() < deadline, (again.status_code, again.text, agent_log(tmp_path))
+            time.sleep(0.5)
+        assert again.text.endswith(" at /again")
+
+        demo.call("POST", f"/api/v1/apps/{app['id']}/stop/")
+        wait_state(demo, app["id"], "stopped", timeout=60)
+        relay.wait(30)  # the sidecar stopped with its pod
+        kubelet = Kubelet(cluster)
+        deadline = time.monotonic() + 30
+        while not (kubelet.gone("Secret", f"{name}-app") and kubelet.gone("Secret", name)):
+            assert time.monotonic() < deadline, agent_log(tmp_path)
+            time.sleep(0.3)
+        assert not kubelet.pods_of(name)
+        assert route.get("/").status_code == 409
+    finally:
+        node.stop()
+        plane.stop_agent()
+        assert running.interrupt() == 0
 
 
 def opened(process: subprocess.Popen[bytes], name: str) -> bool:
@@ -262,9 +347,7 @@ def test_a_standby_on_shared_state_takes_over_a_leader_killed_mid_job(
     standby: subprocess.Popen[bytes] | None = None
     try:
         demo = Demo(running.port, running.wait_for(BANNER_CURL)[1])
-        token_file = tmp_path / "agent.token"
-        token_file.write_text(provision(demo))
-        token_file.chmod(0o600)
+        token_file = plane.token_file(demo)
         plane.start_agent(demo, token_file, "--shared-state", log="leader.log")
         assert plane.agent is not None
         leader = plane.agent
@@ -314,9 +397,7 @@ def test_a_multi_node_task_runs_as_a_jobset_where_the_cluster_has_jobset(
     node = LocalNode(cluster, plane.volume).start()
     try:
         demo = Demo(running.port, running.wait_for(BANNER_CURL)[1])
-        token_file = tmp_path / "agent.token"
-        token_file.write_text(provision(demo))
-        token_file.chmod(0o600)
+        token_file = plane.token_file(demo)
         plane.start_agent(demo, token_file)
         task = submit(demo, "K8s: 2 x 4 GPUs", 3, 0.1)
         done = wait_for_state(demo, task["id"], {"completed", "failed"})
@@ -335,8 +416,6 @@ def test_a_multi_node_task_runs_as_a_jobset_where_the_cluster_has_jobset(
         assert [item["name"] for item in outputs] == ["metrics.json"]
     finally:
         node.stop()
-        if plane.agent is not None and plane.agent.poll() is None:
-            plane.agent.terminate()
-            plane.agent.wait(15)
+        plane.stop_agent()
         assert running.interrupt() == 0
         cluster.stop()

@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from agents.hpc import Batch, apps
+from agents.hpc import Batch
+from agents.relay import NodeRelay
 from protocol.apps import AppSpec
 from tests.hpc.conftest import PlaneStandIn, Reports, assignment, job_trace, make_backend, until
 
@@ -61,7 +62,7 @@ def test_an_app_runs_in_a_job_and_the_agent_reaches_it_through_the_nodes_relay(
         await backend.start(handed, reports)
         app = AppSpec.parse(handed["spec"]["app"])
         upstream = await asyncio.wait_for(backend.app_upstream(task, app), 60)
-        assert isinstance(upstream, apps.NodeRelay), job_trace(plane, jobs_dir, task)
+        assert isinstance(upstream, NodeRelay), job_trace(plane, jobs_dir, task)
         try:
             async with httpx.AsyncClient(transport=upstream.transport(), base_url=upstream.local) as client:
                 answer = await client.get("/lab?x=1")

@@ -27,6 +27,7 @@ poll_seconds = 1.0
 gpu_resource = {{ .Values.kubernetes.gpuResource | quote }}
 shared_gpu_resource = {{ .Values.kubernetes.sharedGpuResource | quote }}
 default_image = {{ .Values.kubernetes.defaultImage | quote }}
+relay_image = {{ .Values.kubernetes.relayImage | default (printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion)) | quote }}
 ttl_seconds_after_finished = {{ .Values.kubernetes.ttlSecondsAfterFinished | int }}
 gang_seconds = {{ .Values.kubernetes.gangSeconds | int }}
 image_pull_seconds = {{ .Values.kubernetes.imagePullSeconds | int }}
