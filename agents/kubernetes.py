@@ -474,11 +474,13 @@ class Api:
         return items, str((data.get("metadata") or {}).get("resourceVersion") or "")
 
     def watch(
-        self, kind: str, version: str, seconds: int, stopper: list[Any]
+        self, kind: str, version: str, seconds: int, stopper: list[Any], closing: threading.Event
     ) -> Iterable[tuple[str, dict[str, Any]]]:
         """Events (type, object) of Klique's Jobs or Pods from the resource version, as plain JSON (no
         models: a field the client does not know must not stop the watch); ends when the server closes
-        it. Raises ApiException(410) when the version is too old to watch from."""
+        it, or at once where `closing` was set while it was being opened (the response is in `stopper`
+        from then on, for whoever sets `closing` to shut). Raises ApiException(410) when the version is
+        too old to watch from."""
         from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
         from kubernetes.watch.watch import iter_resp_lines  # noqa: PLC0415
 
@@ -496,6 +498,8 @@ class Api:
         response = call(self.namespace, **options)
         stopper[:] = [response]
         try:
+            if closing.is_set():  # set while the watch was opened: no one else will shut it
+                return
             for line in iter_resp_lines(response):
                 event = json.loads(line) if line else {}
                 item = event.get("object") if isinstance(event, dict) else None
@@ -1125,7 +1129,7 @@ class Kubernetes:
                     items, version = self.api.listing(kind)
                     self._post(self._synced, kind, items)
                 for kind_of_event, item in self.api.watch(
-                    kind, version, self.settings.watch_seconds, self.watchers[kind]
+                    kind, version, self.settings.watch_seconds, self.watchers[kind], self.closing
                 ):
                     if self.closing.is_set():
                         return

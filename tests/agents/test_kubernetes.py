@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -474,6 +476,36 @@ def test_the_watch_resumes_after_a_drop_and_lists_again_after_410(
         listed = [q for _, _, q in cluster.requests("GET", LISTS)[lists_before:] if q.get("watch") != "true"]
         assert bool(listed) == (cut == "gone")  # a drop resumes the watch; only 410 lists again
         await kube.stop_all(0)
+
+    asyncio.run(scenario())
+
+
+def test_an_agent_that_stops_while_its_watches_open_leaves_none_open(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop_all comes while each watch's request is on its way (the API server slow to answer): the watch
+    opened after it must end at once, not hold its thread and connection for its whole timeout."""
+    kube = backend(cluster, tmp_path, watch_seconds=120)
+    opening = threading.Event()
+    for api, name in ((kube.api.batch, "list_namespaced_job"), (kube.api.core, "list_namespaced_pod")):
+        listed = getattr(api, name)
+
+        def slowly(*args: Any, _listed: Any = listed, **options: Any) -> Any:
+            if options.get("watch"):
+                opening.set()
+                time.sleep(0.5)  # stop_all comes now
+            return _listed(*args, **options)
+
+        monkeypatch.setattr(api, name, slowly)
+
+    async def scenario() -> None:
+        kube.adopt(Recorder(kube.state))
+        await asyncio.to_thread(opening.wait, 10)
+        await kube.stop_all(0)
+        deadline = time.monotonic() + 5
+        while any(thread.name.startswith("watch-") for thread in threading.enumerate()):
+            assert time.monotonic() < deadline, "a watch opened after stop_all is still open"
+            await asyncio.sleep(0.05)
 
     asyncio.run(scenario())
 
