@@ -122,6 +122,7 @@ class KubeSettings:
             "lease_seconds",
             "multi_node",
             "relay_image",
+            "app_network_policy",
         }
         unknown = sorted(set(table) - known)
         if unknown:
@@ -145,6 +146,7 @@ class KubeSettings:
             work_volume=dict(table.get("work_volume") or {}),
             scratch_size=str(table.get("scratch_size") or ""),
             volumes=_offered_volumes(table),
+            app_network_policy=_boolean(table, "app_network_policy", default=True),
         )
         texts = {
             "default": pods.DEFAULT_TEMPLATE,
@@ -194,8 +196,8 @@ def _lease_name(agent_id: str) -> str:
     return f"klique-agent-{re.sub(r'[^a-z0-9.-]+', '-', agent_id.lower()).strip('-.') or 'agent'}"[:253]
 
 
-def _boolean(table: Mapping[str, Any], key: str) -> bool:
-    value = table.get(key, False)
+def _boolean(table: Mapping[str, Any], key: str, *, default: bool = False) -> bool:
+    value = table.get(key, default)
     if not isinstance(value, bool):
         raise TypeError(f"[agent.kubernetes] {key} must be true or false, not {value!r}.")
     return value
@@ -343,6 +345,7 @@ class Api:
         self.batch = client.BatchV1Api(self.client)
         self.core = client.CoreV1Api(self.client)
         self.coordination = client.CoordinationV1Api(self.client)
+        self.networking = client.NetworkingV1Api(self.client)
         self.custom = client.CustomObjectsApi(self.client)
         self.namespace = settings.cluster.namespace
         self.selector = f"klique.io/agent={pods.label_value(settings.cluster.agent)}"
@@ -364,6 +367,7 @@ class Api:
             "Job": self.batch.create_namespaced_job,
             "Secret": self.core.create_namespaced_secret,
             "Service": self.core.create_namespaced_service,
+            "NetworkPolicy": self.networking.create_namespaced_network_policy,
         }[kind]
         return self._raw(create(ns, dict(manifest), _preload_content=False, _request_timeout=30))
 
@@ -426,10 +430,12 @@ class Api:
             "blockOwnerDeletion": False,
         }
         patch = {"metadata": {"ownerReferences": [owner]}}
-        if kind == "Secret":
-            self.core.patch_namespaced_secret(name, self.namespace, patch, _preload_content=False)
-        else:
-            self.core.patch_namespaced_service(name, self.namespace, patch, _preload_content=False)
+        call = {
+            "Secret": self.core.patch_namespaced_secret,
+            "Service": self.core.patch_namespaced_service,
+            "NetworkPolicy": self.networking.patch_namespaced_network_policy,
+        }[kind]
+        call(name, self.namespace, patch, _preload_content=False)
 
     def delete(
         self, kind: str, name: str, *, grace: int | None = None, propagation: str = "Background"
@@ -444,6 +450,7 @@ class Api:
             "Pod": self.core.delete_namespaced_pod,
             "Secret": self.core.delete_namespaced_secret,
             "Service": self.core.delete_namespaced_service,
+            "NetworkPolicy": self.networking.delete_namespaced_network_policy,
         }[kind]
         options: dict[str, Any] = {"propagation_policy": propagation}
         if grace is not None:
@@ -974,11 +981,12 @@ class Kubernetes:
             await self._create(manifests)
         except ApiProblem as problem:
             self.create_problem = str(problem)
-            for secret in (manifests.secret, manifests.app_secret):  # nothing of a run not made is left
-                if secret is not None:
+            for made in (manifests.secret, manifests.app_secret, manifests.app_policy):  # none is left
+                if made is not None:
                     with contextlib.suppress(ApiProblem):
+                        kind = str(made["kind"])
                         await self._call(
-                            self.api.delete, "Secret", _name(secret), verb="delete", resource="secrets"
+                            self.api.delete, kind, _name(made), verb="delete", resource=kind.lower() + "s"
                         )
             raise Refused(
                 f"The {manifests.kind} was not created: {problem}", permanent=problem.permanent
@@ -1058,6 +1066,8 @@ class Kubernetes:
                 await self._call(self.api.replace_secret, secret, verb="replace", resource="secrets")
         if manifests.service is not None:
             await self._create_one(manifests.service, "services")
+        if manifests.app_policy is not None:  # before the pod: it is never reachable but by its relay
+            await self._create_one(manifests.app_policy, "networkpolicies.networking.k8s.io")
         custom = pods.CUSTOM_WORKLOADS.get(manifests.kind)
         resource = f"{custom[2]}.{custom[0]}" if custom else "jobs"
         job = await self._create_one(manifests.job, resource) or {}
@@ -1070,7 +1080,9 @@ class Kubernetes:
         if manifests.service is not None:
             owned.append(("Service", name))
         if manifests.app_secret is not None:
-            owned.append(("Secret", pods.app_secret_name(name)))
+            owned.append(("Secret", pods.app_objects_name(name)))
+        if manifests.app_policy is not None:
+            owned.append(("NetworkPolicy", pods.app_objects_name(name)))
         for kind, item in owned:
             with contextlib.suppress(ApiProblem):  # the agent deletes them itself anyway
                 await self._call(self.api.own, kind, item, job, verb="patch", resource=kind.lower() + "s")
@@ -1507,7 +1519,7 @@ class Kubernetes:
         name = record.job_id
         made = [("Secret", name), ("Service", name)]
         if record.app:
-            made.append(("Secret", pods.app_secret_name(name)))
+            made += [("Secret", pods.app_objects_name(name)), ("NetworkPolicy", pods.app_objects_name(name))]
         if workload:
             made.append((record.kind, name))
         for kind, item in made:

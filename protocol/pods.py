@@ -17,7 +17,8 @@ a `schedulerName` with its gang annotations, volumes, an image. Klique owns the 
   running, Kubernetes 1.29 and later): `klique-node relay` from the agent's image, confined (no
   capabilities, not root, a read-only root), which leads to the app on the pod's loopback only for a
   caller who opens with the run's key (agents.relay, agents.node.AppRelay). The key is in a Secret of its
-  own that only the sidecar reads, never in the app's environment.
+  own that only the sidecar reads, never in the app's environment; a NetworkPolicy of its own admits
+  connections to the relay's port only (`app_network_policy`).
 
 A multi-node task is one of three workloads (`ClusterSettings.multi_node`), one pod per node either way:
 - `indexed-job`: an Indexed Job of one pod per node and a headless Service Klique makes for their names;
@@ -142,6 +143,7 @@ class ClusterSettings:
     scratch_size: str = ""  # the emptyDir's sizeLimit, e.g. "100Gi"; "" for none
     volumes: Mapping[str, task_volumes.Offered] = field(default_factory=dict)  # what a task may declare
     multi_node: str = "indexed-job"  # the workload of a multi-node task, one of MULTI_NODE_KINDS
+    app_network_policy: bool = True  # an app's pod admits connections to its relay's port only
 
 
 # Parsing -------------------------------------------------------------------------------------------------
@@ -294,8 +296,9 @@ class Relay:
     key: str
 
 
-def app_secret_name(job: str) -> str:
-    """The Secret that holds an app's relay key: beside the run's, which the app's container reads whole."""
+def app_objects_name(job: str) -> str:
+    """The name of an app run's own Secret (its relay's key: beside the run's, which the app's container
+    reads whole) and NetworkPolicy."""
     return f"{job}-app"
 
 
@@ -305,6 +308,7 @@ class Manifests:
     secret: dict[str, Any]
     service: dict[str, Any] | None  # a multi-node Indexed Job's headless Service (the others make theirs)
     app_secret: dict[str, Any] | None = None  # an app's relay key (Relay), for its sidecar alone
+    app_policy: dict[str, Any] | None = None  # an app's NetworkPolicy: its pod takes in its relay's port only
 
     @property
     def kind(self) -> str:
@@ -474,7 +478,29 @@ def render(
         },
         service=_service(name, labels, settings) if nodes > 1 and job["kind"] == "Job" else None,
         app_secret=app_secret,
+        app_policy=_app_policy(name, labels, relay, settings)
+        if relay and settings.app_network_policy
+        else None,
     )
+
+
+def _app_policy(
+    name: str, labels: Mapping[str, str], relay: Relay, settings: ClusterSettings
+) -> dict[str, Any]:
+    """The app's pod admits connections to its relay's port and nothing else, from anywhere (the agent
+    may run outside the cluster): an app that listens on the pod's network as well as its loopback is
+    still reached through the relay only, where the cluster's network plugin enforces policies."""
+    run = {key: labels[key] for key in ("klique.io/agent", "klique.io/task", "klique.io/lease")}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": app_objects_name(name), "namespace": settings.namespace, "labels": dict(labels)},
+        "spec": {
+            "podSelector": {"matchLabels": run},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"ports": [{"protocol": "TCP", "port": relay.port}]}],
+        },
+    }
 
 
 def _add_relay(
@@ -498,7 +524,7 @@ def _add_relay(
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": {"name": app_secret_name(name), "namespace": settings.namespace, "labels": dict(labels)},
+        "metadata": {"name": app_objects_name(name), "namespace": settings.namespace, "labels": dict(labels)},
         "type": "Opaque",
         "stringData": {"key": relay.key},
     }
@@ -507,7 +533,7 @@ def _add_relay(
 def _relay_container(relay: Relay, job: str) -> dict[str, Any]:
     """The app's relay as a native sidecar: started before the app (once its port takes connections),
     running beside it, stopped after it."""
-    key = {"secretKeyRef": {"name": app_secret_name(job), "key": "key"}}
+    key = {"secretKeyRef": {"name": app_objects_name(job), "key": "key"}}
     command = ["klique-node", "relay", "--port", str(relay.port), "--app-port", str(relay.app_port)]
     return {
         "name": RELAY_CONTAINER,
@@ -872,7 +898,14 @@ def check(name: str, text: str, settings: ClusterSettings) -> Template:
         manifests = render(
             template, sample, cluster, tenant="sample", environment={"SAMPLE": "1"}, relay=relay
         )
-        for manifest in (manifests.job, manifests.secret, manifests.service, manifests.app_secret):
+        made = (
+            manifests.job,
+            manifests.secret,
+            manifests.service,
+            manifests.app_secret,
+            manifests.app_policy,
+        )
+        for manifest in made:
             if manifest is None:
                 continue
             try:

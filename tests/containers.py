@@ -51,3 +51,18 @@ def podman() -> Iterator[Podman]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+@pytest.fixture(scope="session")
+def shipped_images(podman: Podman) -> Podman:
+    """The images the shipped catalogue entries name (JupyterLab's, the agent sandbox's), built on this
+    host by the project's own script (deploy/apps/images.sh: Debian's packages and PyPI, no registry)."""
+    done = subprocess.run(
+        ["bash", str(ROOT / "deploy" / "apps" / "images.sh"), str(CONTAINERS_DIR), "all"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return podman

@@ -105,6 +105,7 @@ def test_the_agent_chart_lints_renders_and_validates(helm: Path, values: list[st
         "pods/log",
         "secrets",
         "services",
+        "networkpolicies",
         "events",
         "workloads",
         "leases",

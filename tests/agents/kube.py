@@ -408,6 +408,11 @@ class Kubelet:
             "jobset.x-k8s.io", "v1alpha2", NAMESPACE, "jobsets", name, _preload_content=False
         )
 
+    def network_policy(self, name: str) -> dict[str, Any]:
+        networking = client.NetworkingV1Api(self.core.api_client)
+        read = networking.read_namespaced_network_policy(name, NAMESPACE, _preload_content=False)
+        return dict(json.loads(read.data))
+
     def secret(self, name: str) -> dict[str, Any]:
         return dict(
             json.loads(self.core.read_namespaced_secret(name, NAMESPACE, _preload_content=False).data)
@@ -543,11 +548,12 @@ class Kubelet:
             except client.exceptions.ApiException as error:
                 return bool(error.status == 404)
             return False
-        call = (
-            self.batch.read_namespaced_job
-            if kind == "Job"
-            else (self.core.read_namespaced_secret if kind == "Secret" else self.core.read_namespaced_service)
-        )
+        call = {
+            "Job": self.batch.read_namespaced_job,
+            "Secret": self.core.read_namespaced_secret,
+            "Service": self.core.read_namespaced_service,
+            "NetworkPolicy": client.NetworkingV1Api(self.core.api_client).read_namespaced_network_policy,
+        }[kind]
         try:
             call(name, NAMESPACE, _preload_content=False)
         except client.exceptions.ApiException as error:

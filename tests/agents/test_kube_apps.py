@@ -109,6 +109,16 @@ def test_an_apps_pod_has_a_confined_relay_beside_it_with_a_key_the_app_never_see
         run_secret = await asyncio.to_thread(kubelet.secret, name)
         assert key not in str(run_secret)
         assert key not in str(job)
+        # Its pod admits connections to the relay's port and nothing else.
+        policy = await asyncio.to_thread(kubelet.network_policy, f"{name}-app")
+        pods.validate_workload(policy)
+        assert policy["spec"]["podSelector"]["matchLabels"] == {
+            key: job["spec"]["template"]["metadata"]["labels"][key]
+            for key in ("klique.io/agent", "klique.io/task", "klique.io/lease")
+        }
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        assert policy["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": relay_port}]}]
+        assert policy["metadata"]["ownerReferences"][0]["name"] == name
 
         # The relay as the sidecar runs it; the pod runs at an address the cluster gives.
         relay_server = node.AppRelay(key, app_server, port=relay_port)
@@ -150,7 +160,8 @@ def test_an_apps_pod_has_a_confined_relay_beside_it_with_a_key_the_app_never_see
         await asyncio.to_thread(kubelet.job_ended, name, True)
         (result,) = await until(lambda: recorder.of("result"))
         assert "reason" not in result
-        await until(lambda: kubelet.gone("Secret", f"{name}-app") and kubelet.gone("Secret", name))
+        made = (("Secret", f"{name}-app"), ("Secret", name), ("NetworkPolicy", f"{name}-app"))
+        await until(lambda: all(kubelet.gone(kind, item) for kind, item in made))
         assert await kube.app_upstream("app1", _spec(app)) is None  # the run is over
         relay_server.server.close()
         await kube.stop_all(0)
@@ -217,6 +228,48 @@ def test_what_cannot_run_as_an_app_is_refused_for_good_saying_why(
         await kube.stop_all(0)
 
     asyncio.run(scenario())
+
+
+def test_without_network_policies_the_app_runs_behind_its_relay_alone(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    kube, kubelet = backend(cluster, tmp_path, relay_image=IMAGE, app_network_policy=False), Kubelet(cluster)
+    task = app_task("app4", free_port())
+
+    async def scenario() -> None:
+        begin(kube, task)
+        await kube.start(task, Recorder(kube.state))
+        name = pods.job_name("app4", "lease-app4")
+        assert (await asyncio.to_thread(kubelet.job, name))["spec"]["template"]["spec"]["initContainers"]
+        assert await asyncio.to_thread(kubelet.gone, "NetworkPolicy", f"{name}-app")
+        await kube.stop_all(0)
+
+    asyncio.run(scenario())
+
+
+def test_a_role_that_may_not_make_network_policies_keeps_the_app_queued_saying_what_to_do(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    kube, kubelet = backend(cluster, tmp_path, relay_image=IMAGE), Kubelet(cluster)
+    assert cluster.emulator is not None
+    policies = re.compile(r"/apis/networking.k8s.io/v1/namespaces/[^/]+/networkpolicies")
+    cluster.emulator.refused.append(("POST", policies))
+    task = app_task("app5", free_port())
+
+    async def scenario() -> Refused:
+        begin(kube, task)
+        with pytest.raises(Refused) as refused:
+            await kube.start(task, Recorder(kube.state))
+        await kube.stop_all(0)
+        return refused.value
+
+    refused = asyncio.run(scenario())
+    assert "may not create networkpolicies.networking.k8s.io in namespace ml" in str(refused)
+    assert refused.permanent is False  # it waits in the queue while an administrator fixes the Role
+    name = pods.job_name("app5", "lease-app5")
+    assert kubelet.jobs() == []  # no pod the policy does not guard
+    assert kubelet.gone("Secret", name)
+    assert kubelet.gone("Secret", f"{name}-app")
 
 
 def test_a_pod_template_that_takes_the_relays_name_is_refused_when_read(

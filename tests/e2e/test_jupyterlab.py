@@ -14,6 +14,7 @@ import httpx
 import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
+from tests.containers import Podman
 from tests.e2e.conftest import RackDemo, installed, signed_in
 from tests.e2e.test_apps import wait_state
 
@@ -46,6 +47,28 @@ def entry(jupyter: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def run_cell(page: Any, portal: str, app: dict[str, Any], code: str, expected: str) -> None:
+    """Open the app at its stable address (on to its own host with a ticket), make a notebook, type `code`
+    in its first cell and run it until `expected` is in its output."""
+    page.goto(f"{portal}/apps/{app['id']}/")  # the stable address: on to the app's host with a ticket
+    page.wait_for_selector(".jp-LauncherCard", timeout=120_000)
+    assert page.url.startswith(app["url"])
+    page.click('.jp-LauncherCard[data-category="Notebook"]')
+    # As a person does: type once the kernel is connected, run, and run again if the page let the first
+    # run go before its kernel was ready (the kernel's messages through the route say when it is).
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
+    page.locator(".jp-Notebook .jp-Cell .cm-content").first.click(timeout=60_000)
+    page.keyboard.type(code)
+    output = page.locator(".jp-OutputArea-output", has_text=expected)
+    deadline = time.monotonic() + 120
+    while output.count() == 0:
+        assert time.monotonic() < deadline, "the cell never ran"
+        page.locator(".jp-Notebook .jp-Cell .cm-content").first.click()
+        page.keyboard.press("Control+Enter")  # run the cell, staying on it
+        with contextlib.suppress(PlaywrightTimeout):
+            output.wait_for(timeout=15_000)
+
+
 def test_jupyterlab_is_launched_from_the_portal_and_runs_a_cell_through_its_route(
     jupyter: str, chromium: Any, rack_demo: RackDemo, tmp_path: Path
 ) -> None:
@@ -58,23 +81,7 @@ def test_jupyterlab_is_launched_from_the_portal_and_runs_a_cell_through_its_rout
     (app,) = demo.call("GET", "/api/v1/apps/")["results"]
     wait_state(demo, app["id"], "ready", timeout=180)
 
-    page.goto(f"{portal}/apps/{app['id']}/")  # the stable address: on to the app's host with a ticket
-    page.wait_for_selector(".jp-LauncherCard", timeout=120_000)
-    assert page.url.startswith(app["url"])
-    page.click('.jp-LauncherCard[data-category="Notebook"]')
-    # As a person does: type once the kernel is connected, run, and run again if the page let the first
-    # run go before its kernel was ready (the kernel's messages through the route say when it is).
-    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
-    page.locator(".jp-Notebook .jp-Cell .cm-content").first.click(timeout=60_000)
-    page.keyboard.type("print(6 * 7, 'from the kernel')")
-    output = page.locator(".jp-OutputArea-output", has_text="42 from the kernel")
-    deadline = time.monotonic() + 120
-    while output.count() == 0:
-        assert time.monotonic() < deadline, "the cell never ran"
-        page.locator(".jp-Notebook .jp-Cell .cm-content").first.click()
-        page.keyboard.press("Control+Enter")  # run the cell, staying on it
-        with contextlib.suppress(PlaywrightTimeout):
-            output.wait_for(timeout=15_000)
+    run_cell(page, portal, app, "print(6 * 7, 'from the kernel')", "42 from the kernel")
     page.screenshot(path=str(tmp_path / "jupyterlab.png"))
 
     # Someone it is not shared with: 404 at its own host.
@@ -93,3 +100,25 @@ def test_jupyterlab_is_launched_from_the_portal_and_runs_a_cell_through_its_rout
     page.goto(f"{portal}/apps/{app['id']}/")  # its address says so, and offers to start it again
     assert page.locator("[data-app-state='stopped']").count() == 1
     assert page.locator("button", has_text="again").count() == 1
+
+
+def test_the_shipped_jupyterlab_entry_runs_in_its_own_image_through_its_route(
+    shipped_images: Podman, chromium: Any, rack_demo: RackDemo, tmp_path: Path
+) -> None:
+    """The catalogue's own JupyterLab entry, as shipped: its image built on this host by the project's
+    script, run by the bare-metal agent in a podman container, a cell run through the route in Chromium
+    inside that image, on the task's folder at /work."""
+    demo, running = rack_demo.demo, rack_demo.running
+    launched = demo.call(
+        "POST", "/api/v1/apps/", json={"entry": "jupyterlab", "compute_resource": "Research: rack"}
+    )
+    app = wait_state(demo, launched["id"], "ready", timeout=240)
+    page, portal = signed_in(chromium, running)
+    code = "import os, sys; print(sys.executable, os.getcwd())"
+    run_cell(page, portal, app, code, "/opt/jupyter/bin/python /work")  # the image's Python, its folder
+    page.screenshot(path=str(tmp_path / "jupyterlab-image.png"))
+    demo.call("POST", f"/api/v1/apps/{app['id']}/stop/")
+    stopped = wait_state(demo, app["id"], "stopped")
+    assert stopped["state"] == "stopped"
+    left = shipped_images.run("ps", "--all", "--format", "{{.Image}}").stdout
+    assert "klique-jupyter" not in left  # its container went with it

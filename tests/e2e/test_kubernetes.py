@@ -303,7 +303,8 @@ def test_an_app_on_a_kubernetes_pool_is_served_through_its_relay_and_stopped_wit
         relay.wait(30)  # the sidecar stopped with its pod
         kubelet = Kubelet(cluster)
         deadline = time.monotonic() + 30
-        while not (kubelet.gone("Secret", f"{name}-app") and kubelet.gone("Secret", name)):
+        made = (("Secret", f"{name}-app"), ("Secret", name), ("NetworkPolicy", f"{name}-app"))
+        while not all(kubelet.gone(kind, item) for kind, item in made):
             assert time.monotonic() < deadline, agent_log(tmp_path)
             time.sleep(0.3)
         assert not kubelet.pods_of(name)

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The images the shipped catalogue entries name (apps/catalogue/shipped.py), built on this host for its
+# container engine, since no registry is reachable from most environments:
+#   deploy/apps/images.sh DIR [jupyterlab|agent-sandbox|all]
+#       localhost/klique-debian-python:12   Debian 12 (bookworm) from Debian's packages: Python 3, venv, git
+#       localhost/klique-jupyter:4          that, with PyPI's jupyterlab 4 and ipykernel in /opt/jupyter
+#       localhost/klique-agent-sandbox:1    that, with PyPI's openai client and httpx, for the agent-sandbox
+#                                           entry (the coding agent itself is its user's to install)
+# DIR keeps the engine's settings (deploy/containers/podman.sh) and the build's scratch. Idempotent: an
+# image the engine holds already is kept. Prints the containers.conf path last: give it to podman (and to
+# the bare-metal agent) as CONTAINERS_CONF.
+#
+# The base is made with debootstrap from the mirror this host's apt uses; the Python packages are installed
+# in a container of the base on the host's network (podman's build needs a registry for nothing here).
+# code-server's and the model servers' images are not built here: code-server 4.100 wants Node.js 20, and
+# the model servers want CUDA (docs/apps.md).
+set -euo pipefail
+dir=$(realpath -m "${1:?usage: images.sh DIR [jupyterlab|agent-sandbox|all]}")
+which=${2:-all}
+case "$which" in jupyterlab|agent-sandbox|all) ;; *) echo "unknown image $which" >&2; exit 2 ;; esac
+here=$(cd "$(dirname "$0")" && pwd)
+conf=$(bash "$here/../containers/podman.sh" setup "$dir" | tail -n 1)
+export CONTAINERS_CONF="$conf"
+
+base=localhost/klique-debian-python:12
+jupyter=localhost/klique-jupyter:4
+sandbox=localhost/klique-agent-sandbox:1
+path=/opt/jupyter/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+
+mirror() {
+  local found
+  found=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
+  [ -n "$found" ] || found=$(awk '$1 == "deb" {print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
+  echo "${found:-http://deb.debian.org/debian}"
+}
+
+# A container of IMAGE on the host's network runs SCRIPT; what it leaves is committed as NEW. It trusts
+# what the host trusts (a TLS-inspecting proxy's authority, where the host has one), for the build only.
+derive() {
+  local image=$1 new=$2 script=$3 name authorities
+  name="klique-build-$$"
+  authorities=${PIP_CERT:-${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}}
+  local trust=()
+  [ -f "$authorities" ] && trust=(-v "$authorities:/run/klique-build-ca.crt:ro" --env PIP_CERT=/run/klique-build-ca.crt)
+  podman rm --force "$name" >/dev/null 2>&1 || true
+  podman run --name "$name" --network host --env PIP_DISABLE_PIP_VERSION_CHECK=1 "${trust[@]}" "$image" \
+    sh -c "$script"
+  podman commit --quiet --change "ENV PATH=$path" --change 'WORKDIR /work' "$name" "$new" >/dev/null
+  podman rm "$name" >/dev/null
+}
+
+if ! podman image exists "$base"; then
+  command -v debootstrap >/dev/null || {
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
+  }
+  root=$(mktemp -d "$dir/rootfs.XXXXXX")
+  trap 'rm -rf "$root"' EXIT
+  debootstrap --variant=minbase --include=python3,python3-venv,git,ca-certificates,procps \
+    bookworm "$root" "$(mirror)" >"$dir/debootstrap.log" 2>&1 \
+    || { tail -n 20 "$dir/debootstrap.log" >&2; exit 1; }
+  rm -rf "$root/var/cache/apt/archives/"*.deb "$root/var/lib/apt/lists/"*
+  mkdir -p "$root/work"
+  tar -C "$root" -c . | podman import --quiet --change "ENV PATH=$path" --change 'WORKDIR /work' - "$base" >/dev/null
+  rm -rf "$root"
+  trap - EXIT
+fi
+
+if ! podman image exists "$jupyter"; then  # the sandbox is made from it too
+  derive "$base" "$jupyter" \
+    'python3 -m venv /opt/jupyter && /opt/jupyter/bin/pip install --quiet --no-cache-dir "jupyterlab>=4,<5" ipykernel'
+fi
+
+if [ "$which" != jupyterlab ] && ! podman image exists "$sandbox"; then
+  derive "$jupyter" "$sandbox" '/opt/jupyter/bin/pip install --quiet --no-cache-dir "openai>=1,<3" httpx'
+fi
+echo "$conf"
