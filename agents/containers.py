@@ -22,6 +22,10 @@ A container runs with no capabilities and cannot gain privileges (no setuid): it
 user in all but name, and cannot override the permissions of the shared file system or other tasks'
 files. The operator may grant a few back to every container (KLIQUE_CONTAINER_CAPABILITIES, from an
 allow-list: IPC_LOCK for RDMA, SYS_PTRACE for profilers, SYS_NICE, KILL).
+A gateway address the container is handed (an agent session's OPENAI_BASE_URL) whose host is a name
+under `.localhost` (a demo's tenant: RFC 6761 keeps those names on the loopback, which the image's own
+resolver may not know) is written into the container's /etc/hosts as 127.0.0.1, the host's loopback
+on the host's network.
 The operator may pick the engine with KLIQUE_CONTAINER_ENGINE (a name or a path); else the first of
 docker and podman that answers is used. Each container is named for its task (`klique-<task>`), so the
 agent can remove one whose runner was killed before the engine could (agents.baremetal).
@@ -35,10 +39,11 @@ import re
 import shutil
 import subprocess
 import tarfile
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from protocol import images
+from protocol import images, sessions
 
 __all__ = [
     "ENGINE_CODES",
@@ -174,7 +179,7 @@ def run_argv(
     image: str,
     task_id: str,
     workdir: Path,
-    passed: Collection[str],
+    passed: Mapping[str, str],
     runner_environment: Mapping[str, str],
 ) -> tuple[list[str], list[str]]:
     """The engine's command line that runs the task's command (appended after it) in `image`, and the lines
@@ -216,10 +221,20 @@ def run_argv(
         argv += ["-e", "CUDA_VISIBLE_DEVICES=" + ",".join(str(index) for index in range(len(devices)))]
     else:
         argv += ["-e", "CUDA_VISIBLE_DEVICES"]
+    argv += [f"--add-host={host}:127.0.0.1" for host in loopback_names(passed)]
     names = ["KLIQUE_TASK_ID", "KLIQUE_GPU_MEMORY_FRACTION", *sorted(passed)]
     argv += [word for name in names for word in ("-e", name)]  # by name: values never on a command line
     argv += ["--", images.engine_reference(image)]
     return argv, notes
+
+
+LOOPBACK_NAME = re.compile(r"(?:[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?\.)*localhost")
+
+
+def loopback_names(passed: Mapping[str, str]) -> list[str]:
+    """The `.localhost` host of the gateway address the container is handed, if that is what it names."""
+    host = (urlsplit(passed.get(sessions.BASE_VARIABLE, "")).hostname or "").lower()
+    return [host] if host != "localhost" and LOOPBACK_NAME.fullmatch(host) else []
 
 
 def remove(engine_path: str, task_id: str) -> None:

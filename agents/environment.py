@@ -19,7 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Collection
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -50,10 +50,10 @@ def _run(argv: list[str], log: IO[bytes], *, cwd: Path | None = None, what: str)
 
 
 def build(
-    spec: dict[str, Any], folder: Path, cache: Path, log: IO[bytes], passed: Collection[str] = ()
+    spec: dict[str, Any], folder: Path, cache: Path, log: IO[bytes], passed: Mapping[str, str] | None = None
 ) -> Environment:
     """How the task's command runs: its folder, the variables of its virtual environment and a container
-    engine's prefix. `passed` names the task's own variables, which a container is given by name (the
+    engine's prefix. `passed` is the task's own variables, which a container is given by name (the
     engine reads their values from its environment, never from its command line)."""
     environment = Environment(cwd=folder)
     code = spec.get("code") or {}
@@ -117,11 +117,11 @@ def build(
         }
 
     if spec.get("image"):
-        environment.prefix = _container(spec["image"], environment.cwd, log, passed)
+        environment.prefix = _container(spec["image"], environment.cwd, log, passed or {})
     return environment
 
 
-def _container(image: object, workdir: Path, log: IO[bytes], passed: Collection[str]) -> list[str]:
+def _container(image: object, workdir: Path, log: IO[bytes], passed: Mapping[str, str]) -> list[str]:
     """The container engine's command line that runs the task's command in `image` (agents.containers),
     after checking that the image can be had: BuildFailed names what is missing."""
     try:

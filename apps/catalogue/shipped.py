@@ -1,7 +1,8 @@
 """The entries shipped with Klique: templates every tenant's catalogue lists beside its own entries.
 
 Their images are the host's (or its agent's image archives'): no registry is reachable from most
-environments, so each entry names the image an operator builds or loads (deploy/containers says how).
+environments, so each entry names the image an operator builds or loads. deploy/apps/images.sh builds
+JupyterLab's and the agent sandbox's from Debian's packages and PyPI.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ derive() {
   [ -f "$authorities" ] && trust=(-v "$authorities:/run/klique-build-ca.crt:ro" --env PIP_CERT=/run/klique-build-ca.crt)
   podman rm --force "$name" >/dev/null 2>&1 || true
   podman run --name "$name" --network host --env PIP_DISABLE_PIP_VERSION_CHECK=1 "${trust[@]}" "$image" \
-    sh -c "$script"
+    sh -c "$script" || { podman rm --force "$name" >/dev/null; exit 1; }
   podman commit --quiet --change "ENV PATH=$path" --change 'WORKDIR /work' "$name" "$new" >/dev/null
   podman rm "$name" >/dev/null
 }

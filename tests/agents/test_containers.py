@@ -226,7 +226,7 @@ def _argv(engine: str, environment: dict[str, str], **overrides: Any) -> tuple[l
         "image": "localhost/trainer:2.1",
         "task_id": "t1",
         "workdir": Path("/srv/klique/t1"),
-        "passed": ["EPOCHS"],
+        "passed": {"EPOCHS": "3"},
         "runner_environment": environment,
     }
     return containers.run_argv(engine, **(given | overrides))
@@ -263,6 +263,32 @@ def test_a_configured_inventory_passes_no_devices_and_says_so() -> None:
     at = argv.index("CUDA_VISIBLE_DEVICES")  # by name: the host's value, which has no devices behind it
     assert argv[at - 1 : at + 1] == ["-e", "CUDA_VISIBLE_DEVICES"]
     assert any("configured inventory" in note for note in notes)
+
+
+@pytest.mark.parametrize(
+    ("address", "hosts"),
+    [
+        ("http://demo.localhost:8000/v1", ["demo.localhost"]),
+        ("http://Acme-1.Demo.LOCALHOST/v1", ["acme-1.demo.localhost"]),
+        ("https://acme.klique.example/v1", []),  # a real name: the resolver's
+        ("http://localhost:8000/v1", []),  # every image knows it
+        ("http://demo.localhost:80@evil.example/v1", []),  # the host is evil.example
+        ("http://demo.localhost.evil.example/v1", []),
+        ("http://a_b.localhost/v1", []),
+        ("http://-x.localhost/v1", []),
+        ("http://127.0.0.1:8000/v1", []),
+        ("not a url", []),
+    ],
+)
+def test_a_gateway_under_localhost_is_on_the_containers_loopback(address: str, hosts: list[str]) -> None:
+    argv, _ = _argv("podman", {}, passed={"OPENAI_BASE_URL": address, "OPENAI_API_KEY": "kqs_x"})
+    assert [word for word in argv if word.startswith("--add-host")] == [
+        f"--add-host={host}:127.0.0.1" for host in hosts
+    ]
+    assert argv.index("--") > max((argv.index(word) for word in argv if word.startswith("--add")), default=0)
+    assert address not in str(argv)  # names only on its command line
+    unpassed, _ = _argv("podman", {"OPENAI_BASE_URL": address})  # the runner's own: not the container's
+    assert not any(word.startswith("--add-host") for word in unpassed)
 
 
 def test_the_shared_file_system_is_mounted_at_its_own_path(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from agents.kubernetes import Kubernetes
 from agents.state import State
 from protocol import pods
 from tests.agents.kube import Cluster, Kubelet
-from tests.agents.test_kubernetes import Recorder, assignment, backend, begin, until
+from tests.agents.test_kubernetes import Recorder, assignment, backend, begin, refusal, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -256,14 +256,7 @@ def test_a_role_that_may_not_make_network_policies_keeps_the_app_queued_saying_w
     cluster.emulator.refused.append(("POST", policies))
     task = app_task("app5", free_port())
 
-    async def scenario() -> Refused:
-        begin(kube, task)
-        with pytest.raises(Refused) as refused:
-            await kube.start(task, Recorder(kube.state))
-        await kube.stop_all(0)
-        return refused.value
-
-    refused = asyncio.run(scenario())
+    refused = refusal(kube, task)
     assert "may not create networkpolicies.networking.k8s.io in namespace ml" in str(refused)
     assert refused.permanent is False  # it waits in the queue while an administrator fixes the Role
     name = pods.job_name("app5", "lease-app5")

@@ -16,11 +16,10 @@ from typing import Any
 import pytest
 
 from agents import kubernetes
-from agents.backend import Refused
 from agents.state import State
 from protocol import pods
 from tests.agents.kube import NAMESPACE, Cluster, Kubelet
-from tests.agents.test_kubernetes import Recorder, assignment, backend, begin, until
+from tests.agents.test_kubernetes import Recorder, assignment, backend, begin, refusal, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -357,14 +356,7 @@ def test_a_kind_asked_for_that_the_cluster_does_not_serve_is_refused_saying_what
         kube = backend(bare, tmp_path, multi_node=gang.multi_node)
         task = assignment("absent", gpus=2, nodes=2)
 
-        async def scenario() -> Refused:
-            begin(kube, task)
-            with pytest.raises(Refused) as refused:
-                await kube.start(task, Recorder(kube.state))
-            await kube.stop_all(0)
-            return refused.value
-
-        refused = asyncio.run(scenario())
+        refused = refusal(kube, task)
         group, version, plural = pods.CUSTOM_WORKLOADS[gang.kind]
         product = "JobSet" if gang.kind == "JobSet" else "the Kubeflow training operator"
         assert "The multi-node workload was not created" in str(refused)

@@ -98,6 +98,19 @@ async def until(check: Callable[[], Any], timeout: float = 15.0) -> Any:
         await asyncio.sleep(0.05)
 
 
+def refusal(kube: Kubernetes, task: dict[str, Any]) -> Refused:
+    """What the backend says, refusing to start the task (it must refuse); the backend is then stopped."""
+
+    async def scenario() -> Refused:
+        begin(kube, task)
+        with pytest.raises(Refused) as refused:
+            await kube.start(task, Recorder(kube.state))
+        await kube.stop_all(0)
+        return refused.value
+
+    return asyncio.run(scenario())
+
+
 def begin(kube: Kubernetes, task: dict[str, Any]) -> None:
     kube.state.lease_begin(task["task_id"], task["lease_id"], 1)
 
@@ -517,14 +530,7 @@ def test_rbac_that_forbids_creating_jobs_is_said_in_words_an_administrator_can_a
     assert cluster.emulator is not None
     cluster.emulator.refused.append(("POST", re.compile(r"/apis/batch/v1/namespaces/[^/]+/jobs")))
 
-    async def scenario() -> Refused:
-        begin(kube, assignment("rbac"))
-        with pytest.raises(Refused) as refused:
-            await kube.start(assignment("rbac"), Recorder(kube.state))
-        await kube.stop_all(0)
-        return refused.value
-
-    refused = asyncio.run(scenario())
+    refused = refusal(kube, assignment("rbac"))
     assert "may not create jobs in namespace ml: apply the chart's Role" in str(refused)
     assert refused.permanent is False  # the task waits in the queue; an administrator fixes the Role
     kube._synced("Job", [])  # the watch lists again, as it may at any moment: reading works, creating not

@@ -62,7 +62,11 @@ def run_cell(page: Any, portal: str, app: dict[str, Any], code: str, expected: s
     output = page.locator(".jp-OutputArea-output", has_text=expected)
     deadline = time.monotonic() + 120
     while output.count() == 0:
-        assert time.monotonic() < deadline, "the cell never ran"
+        assert time.monotonic() < deadline, (
+            "the cell never ran",
+            page.locator(".jp-Notebook .jp-Cell .cm-content").first.inner_text(),
+            page.locator(".jp-OutputArea").all_inner_texts(),
+        )
         page.locator(".jp-Notebook .jp-Cell .cm-content").first.click()
         page.keyboard.press("Control+Enter")  # run the cell, staying on it
         with contextlib.suppress(PlaywrightTimeout):
@@ -102,23 +106,50 @@ def test_jupyterlab_is_launched_from_the_portal_and_runs_a_cell_through_its_rout
     assert page.locator("button", has_text="again").count() == 1
 
 
+def launched_on_the_rack(rack_demo: RackDemo, chromium: Any, entry: str) -> tuple[dict[str, Any], Any, str]:
+    """A shipped entry launched through the API on the demo's bare-metal rack (one GPU, its size), once
+    ready; a page signed in to the portal, and the portal's address."""
+    launched = rack_demo.demo.call(
+        "POST", "/api/v1/apps/", json={"entry": entry, "compute_resource": "Research: rack", "gpus": "1"}
+    )
+    app = wait_state(rack_demo.demo, launched["id"], "ready", timeout=240)
+    page, portal = signed_in(chromium, rack_demo.running)
+    return app, page, portal
+
+
 def test_the_shipped_jupyterlab_entry_runs_in_its_own_image_through_its_route(
     shipped_images: Podman, chromium: Any, rack_demo: RackDemo, tmp_path: Path
 ) -> None:
     """The catalogue's own JupyterLab entry, as shipped: its image built on this host by the project's
     script, run by the bare-metal agent in a podman container, a cell run through the route in Chromium
     inside that image, on the task's folder at /work."""
-    demo, running = rack_demo.demo, rack_demo.running
-    launched = demo.call(
-        "POST", "/api/v1/apps/", json={"entry": "jupyterlab", "compute_resource": "Research: rack"}
-    )
-    app = wait_state(demo, launched["id"], "ready", timeout=240)
-    page, portal = signed_in(chromium, running)
-    code = "import os, sys; print(sys.executable, os.getcwd())"
-    run_cell(page, portal, app, code, "/opt/jupyter/bin/python /work")  # the image's Python, its folder
+    demo = rack_demo.demo
+    app, page, portal = launched_on_the_rack(rack_demo, chromium, "jupyterlab")
+    code = "import os, sys; print('in', sys.prefix, os.getcwd())"
+    run_cell(page, portal, app, code, "in /opt/jupyter /work")  # the image's Python, on the task's folder
     page.screenshot(path=str(tmp_path / "jupyterlab-image.png"))
     demo.call("POST", f"/api/v1/apps/{app['id']}/stop/")
     stopped = wait_state(demo, app["id"], "stopped")
     assert stopped["state"] == "stopped"
-    left = shipped_images.run("ps", "--all", "--format", "{{.Image}}").stdout
-    assert "klique-jupyter" not in left  # its container went with it
+    deadline = time.monotonic() + 30  # its container goes with it, once the engine has stopped it
+    while "klique-jupyter" in (left := shipped_images.run("ps", "--all", "--format", "{{.Image}}").stdout):
+        assert time.monotonic() < deadline, left
+        time.sleep(0.5)
+
+
+def test_the_shipped_agent_sandbox_calls_the_tenants_gateway_from_its_image_with_its_sessions_key(
+    shipped_images: Podman, chromium: Any, rack_demo: RackDemo
+) -> None:
+    """The catalogue's agent sandbox, as shipped: in its image, the official `openai` client takes the
+    gateway's address and the session's key from the environment the session gave it, and a model
+    answers through the tenant's gateway."""
+    demo = rack_demo.demo
+    app, page, portal = launched_on_the_rack(rack_demo, chromium, "agent-sandbox")
+    code = (
+        "import openai; said = openai.OpenAI().chat.completions.create(model='demo-echo', "
+        "messages=[{'role': 'user', 'content': 'hello sandbox'}], max_tokens=8); "
+        "print('model says', said.choices[0].message.content)"
+    )
+    run_cell(page, portal, app, code, "model says hello sandbox")
+    demo.call("POST", f"/api/v1/apps/{app['id']}/stop/")
+    wait_state(demo, app["id"], "stopped")
