@@ -2,7 +2,7 @@
 
 Their images are the host's (or its agent's image archives'): no registry is reachable from most
 environments, so each entry names the image an operator builds or loads. deploy/apps/images.sh builds
-JupyterLab's and the agent sandbox's from Debian's packages and PyPI.
+JupyterLab's, the agent sandbox's and code-server's from Debian's packages, PyPI and npm.
 """
 
 from __future__ import annotations

@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
 # The images the shipped catalogue entries name (apps/catalogue/shipped.py), built on this host for its
 # container engine, since no registry is reachable from most environments:
-#   deploy/apps/images.sh DIR [jupyterlab|agent-sandbox|all]
+#   deploy/apps/images.sh DIR [jupyterlab|agent-sandbox|code-server|all]
 #       localhost/klique-debian-python:12   Debian 12 (bookworm) from Debian's packages: Python 3, venv, git
 #       localhost/klique-jupyter:4          that, with PyPI's jupyterlab 4 and ipykernel in /opt/jupyter
 #       localhost/klique-agent-sandbox:1    that, with PyPI's openai client and httpx, for the agent-sandbox
 #                                           entry (the coding agent itself is its user's to install)
+#       localhost/klique-code-server:4      the base, with this host's Node.js 20 and npm's code-server built
+#                                           for it (deploy/apps/code-server.sh) in /opt/code-server
 # DIR keeps the engine's settings (deploy/containers/podman.sh) and the build's scratch. Idempotent: an
 # image the engine holds already is kept. Prints the containers.conf path last: give it to podman (and to
 # the bare-metal agent) as CONTAINERS_CONF.
 #
 # The base is made with debootstrap from the mirror this host's apt uses; the Python packages are installed
 # in a container of the base on the host's network (podman's build needs a registry for nothing here).
-# code-server's and the model servers' images are not built here: code-server 4.100 wants Node.js 20, and
-# the model servers want CUDA (docs/apps.md).
+# code-server 4.100 wants Node.js 20, which Debian 12 does not package: its image takes the host's (the
+# same Debian, so the same libraries) with the code-server built for it. The model servers' images are not
+# built here: they want CUDA (docs/apps.md).
 set -euo pipefail
-dir=$(realpath -m "${1:?usage: images.sh DIR [jupyterlab|agent-sandbox|all]}")
+dir=$(realpath -m "${1:?usage: images.sh DIR [jupyterlab|agent-sandbox|code-server|all]}")
 which=${2:-all}
-case "$which" in jupyterlab|agent-sandbox|all) ;; *) echo "unknown image $which" >&2; exit 2 ;; esac
+case "$which" in jupyterlab|agent-sandbox|code-server|all) ;; *) echo "unknown image $which" >&2; exit 2 ;; esac
 here=$(cd "$(dirname "$0")" && pwd)
 conf=$(bash "$here/../containers/podman.sh" setup "$dir" | tail -n 1)
 export CONTAINERS_CONF="$conf"
@@ -25,6 +28,7 @@ export CONTAINERS_CONF="$conf"
 base=localhost/klique-debian-python:12
 jupyter=localhost/klique-jupyter:4
 sandbox=localhost/klique-agent-sandbox:1
+code_server=localhost/klique-code-server:4
 path=/opt/jupyter/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
 mirror() {
@@ -66,12 +70,28 @@ if ! podman image exists "$base"; then
   trap - EXIT
 fi
 
-if ! podman image exists "$jupyter"; then  # the sandbox is made from it too
+if [ "$which" != code-server ] && ! podman image exists "$jupyter"; then  # the sandbox is made from it too
   derive "$base" "$jupyter" \
     'python3 -m venv /opt/jupyter && /opt/jupyter/bin/pip install --quiet --no-cache-dir "jupyterlab>=4,<5" ipykernel'
 fi
 
-if [ "$which" != jupyterlab ] && ! podman image exists "$sandbox"; then
+if { [ "$which" = agent-sandbox ] || [ "$which" = all ]; } && ! podman image exists "$sandbox"; then
   derive "$jupyter" "$sandbox" '/opt/jupyter/bin/pip install --quiet --no-cache-dir "openai>=1,<3" httpx'
+fi
+
+if { [ "$which" = code-server ] || [ "$which" = all ]; } && ! podman image exists "$code_server"; then
+  program=$(bash "$here/code-server.sh" "$dir/code-server" | tail -n 1)
+  built=$(dirname "$(dirname "$(dirname "$program")")")  # DIR of DIR/node_modules/.bin/code-server
+  name="klique-build-$$"
+  podman rm --force "$name" >/dev/null 2>&1 || true
+  podman create --name "$name" --network host "$base" sh -c \
+    'export DEBIAN_FRONTEND=noninteractive; apt-get update -qq && apt-get install -y -qq --no-install-recommends libgssapi-krb5-2 ripgrep >/dev/null 2>&1 && rm -rf /var/lib/apt/lists/*' \
+    >/dev/null
+  podman cp "$(readlink -f "$(command -v node)")" "$name:/usr/local/bin/node"
+  podman cp "$built" "$name:/opt/code-server"
+  podman start --attach "$name" || { podman rm --force "$name" >/dev/null; exit 1; }
+  podman commit --quiet --change "ENV PATH=/opt/code-server/node_modules/.bin:$path" --change 'WORKDIR /work' \
+    "$name" "$code_server" >/dev/null
+  podman rm "$name" >/dev/null
 fi
 echo "$conf"

@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 
+from tests.containers import Podman
 from tests.e2e.conftest import RackDemo, installed, signed_in
 from tests.e2e.test_apps import wait_state
+from tests.e2e.test_jupyterlab import launched_on_the_rack
 
 pytestmark = pytest.mark.e2e
 
@@ -82,3 +84,22 @@ def test_code_server_opens_a_file_of_its_folder_through_its_route(
     wait_state(demo, app["id"], "stopped")
     page.goto(f"{portal}/apps/{app['id']}/")
     assert page.locator("[data-app-state='stopped']").count() == 1
+
+
+def test_the_shipped_code_server_entry_runs_in_its_own_image_through_its_route(
+    shipped_images: Podman, chromium: Any, rack_demo: RackDemo, tmp_path: Path
+) -> None:
+    """The catalogue's own code-server entry, as shipped: its image built on this host by the project's
+    script, run by the bare-metal agent in a podman container; its workbench, through the route in
+    Chromium, lists the task's folder at /work (the run's output log is there) and opens a file of it."""
+    app, page, portal = launched_on_the_rack(rack_demo, chromium, "code-server")
+    page.goto(f"{portal}/apps/{app['id']}/")
+    page.wait_for_selector(".monaco-workbench", timeout=120_000)
+    assert page.url.startswith(app["url"])
+    listed = page.locator(".explorer-folders-view .monaco-list-row", has_text="output.log")
+    listed.wait_for(timeout=120_000)
+    listed.dblclick()
+    page.locator(".editor-container .view-lines", has_text="code-server 4.100.3").wait_for(timeout=60_000)
+    page.screenshot(path=str(tmp_path / "code-server-image.png"))
+    rack_demo.demo.call("POST", f"/api/v1/apps/{app['id']}/stop/")
+    wait_state(rack_demo.demo, app["id"], "stopped")
