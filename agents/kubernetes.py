@@ -371,10 +371,24 @@ class Api:
         }[kind]
         return self._raw(create(ns, dict(manifest), _preload_content=False, _request_timeout=30))
 
-    def replace_secret(self, manifest: Mapping[str, Any]) -> None:
+    def secret_value(self, name: str, key: str) -> str:
+        """One value of a Secret (an API server gives them base64 in `data`)."""
+        import base64  # noqa: PLC0415
+
+        read = self.core.read_namespaced_secret
+        secret = self._raw(read(name, self.namespace, _preload_content=False, _request_timeout=30))
+        encoded = (secret.get("data") or {}).get(key)
+        if encoded is not None:
+            return base64.b64decode(str(encoded)).decode()
+        return str((secret.get("stringData") or {}).get(key) or "")  # as written, where not encoded
+
+    def refresh_secret(self, manifest: Mapping[str, Any]) -> None:
+        """Write the run's values into its Secret that exists already (an assignment repeated): a merge
+        patch of them, as `kubectl apply` would."""
         name = manifest["metadata"]["name"]
-        self.core.replace_namespaced_secret(
-            name, self.namespace, dict(manifest), _preload_content=False, _request_timeout=30
+        body = {"stringData": dict(manifest.get("stringData") or {})}
+        self.core.patch_namespaced_secret(
+            name, self.namespace, body, _preload_content=False, _request_timeout=30
         )
 
     def serves(self, group_version: str, plural: str) -> bool:
@@ -993,7 +1007,7 @@ class Kubernetes:
             ) from None
         self.create_problem = ""
         user = str(assignment.get("user") or "")
-        app = json.dumps({"app": spec["app"], "relay_port": relay.port, "key": relay.key}) if relay else ""
+        app = json.dumps(spec["app"]) if relay else ""
         self.state.add_job(JobRecord(task_id, name, cluster.namespace, user, kind=manifests.kind, app=app))
         logger.info("task %s is %s %s in namespace %s", task_id, manifests.kind, name, cluster.namespace)
         await report(task_id, "status", {"state": "pending", "reason": "submitted", "job_id": name}, None)
@@ -1061,9 +1075,10 @@ class Kubernetes:
         other two. One that exists already is this run's own (the name carries the lease): an assignment
         repeated."""
         name = manifests.job["metadata"]["name"]
-        for secret in (manifests.secret, manifests.app_secret):
-            if secret is not None and await self._create_one(secret, "secrets") is None:
-                await self._call(self.api.replace_secret, secret, verb="replace", resource="secrets")
+        if await self._create_one(manifests.secret, "secrets") is None:
+            await self._call(self.api.refresh_secret, manifests.secret, verb="patch", resource="secrets")
+        if manifests.app_secret is not None:  # one there already holds the key a pod of the run may use
+            await self._create_one(manifests.app_secret, "secrets")
         if manifests.service is not None:
             await self._create_one(manifests.service, "services")
         if manifests.app_policy is not None:  # before the pod: it is never reachable but by its relay
@@ -1241,8 +1256,9 @@ class Kubernetes:
                 continue
             annotations = (item.get("metadata") or {}).get("annotations") or {}
             submitter = str(annotations.get("klique.io/submitter") or "")
+            app = str(annotations.get(pods.APP_ANNOTATION) or "")  # an app's section: its route reopens
             self.state.add_job(
-                JobRecord(task, workload, self.settings.cluster.namespace, submitter, kind=kind)
+                JobRecord(task, workload, self.settings.cluster.namespace, submitter, kind=kind, app=app)
             )
             recorded.add(task)
             logger.info("adopted %s %s of task %s", kind, workload, task)
@@ -1591,22 +1607,35 @@ class Kubernetes:
     def spec_of(self, task_id: str) -> dict[str, Any]:
         """What the agent needs again of a run after a restart: an app's section; {} for other runs."""
         record = self._record(task_id)
-        return {"app": json.loads(record.app)["app"]} if record is not None and record.app else {}
+        return {"app": json.loads(record.app)} if record is not None and record.app else {}
 
     async def app_upstream(self, task_id: str, app: protocol_apps.AppSpec) -> NodeRelay | None:
-        """The way to the app of a run once its pod runs: the pod's address as the cluster gives it, the
-        relay's port and key as this agent chose them (pods.Relay); None if the run ends first."""
-        while (record := self._record(task_id)) is not None:
-            relay = json.loads(record.app) if record.app else None
-            if relay is None or record.stopping:
-                return None
+        """The way to the app of a run once its pod runs, all of it the cluster's word: the pod's address,
+        the ports its relay sidecar was given, and the key in the run's app Secret (so an agent that lost
+        its state, or adopted the run, reaches the same relay). None if the run ends first."""
+        while (record := self._record(task_id)) is not None and record.app and not record.stopping:
             for pod in self.pods_of(record):
                 status = pod.get("status") or {}
-                if status.get("phase") == "Running" and status.get("podIP"):
-                    where = f"pod {_name(pod)}"
-                    return await NodeRelay(
-                        status["podIP"], relay["relay_port"], app.port or 0, relay["key"], place=where
-                    ).open()
+                ports = pods.relay_ports(pod.get("spec") or {})
+                if status.get("phase") != "Running" or not status.get("podIP") or ports is None:
+                    continue
+                try:
+                    key = await self._call(
+                        self.api.secret_value,
+                        pods.app_objects_name(record.job_id),
+                        "key",
+                        verb="read",
+                        resource="secrets",
+                    )
+                except ApiProblem as problem:
+                    logger.warning("task %s: its app's key cannot be read: %s", task_id, problem)
+                    break
+                if not re.fullmatch(r"[0-9a-f]{64}", key):
+                    logger.warning("task %s: its app Secret holds no key", task_id)
+                    break
+                relay_port, app_port = ports
+                where = f"pod {_name(pod)}"
+                return await NodeRelay(status["podIP"], relay_port, app_port, key, place=where).open()
             await asyncio.sleep(APP_LOOK_SECONDS)
         return None
 

@@ -49,8 +49,7 @@ class JobRecord:
     stopping: bool = False
     last: str = ""  # the state and reason last reported, so that only changes go out
     kind: str = "Job"  # on Kubernetes, what job_id names: a Job, a JobSet (whose Job runs it) or a PyTorchJob
-    app: str = ""  # an app's run: its spec's app section (JSON), to open its tunnel again after a restart;
-    # on Kubernetes {"app": <the section>, "relay_port": <port>, "key": <its relay's key>}
+    app: str = ""  # an app's run: its spec's app section (JSON), to open its tunnel again after a restart
 
 
 @dataclass(frozen=True)

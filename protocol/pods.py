@@ -75,6 +75,7 @@ CUSTOM_WORKLOADS = {
 }
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # on each pod of an Indexed Job
 RELAY_CONTAINER = "klique-relay"  # an app's relay, the pod's sidecar
+APP_ANNOTATION = "klique.io/app"  # an app run's section of its spec, on its Job and pod
 RELAY_USER = 65534  # the relay runs as nobody: it reads nothing but its code
 APP_KEY_VARIABLE = "KLIQUE_APP_KEY"  # the relay's key (agents.node's name for it)
 
@@ -296,6 +297,20 @@ class Relay:
     key: str
 
 
+def relay_ports(pod_spec: Mapping[str, Any]) -> tuple[int, int] | None:
+    """The relay's and the app's ports as a pod's relay sidecar was given them; None for a pod without one
+    (or one whose command is not the one `Relay` renders)."""
+    for container in pod_spec.get("initContainers") or []:
+        if not isinstance(container, dict) or container.get("name") != RELAY_CONTAINER:
+            continue
+        words = [str(word) for word in container.get("command") or []]
+        if len(words) == 6 and words[:3] == ["klique-node", "relay", "--port"] and words[4] == "--app-port":
+            found = [int(word) for word in (words[3], words[5]) if word.isdigit()]
+            if len(found) == 2 and all(1 <= port <= 65535 for port in found):
+                return found[0], found[1]
+    return None
+
+
 def app_objects_name(job: str) -> str:
     """The name of an app run's own Secret (its relay's key: beside the run's, which the app's container
     reads whole) and NetworkPolicy."""
@@ -429,6 +444,8 @@ def render(
     outputs = (assignment.get("spec") or {}).get("outputs") or []
     if outputs:  # what the agent uploads from the task's folder when it ends, also after a restart
         annotations["klique.io/outputs"] = json.dumps([str(pattern) for pattern in outputs])
+    if relay is not None:  # the app's section (no secret in it), for an agent that adopts the run
+        annotations[APP_ANNOTATION] = json.dumps((assignment.get("spec") or {}).get("app"))
     metadata = _mapping(pod, "metadata")
     metadata["labels"] = {**(metadata.get("labels") or {}), **labels}
     metadata["annotations"] = {**(metadata.get("annotations") or {}), **annotations}

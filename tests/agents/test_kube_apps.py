@@ -272,3 +272,76 @@ def test_a_pod_template_that_takes_the_relays_name_is_refused_when_read(
     words = "line 3: no init container may be named 'klique-relay'"
     with pytest.raises(pods.PodTemplateInvalid, match=words):
         backend(cluster, tmp_path, relay_image=IMAGE, templates={"Research: GPUs": template})
+
+
+@pytest.mark.parametrize("how", ["adopted", "assigned again"])
+def test_an_agent_killed_before_it_recorded_an_apps_job_reaches_the_same_relay(
+    cluster: Cluster, tmp_path: Path, app_server: int, how: str
+) -> None:
+    """The agent made the app's Job and died before its state said so. The next one finds the Job it
+    labelled (or is handed the run again, with another port picked for it): either way it reaches the
+    relay the pod runs, with the ports the pod was given and the key in the run's Secret, never a new one."""
+    kube, kubelet = backend(cluster, tmp_path, relay_image=IMAGE), Kubelet(cluster)
+    task = app_task("app6", app_server)
+
+    async def scenario() -> None:
+        begin(kube, task)
+        await kube.start(task, Recorder(kube.state))
+        name = pods.job_name("app6", "lease-app6")
+        (relay_port, app_port) = pods.relay_ports(
+            (await asyncio.to_thread(kubelet.job, name))["spec"]["template"]["spec"]
+        ) or (0, 0)
+        key = (await asyncio.to_thread(kubelet.secret, f"{name}-app"))["stringData"]["key"]
+        await kube.stop_all(0)
+        kube.state.remove_job("app6")  # what the killed agent never wrote
+        relay_server = node.AppRelay(key, app_server, port=relay_port)
+        threading.Thread(target=relay_server.serve_forever, daemon=True).start()
+        (pod,) = await asyncio.to_thread(kubelet.make_pods, name, terminating=True)
+        await asyncio.to_thread(kubelet.run, pod, ip="127.0.0.1")
+
+        again = Kubernetes(kube.settings, State(tmp_path / "agent.sqlite"), kube.api)
+        if how == "adopted":
+            again.adopt(Recorder(again.state))
+            await until(lambda: again.running() == ["app6"])
+        else:
+            other = app_task("app6", free_port())  # the agent loop picks a port for each assignment
+            await again.start(other, Recorder(again.state))
+            assert (await asyncio.to_thread(kubelet.secret, f"{name}-app"))["stringData"]["key"] == key
+        assert again.spec_of("app6")["app"]["instance"] == task["spec"]["app"]["instance"]
+        upstream = await asyncio.wait_for(again.app_upstream("app6", _spec(again.spec_of("app6")["app"])), 10)
+        assert upstream is not None
+        assert (upstream.relay_port, upstream.port, upstream.key) == (relay_port, app_port, key)
+        async with httpx.AsyncClient(transport=upstream.transport()) as client:
+            assert (await client.get(upstream.local + "/again")).text == "app at /again"
+        await upstream.aclose()
+        relay_server.server.close()
+        await again.stop_all(0)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "container",
+    [
+        {"name": "other", "command": ["klique-node", "relay", "--port", "7070", "--app-port", "8888"]},
+        {"name": "klique-relay", "command": ["klique-node", "relay", "--port", "7070"]},
+        {"name": "klique-relay", "command": ["klique-node", "relay", "--port", "x", "--app-port", "8888"]},
+        {"name": "klique-relay", "command": ["klique-node", "relay", "--port", "0", "--app-port", "8888"]},
+        {"name": "klique-relay", "command": ["klique-node", "relay", "--port", "70000", "--app-port", "1"]},
+        {"name": "klique-relay", "command": ["sh", "-c", "--port", "7070", "--app-port", "8888"]},
+        {"name": "klique-relay", "command": ["klique-node", "relay", "--app-port", "8888", "--port", "7070"]},
+        {"name": "klique-relay"},
+        "klique-relay",
+    ],
+)
+def test_a_pod_whose_relay_is_not_as_klique_renders_it_has_no_relay_ports(container: object) -> None:
+    assert pods.relay_ports({"initContainers": [container]}) is None
+    rendered = pods.SAMPLE_RELAY
+    made = pods.render(
+        pods.Template.parse("default", pods.DEFAULT_TEMPLATE),
+        {**pods.SAMPLE_ASSIGNMENT, "spec": {"command": ["x"], "app": {"instance": "ab", "port": 8888}}},
+        pods.ClusterSettings(),
+        relay=rendered,
+    )
+    spec = made.job["spec"]["template"]["spec"]
+    assert pods.relay_ports(spec) == (rendered.port, rendered.app_port)
