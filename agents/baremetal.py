@@ -447,8 +447,9 @@ class BareMetal:
     app_ports_here = True  # an app's port is picked on this host, by the agent (agents.main)
 
     async def app_upstream(self, task_id: str, app: AppSpec) -> Upstream | None:
-        """An app this host runs serves on its port here."""
-        return Upstream(app.port) if app.port is not None else None
+        """An app this host runs serves on its port here, from the process group of its run."""
+        run = self.state.run(task_id)
+        return Upstream(app.port, run.pid if run is not None else 0) if app.port is not None else None
 
     def spec_of(self, task_id: str) -> dict[str, Any]:
         """The spec a run of this host started with (an app's with its port chosen); {} if none."""

@@ -25,6 +25,7 @@ import contextlib
 import glob
 import hashlib
 import hmac
+import ipaddress
 import json
 import os
 import random
@@ -55,6 +56,7 @@ APP_HELLO = b"KLIQUE-APP/1 "
 APP_ANSWER = b"KLIQUE-APP/1 OK\n"
 APP_ADDRESS_FILE = "app-address"  # in the task's folder: the relay's and the app's ports
 APP_HANDSHAKE_SECONDS = 10.0
+APP_LOOK_SECONDS = 1.0  # how often the reporter looks whether its app listens yet
 APP_KEY_VARIABLE = "KLIQUE_APP_KEY"  # `klique-node relay`'s key, from the pod's own Secret
 APP_HANDSHAKES = 32  # callers a relay waits on at once for the key; more are turned away
 
@@ -392,6 +394,85 @@ def _copy(source: socket.socket, sink: socket.socket) -> None:
             source.shutdown(socket.SHUT_RDWR)
 
 
+def listeners(port: int, group: int = 0) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The addresses on which something on this host listens on `port` (its /proc/net/tcp and tcp6): a
+    process of process group `group` where one is given, else anything."""
+    owned = _sockets_of(group) if group else None
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) < 4 or fields[3] != "0A":  # LISTEN
+                continue
+            local, _, hex_port = fields[1].partition(":")
+            if not hex_port or int(hex_port, 16) != port:
+                continue
+            if owned is not None and (len(fields) < 10 or fields[9] not in owned):
+                continue
+            raw = bytes.fromhex(local)  # each 32-bit word in the host's (little-endian) order
+            raw = b"".join(raw[at : at + 4][::-1] for at in range(0, len(raw), 4))
+            found.append(ipaddress.ip_address(socket.inet_ntop(family, raw)))
+    return found
+
+
+def _sockets_of(group: int) -> set[str]:
+    """The inodes of the sockets the processes of a process group hold (those this user may read)."""
+    inodes = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) != group:
+                continue
+            for descriptor in (entry / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(descriptor)
+                    if target.startswith("socket:["):
+                        inodes.add(target[len("socket:[") : -1])
+    return inodes
+
+
+def exposed(port: int, group: int = 0) -> list[str]:
+    """The addresses beyond the loopback on which something (of process group `group`, where given)
+    listens on `port`: an app there is reached past its relay and its route."""
+    found = []
+    for address in listeners(port, group):
+        mapped = getattr(address, "ipv4_mapped", None)
+        if not (address.is_loopback or (mapped is not None and mapped.is_loopback)):
+            found.append(f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}")
+    return found
+
+
+def exposure(port: int, group: int = 0) -> str:
+    """Why an app on `port` (of process group `group`, where given) is reachable past its route ("" where
+    it listens on the loopback only)."""
+    found = exposed(port, group)
+    if not found:
+        return ""
+    return (
+        f"the app listens on {', '.join(sorted(set(found)))}, where anyone who reaches this host's network "
+        "reaches it past its route and its sharing; its entry must bind it to 127.0.0.1 (as the shipped "
+        "entries do)"
+    )
+
+
+def guard_app(child: subprocess.Popen[bytes], port: int) -> None:
+    """Once the app listens on its port, stop it (saying why in the job's output) if it listens beyond the
+    node's loopback: the relay is its only way in."""
+    while child.poll() is None and not listeners(port, child.pid):
+        time.sleep(APP_LOOK_SECONDS)
+    time.sleep(APP_LOOK_SECONDS)  # a server may open its addresses one after another
+    problem = exposure(port, child.pid) if child.poll() is None else ""
+    if problem:
+        print(f"klique: {problem}; it is stopped", flush=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGTERM)
+
+
 def free_loopback_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -437,6 +518,8 @@ def run(arguments: argparse.Namespace) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(signum, forward)
+    if arguments.app_port:
+        threading.Thread(target=guard_app, args=(child, int(environment["PORT"])), daemon=True).start()
     if rank == 0:
         reporter.add("status", {"state": "running", "host": os.uname().nodename})
 

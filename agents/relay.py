@@ -112,6 +112,11 @@ class NodeRelay(Upstream):
         where = f"port {self.port} of {self.place}"
         return f"{where} ({self.problem})" if self.problem else where
 
+    def exposure(self) -> str:
+        """Nothing this agent can see: on a compute node the node reporter looks (agents.node), and a pod
+        has a network of its own that admits the relay's port only (protocol.pods)."""
+        return ""
+
     def transport(self) -> httpx.AsyncBaseTransport:
         return httpx.AsyncHTTPTransport(uds=self.path)
 

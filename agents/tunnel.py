@@ -27,6 +27,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import websockets
 
+from agents import node
 from protocol import tunnel
 from protocol.apps import AppSpec
 
@@ -55,8 +56,8 @@ class Upstream:
     """Where the tunnel reaches the app: its port on this host (the bare-metal backend). An app on another
     host is reached through a subclass that leads there (agents.relay.NodeRelay)."""
 
-    def __init__(self, port: int) -> None:
-        self.port = port
+    def __init__(self, port: int, group: int = 0) -> None:
+        self.port, self.group = port, group  # the run's process group, where known
 
     @property
     def local(self) -> str:
@@ -65,6 +66,13 @@ class Upstream:
 
     def describe(self) -> str:
         return f"port {self.port}"
+
+    def exposure(self) -> str:
+        """Why the app is reachable past its route ("" where it is not): on this host, an app that listens
+        beyond the loopback; the run's own sockets where its processes hold them, else (an app in a
+        container, whose processes are the engine's) whatever listens on its port."""
+        ours = self.group and node.listeners(self.port, self.group)
+        return node.exposure(self.port, self.group if ours else 0)
 
     def transport(self) -> httpx.AsyncBaseTransport:
         return httpx.AsyncHTTPTransport()
@@ -134,7 +142,7 @@ class AppTunnel:
                 transport=located.transport(), timeout=httpx.Timeout(None, connect=10), follow_redirects=False
             ) as client:
                 self.client = client
-                problem = await self._wait_healthy()
+                problem = await self._wait_healthy() or located.exposure()
                 if problem:
                     await self.fail(problem)
                     return

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from agents import node
 from agents.backend import Refused, free_port
 from agents.main import Agent
 from agents.tunnel import AppTunnel, tunnel_address
@@ -258,3 +262,89 @@ def test_an_apps_close_during_a_drop_reaches_the_client_after_the_resume() -> No
     assert (head.kind, head.document()["received"]) == (tunnel.HEAD, 0)
     assert (close.stream, close.kind, close.document()) == (2, tunnel.END, {"code": 4001})
     assert not still_kept
+
+
+def _listening(family: int, address: str) -> socket.socket:
+    server = socket.socket(family, socket.SOCK_STREAM)
+    if family == socket.AF_INET6:
+        server.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if address.startswith("::ffff:") else 1)
+    server.bind((address, 0))
+    server.listen()
+    return server
+
+
+@pytest.mark.parametrize(
+    ("family", "address", "exposed"),
+    [
+        (socket.AF_INET, "127.0.0.1", False),
+        (socket.AF_INET, "127.8.9.10", False),  # all of 127/8 is the loopback
+        (socket.AF_INET6, "::1", False),
+        (socket.AF_INET6, "::ffff:127.0.0.1", False),
+        (socket.AF_INET, "0.0.0.0", True),  # noqa: S104 -- what the check is for
+        (socket.AF_INET6, "::", True),
+        (socket.AF_INET6, "::ffff:0.0.0.0", True),
+        (socket.AF_INET, "own", True),  # this host's address on its network
+    ],
+)
+def test_an_app_listening_beyond_the_loopback_is_seen(family: int, address: str, exposed: bool) -> None:
+    if address == "own":  # the address this host would send from (a UDP "connection" sends nothing)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.connect(("192.0.2.1", 9))
+                address = probe.getsockname()[0]
+            except OSError:
+                pytest.skip("this host has no route beyond its loopback")
+    with _listening(family, address) as server:
+        port = server.getsockname()[1]
+        assert bool(node.exposed(port)) is exposed, node.listeners(port)
+        if exposed:
+            assert f":{port}" in node.exposure(port)
+            assert "must bind it to 127.0.0.1" in node.exposure(port)
+            assert node.exposed(port, os.getpgrp())  # this process's own socket
+            other = subprocess.Popen(["sleep", "30"], start_new_session=True)
+            try:  # another process group holds nothing on that port
+                assert node.exposed(port, other.pid) == []
+            finally:
+                other.kill()
+                other.wait()
+        else:
+            assert node.exposure(port) == ""
+    assert node.listeners(port) == []  # closed: nothing listens there
+
+
+def test_an_app_that_listens_beyond_the_loopback_is_stopped_saying_so(tmp_path: Path) -> None:
+    """A real run on the bare-metal backend: the app answers its health check, but on every address of
+    the host, where the route's sharing does not reach; it is stopped, its reason saying why."""
+    metal = backend(tmp_path)
+    recorder = Recorder(metal.state)
+    port = free_port()
+    script = (
+        "import http.server, sys; print('serving', flush=True); "
+        f"http.server.HTTPServer(('0.0.0.0', {port}), http.server.SimpleHTTPRequestHandler).serve_forever()"
+    )
+    spec = {"command": [sys.executable, "-c", script], "app": {**APP, "port": port, "startup_seconds": 20}}
+    failed: list[str] = []
+
+    async def scenario() -> None:
+        await metal.start({"task_id": "t1", "lease_id": "l", "size_units": 0, "spec": spec}, recorder)
+
+        async def fail(reason: str) -> None:
+            failed.append(reason)
+            await metal.fail("t1", reason, grace_seconds=2)
+
+        async def say(line: str) -> None:
+            raise AssertionError(f"an app open to the host's network was said to answer: {line}")
+
+        app = AppSpec.parse(spec["app"])
+        tunnel = AppTunnel(
+            url="http://demo.localhost:1", credentials={}, task_id="t1", lease_id="l",
+            app=app, locate=lambda: metal.app_upstream("t1", app), fail=fail, say=say,
+        )  # fmt: skip
+        await asyncio.wait_for(tunnel.run(), 30)
+        await asyncio.wait_for(recorder.finished.wait(), 30)
+
+    asyncio.run(scenario())
+    assert len(failed) == 1
+    assert failed[0].startswith(f"the app listens on 0.0.0.0:{port}, where anyone who reaches this host")
+    (result,) = [body for kind, body in recorder.reports if kind == "result"]
+    assert "must bind it to 127.0.0.1" in result["reason"]

@@ -394,3 +394,25 @@ def test_the_relay_alone_says_when_its_port_is_taken() -> None:
         output, _ = relay.communicate(timeout=20)
     assert relay.returncode == 1
     assert f"klique-node relay: port {port} cannot be opened" in output
+
+
+def test_the_node_stops_an_app_that_listens_beyond_its_loopback_saying_why(tmp_path: Path) -> None:
+    """The relay is an app's only way in: one that listens on every address of the node is stopped once
+    it listens, and the job's output (which the agent quotes) says why."""
+    exposed = APP.replace('HTTPServer(("127.0.0.1",', 'HTTPServer(("0.0.0.0",')
+    assert exposed != APP
+    (tmp_path / "token").write_text("kqt_x")
+    (tmp_path / "app-key").write_text(agent_end.new_key())
+    argv = [
+        sys.executable, node.__file__, "--url", "http://127.0.0.1:9", "--task", "t1",
+        "--token-file", str(tmp_path / "token"), "--workdir", str(tmp_path), "--final-seconds", "0",
+        "--metrics-seconds", "0", "--app-port", "auto", "--app-key-file", str(tmp_path / "app-key"),
+        "--", sys.executable, "-c", exposed, "open",
+    ]  # fmt: skip
+    reporter = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    port = json.loads((tmp_path / "app-address").read_text())["app"]
+    assert f"klique: the app listens on 0.0.0.0:{port}, where anyone who reaches this host's network" in (
+        reporter.stdout
+    ), reporter.stdout + reporter.stderr
+    assert reporter.returncode != 0  # ended by the reporter's SIGTERM
+    assert node.listeners(port) == []
