@@ -88,22 +88,35 @@ def test_the_tunnel_connects_where_the_agent_does() -> None:
 
 def test_an_app_that_never_answers_is_stopped_with_its_logs_last_lines(tmp_path: Path) -> None:
     """A real run on the bare-metal backend: the app prints and sleeps, never serving its port."""
-    metal = backend(tmp_path)
-    recorder = Recorder(metal.state)
     script = "import time; print('loading weights'); print('still loading', flush=True); time.sleep(60)"
     spec = {"command": [sys.executable, "-c", script], "app": {**APP, "port": free_port()}}
+    failed, result, took = failed_app(tmp_path, spec)
+    assert 2 <= took < 10
+    assert len(failed) == 1
+    assert failed[0].startswith("the app did not answer its health check (GET / on port ")
+    assert result["exit_code"] != 0
+    assert "did not answer its health check" in result["reason"]
+    assert result["reason"].endswith("its log ends: loading weights | still loading")
+
+
+def failed_app(tmp_path: Path, spec: dict[str, Any]) -> tuple[list[str], dict[str, Any], float]:
+    """A real run of `spec` on the bare-metal backend whose app is expected to fail: the reasons its tunnel
+    gave, the run's result, and how long the tunnel ran."""
+    metal = backend(tmp_path)
+    recorder = Recorder(metal.state)
     failed: list[str] = []
+    took = 0.0
 
     async def scenario() -> None:
+        nonlocal took
         await metal.start({"task_id": "t1", "lease_id": "l", "size_units": 0, "spec": spec}, recorder)
-        await asyncio.sleep(0.5)
 
         async def fail(reason: str) -> None:
             failed.append(reason)
             await metal.fail("t1", reason, grace_seconds=2)
 
         async def say(line: str) -> None:
-            raise AssertionError(f"an app that never answered was said to answer: {line}")
+            raise AssertionError(f"an app expected to fail was said to answer: {line}")
 
         app = AppSpec.parse(spec["app"])
         tunnel = AppTunnel(
@@ -111,17 +124,13 @@ def test_an_app_that_never_answers_is_stopped_with_its_logs_last_lines(tmp_path:
             app=app, locate=lambda: metal.app_upstream("t1", app), fail=fail, say=say,
         )  # fmt: skip
         started = time.monotonic()
-        await tunnel.run()
-        assert 2 <= time.monotonic() - started < 10
+        await asyncio.wait_for(tunnel.run(), 30)
+        took = time.monotonic() - started
         await asyncio.wait_for(recorder.finished.wait(), 30)
 
     asyncio.run(scenario())
-    assert failed
-    assert failed[0].startswith("the app did not answer its health check (GET / on port ")
     (result,) = [body for kind, body in recorder.reports if kind == "result"]
-    assert result["exit_code"] != 0
-    assert "did not answer its health check" in result["reason"]
-    assert result["reason"].endswith("its log ends: loading weights | still loading")
+    return failed, result, took
 
 
 def test_an_ended_tunnel_forgets_itself_not_a_newer_runs(tmp_path: Path) -> None:
@@ -315,36 +324,13 @@ def test_an_app_listening_beyond_the_loopback_is_seen(family: int, address: str,
 def test_an_app_that_listens_beyond_the_loopback_is_stopped_saying_so(tmp_path: Path) -> None:
     """A real run on the bare-metal backend: the app answers its health check, but on every address of
     the host, where the route's sharing does not reach; it is stopped, its reason saying why."""
-    metal = backend(tmp_path)
-    recorder = Recorder(metal.state)
     port = free_port()
     script = (
         "import http.server, sys; print('serving', flush=True); "
         f"http.server.HTTPServer(('0.0.0.0', {port}), http.server.SimpleHTTPRequestHandler).serve_forever()"
     )
     spec = {"command": [sys.executable, "-c", script], "app": {**APP, "port": port, "startup_seconds": 20}}
-    failed: list[str] = []
-
-    async def scenario() -> None:
-        await metal.start({"task_id": "t1", "lease_id": "l", "size_units": 0, "spec": spec}, recorder)
-
-        async def fail(reason: str) -> None:
-            failed.append(reason)
-            await metal.fail("t1", reason, grace_seconds=2)
-
-        async def say(line: str) -> None:
-            raise AssertionError(f"an app open to the host's network was said to answer: {line}")
-
-        app = AppSpec.parse(spec["app"])
-        tunnel = AppTunnel(
-            url="http://demo.localhost:1", credentials={}, task_id="t1", lease_id="l",
-            app=app, locate=lambda: metal.app_upstream("t1", app), fail=fail, say=say,
-        )  # fmt: skip
-        await asyncio.wait_for(tunnel.run(), 30)
-        await asyncio.wait_for(recorder.finished.wait(), 30)
-
-    asyncio.run(scenario())
+    failed, result, _ = failed_app(tmp_path, spec)
     assert len(failed) == 1
     assert failed[0].startswith(f"the app listens on 0.0.0.0:{port}, where anyone who reaches this host")
-    (result,) = [body for kind, body in recorder.reports if kind == "result"]
     assert "must bind it to 127.0.0.1" in result["reason"]
