@@ -111,6 +111,8 @@ def test_the_agent_chart_lints_renders_and_validates(helm: Path, values: list[st
         "leases",
     }
     assert all(document["metadata"].get("namespace") == "ml" for document in of_kind(documents, "Role"))
+    secrets = {verb for rule in role["rules"] if "secrets" in rule["resources"] for verb in rule["verbs"]}
+    assert secrets == {"create", "get", "patch", "delete"}  # what the agent calls, and no more
     cluster_roles = of_kind(documents, "ClusterRole")
     if "capacity.clusterWide=false" in values:
         assert not cluster_roles
