@@ -3,11 +3,11 @@ submitters (Slurm, PBS, LSF) alike."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from agents.node import free_loopback_port
 from agents.state import Position, State
 
 # (task id, kind, body, log offset or pod log cursor reached, or None) -> sent when it may be
@@ -49,11 +49,7 @@ async def upload_outputs(
 MAX_REASON = 500  # characters of a reason outside the task's own command that go into a result
 
 
-def free_port() -> int:
-    """A port no one on this host listens on now (the app binds it moments later)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+free_port = free_loopback_port  # the node reporter's, which runs without the rest of the agent
 
 
 def with_log_end(reason: str, log: str, count: int = 3) -> str:

@@ -439,8 +439,12 @@ def _sockets_of(group: int) -> set[str]:
 def exposed(port: int, group: int = 0) -> list[str]:
     """The addresses beyond the loopback on which something (of process group `group`, where given)
     listens on `port`: an app there is reached past its relay and its route."""
+    return _beyond(listeners(port, group), port)
+
+
+def _beyond(addresses: list[ipaddress.IPv4Address | ipaddress.IPv6Address], port: int) -> list[str]:
     found = []
-    for address in listeners(port, group):
+    for address in addresses:
         mapped = getattr(address, "ipv4_mapped", None)
         if not (address.is_loopback or (mapped is not None and mapped.is_loopback)):
             found.append(f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}")
@@ -448,9 +452,11 @@ def exposed(port: int, group: int = 0) -> list[str]:
 
 
 def exposure(port: int, group: int = 0) -> str:
-    """Why an app on `port` (of process group `group`, where given) is reachable past its route ("" where
-    it listens on the loopback only)."""
-    found = exposed(port, group)
+    """Why an app on `port` is reachable past its route ("" where it listens on the loopback only): what
+    its process group `group` listens on where the group holds the port, else (no group, or an app in a
+    container, whose processes are the engine's) whatever listens there."""
+    held = listeners(port, group) if group else []
+    found = _beyond(held or listeners(port), port)
     if not found:
         return ""
     return (
@@ -474,6 +480,7 @@ def guard_app(child: subprocess.Popen[bytes], port: int) -> None:
 
 
 def free_loopback_port() -> int:
+    """A port no one on this host listens on now (the app binds it moments later)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])

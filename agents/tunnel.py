@@ -71,8 +71,7 @@ class Upstream:
         """Why the app is reachable past its route ("" where it is not): on this host, an app that listens
         beyond the loopback; the run's own sockets where its processes hold them, else (an app in a
         container, whose processes are the engine's) whatever listens on its port."""
-        ours = self.group and node.listeners(self.port, self.group)
-        return node.exposure(self.port, self.group if ours else 0)
+        return node.exposure(self.port, self.group)
 
     def transport(self) -> httpx.AsyncBaseTransport:
         return httpx.AsyncHTTPTransport()
