@@ -58,6 +58,10 @@ def schedule(snapshot: Snapshot) -> Decision:
 class _Cycle(Backfilling, Preempting, Explaining):
     """One cycle's main loop: the guaranteed band, the borrowing band, then a second chance at reclaim."""
 
+    # Whether a task alike to one just refused for room, with nothing changed since, is refused as that one
+    # was without asking again (_refused_as_before, _settle). Off only in tests that compare the two.
+    remember_refusals = True
+
     # -- the cycle -------------------------------------------------------------------------------------
 
     def run(self) -> Decision:
@@ -65,9 +69,11 @@ class _Cycle(Backfilling, Preempting, Explaining):
             self._run_band(band)
         self._settle()
         self._give_reasons_to_the_rest()
-        reasons = {
-            task_id: reason for task_id, reason in self.reasons.items() if task_id not in self.placements
-        }
+        reasons = self.reasons
+        if not reasons.keys().isdisjoint(self.placements):  # (looks up each placement, not each reason)
+            reasons = {
+                task_id: reason for task_id, reason in reasons.items() if task_id not in self.placements
+            }
         planned = {
             reservation.task: (pool_id, reservation.start) for pool_id, reservation in self.reserved.items()
         }
@@ -80,12 +86,24 @@ class _Cycle(Backfilling, Preempting, Explaining):
         A guaranteed task must not be left waiting while such work could make room for it, so each one
         tries reclaim again, in the order it was first considered. A borrowing placement of this cycle
         that is reclaimed is simply not made; work that was already running is preempted.
+
+        A task goes no further than the last one of its queue's policy and profile of its kind, while nothing
+        has changed since that one found no room (as in _refused_as_before).
         """
+        failed: dict[tuple[object, ...], int] = {}  # policy, profile and kind of task -> version it failed at
         for state, index in self.waiting_guaranteed:
             task, policy = state.tasks[index], state.policy
+            kind = (policy.id, state.profile.id, task.sharing, task.size, task.time_limit)
+            alike = (
+                self.remember_refusals and task.id not in self.holding and task.id not in self.planned_heads
+            )
+            if alike and failed.get(kind) == self.version:
+                continue
             if self._ineligible(policy, task) is not None or not self._guaranteed(policy, task):
                 continue
             pool = self._place(state.profile, policy, task) or self._reclaim(state.profile, policy, task)
+            if pool is None and alike:
+                failed[kind] = self.version
             if pool is not None:
                 self._commit(task, policy, pool, band=GUARANTEED)
                 self.placed_now[task.id] = (state, index)
@@ -146,21 +164,29 @@ class _Cycle(Backfilling, Preempting, Explaining):
             index = state.pending(index + 1)
 
     def _key(self, state: QueueState, task: Task) -> tuple[object, ...]:
-        home = self._home(state.profile, task)
-        execution = state.profile.execution_priority.get(home, 0) if home is not None else 0
-        policy = state.policy
-        fair_share = self.policy_used[policy.id] / max(policy.reservation, 1)
+        profile, policy = state.profile, state.policy
+        kind = (profile.id, task.sharing, task.size)
+        execution = self._execution.get(kind)
+        if execution is None:  # the execution priority of the first pool that could ever hold it
+            home = self._home(profile, task)
+            execution = self._execution[kind] = (
+                profile.execution_priority.get(home, 0) if home is not None else 0
+            )
         return (
             -state.queue.queuing_priority,
             -execution,
             -task.priority,
-            fair_share,
+            self.policy_used[policy.id] / (policy.reservation or 1),  # fair share (reservations are >= 0)
             task.submitted_at,
             task.id,
         )
 
     def _consider(self, state: QueueState, index: int, band: int) -> None:
         task, policy = state.tasks[index], state.policy
+        kind = (band, task.sharing, task.size, task.time_limit)
+        if self._refused_as_before(state, index, kind):
+            return
+        version = self.version
         is_head = state.head() == index
         refusal = self._ineligible(policy, task)
         if refusal is not None:
@@ -192,7 +218,33 @@ class _Cycle(Backfilling, Preempting, Explaining):
                 self.version += 1  # a held pool changes what others may place and reclaim
         # Given up on for the whole cycle: free capacity only shrinks from here, so the borrowing band
         # would not find room the guaranteed band did not.
-        self._give_up(state, index, self._planned_reason(task, self._no_room_reason(state.profile, task)))
+        reason = self._planned_reason(task, self._no_room_reason(state.profile, task))
+        self._give_up(state, index, reason)
+        if self.version == version and task.id not in self.planned_heads and task.id not in self.holding:
+            state.refused[kind] = (version, reason)
+
+    def _refused_as_before(self, state: QueueState, index: int, kind: tuple[object, ...]) -> bool:
+        """Refuse the task at `index` as the last one of its kind in its queue was refused for room, where
+        that is sure to be its answer and all its turn would do: nothing in the cycle has changed since (its
+        usage, holds and planned starts: `version`), and its turn could do nothing else (plan the queue's
+        head, hold a pool as a starving head, or answer for a pool held or planned for it). Every answer of
+        that refusal (the policy's and the tenant's room, the pools' room, reclaim, the reason) depends on
+        nothing else, so a long queue of alike tasks is refused in a lookup each instead of the whole
+        question (at a million queued, most of a cycle). False, having done nothing, otherwise."""
+        refused = state.refused.get(kind) if self.remember_refusals else None
+        if refused is None or refused[0] != self.version or not state.planned:
+            return False
+        task = state.tasks[index]
+        if task.id in self.planned_heads or task.id in self.holding:
+            return False
+        if self._starving(state.profile, task):
+            home = self._home(state.profile, task)
+            if home is not None and home not in self.held:
+                return False
+        if kind[0] == GUARANTEED:
+            self.waiting_guaranteed.append((state, index))
+        self._give_up(state, index, refused[1])
+        return True
 
     def _plan_if_blocked(self, state: QueueState, task: Task) -> None:
         """A head the guaranteed band passes over (it would borrow): plan it if it is blocked, by its

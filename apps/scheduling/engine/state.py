@@ -43,6 +43,9 @@ class QueueState:
     smallest: int = 0  # the smallest task size in the queue
     planned: bool = False  # its blocked head was planned a start this cycle (or could not be)
     _head: int = 0
+    # Refusals for room of this queue's tasks that changed nothing else, by the band and the task's kind
+    # (sharing, size, time limit): the cycle's version then, and the reason (_Cycle._consider).
+    refused: dict[tuple[object, ...], tuple[int, Reason]] = field(default_factory=dict)
 
     def head(self) -> int:
         """The index of the queue's first task still waiting (tasks only ever leave, so it only moves on)."""
@@ -191,6 +194,8 @@ class CycleState:
         }  # the tasks reservations are held for
         self.version = 0  # bumped whenever usage or the held pools change; see _memo
         self._home_cache: dict[tuple[str, Sharing, int], str | None] = {}
+        # The execution priority of the home (as _home) of each profile, sharing method and size.
+        self._execution: dict[tuple[str, Sharing, int], int] = {}
         self._memo_entries = Memo(-1)
         self._message_cache: dict[tuple[object, ...], Reason] = {}
 
