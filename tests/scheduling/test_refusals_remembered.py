@@ -128,3 +128,34 @@ def test_a_time_limit_makes_another_kind() -> None:
     )
     assert {placement.task for placement in decision.placements} == {"short"}
     assert decision.reasons["unlimited"].code == "reserved_for_head"
+
+
+def test_settling_asks_an_alike_task_again_once_something_has_changed() -> None:
+    """`a1` and `a2` are alike. When settling comes to `a1`, pool P is held for the starving `T`, so `a1`
+    finds no room. `T` then reclaims the newer of Team B's runs in P (borrowing in pool Q made Team B's work
+    in P reclaimable) and leaves a GPU free beside it. `a2`, asked again since the cycle has changed, takes
+    that GPU."""
+    decision = schedule(
+        snapshot(
+            pools=[pool("P", 4), pool("Q", 4)],
+            profiles=[profile("fa", ["P"]), profile("ft", ["P"], starvation=100.0), profile("fb", ["Q"])],
+            policies=[policy("A", 2, 2), policy("B", 4, 8), policy("C", 2, 2)],
+            queues=[queue("qa", "A", "fa"), queue("qt", "C", "ft"), queue("qb", "B", "fb")],
+            queued=[
+                task("a1", "qa", 1, at=500.0, priority=2),
+                task("T", "qt", 2, at=0.0, priority=1),
+                task("a2", "qa", 1, at=500.0),
+                task("b1", "qb", 3, at=0.0),
+            ],
+            allocations=[
+                running("v1", "qb", "P", 3, started=200.0),
+                running("v2", "qb", "P", 1, started=100.0),
+            ],
+        )
+    )
+    assert {(placement.task, placement.pool) for placement in decision.placements} == {
+        ("b1", "Q"),
+        ("T", "P"),
+        ("a2", "P"),
+    }
+    assert [(item.victim, item.for_task) for item in decision.preemptions] == [("v1", "T")]
