@@ -88,22 +88,21 @@ class _Cycle(Backfilling, Preempting, Explaining):
         that is reclaimed is simply not made; work that was already running is preempted.
 
         A task goes no further than the last one of its queue's policy and profile of its kind, while nothing
-        has changed since that one found no room (as in _refused_as_before).
+        has changed since that one found no room (the memo of the cycle's version, as in _refused_as_before).
         """
-        failed: dict[tuple[object, ...], int] = {}  # policy, profile and kind of task -> version it failed at
         for state, index in self.waiting_guaranteed:
             task, policy = state.tasks[index], state.policy
             kind = (policy.id, state.profile.id, task.sharing, task.size, task.time_limit)
             alike = (
                 self.remember_refusals and task.id not in self.holding and task.id not in self.planned_heads
             )
-            if alike and failed.get(kind) == self.version:
+            if alike and kind in self._memo().unsettled:
                 continue
             if self._ineligible(policy, task) is not None or not self._guaranteed(policy, task):
                 continue
             pool = self._place(state.profile, policy, task) or self._reclaim(state.profile, policy, task)
             if pool is None and alike:
-                failed[kind] = self.version
+                self._memo().unsettled.add(kind)
             if pool is not None:
                 self._commit(task, policy, pool, band=GUARANTEED)
                 self.placed_now[task.id] = (state, index)
@@ -165,13 +164,8 @@ class _Cycle(Backfilling, Preempting, Explaining):
 
     def _key(self, state: QueueState, task: Task) -> tuple[object, ...]:
         profile, policy = state.profile, state.policy
-        kind = (profile.id, task.sharing, task.size)
-        execution = self._execution.get(kind)
-        if execution is None:  # the execution priority of the first pool that could ever hold it
-            home = self._home(profile, task)
-            execution = self._execution[kind] = (
-                profile.execution_priority.get(home, 0) if home is not None else 0
-            )
+        home = self._home(profile, task)
+        execution = profile.execution_priority.get(home, 0) if home is not None else 0
         return (
             -state.queue.queuing_priority,
             -execution,
@@ -183,7 +177,7 @@ class _Cycle(Backfilling, Preempting, Explaining):
 
     def _consider(self, state: QueueState, index: int, band: int) -> None:
         task, policy = state.tasks[index], state.policy
-        kind = (band, task.sharing, task.size, task.time_limit)
+        kind = (state.queue.id, band, task.sharing, task.size, task.time_limit)
         if self._refused_as_before(state, index, kind):
             return
         version = self.version
@@ -221,7 +215,7 @@ class _Cycle(Backfilling, Preempting, Explaining):
         reason = self._planned_reason(task, self._no_room_reason(state.profile, task))
         self._give_up(state, index, reason)
         if self.version == version and task.id not in self.planned_heads and task.id not in self.holding:
-            state.refused[kind] = (version, reason)
+            self._memo().refused[kind] = reason
 
     def _refused_as_before(self, state: QueueState, index: int, kind: tuple[object, ...]) -> bool:
         """Refuse the task at `index` as the last one of its kind in its queue was refused for room, where
@@ -231,8 +225,8 @@ class _Cycle(Backfilling, Preempting, Explaining):
         that refusal (the policy's and the tenant's room, the pools' room, reclaim, the reason) depends on
         nothing else, so a long queue of alike tasks is refused in a lookup each instead of the whole
         question (at a million queued, most of a cycle). False, having done nothing, otherwise."""
-        refused = state.refused.get(kind) if self.remember_refusals else None
-        if refused is None or refused[0] != self.version or not state.planned:
+        refused = self._memo().refused.get(kind) if self.remember_refusals else None
+        if refused is None or not state.planned:
             return False
         task = state.tasks[index]
         if task.id in self.planned_heads or task.id in self.holding:
@@ -241,9 +235,9 @@ class _Cycle(Backfilling, Preempting, Explaining):
             home = self._home(state.profile, task)
             if home is not None and home not in self.held:
                 return False
-        if kind[0] == GUARANTEED:
+        if kind[1] == GUARANTEED:
             self.waiting_guaranteed.append((state, index))
-        self._give_up(state, index, refused[1])
+        self._give_up(state, index, refused)
         return True
 
     def _plan_if_blocked(self, state: QueueState, task: Task) -> None:

@@ -43,9 +43,6 @@ class QueueState:
     smallest: int = 0  # the smallest task size in the queue
     planned: bool = False  # its blocked head was planned a start this cycle (or could not be)
     _head: int = 0
-    # Refusals for room of this queue's tasks that changed nothing else, by the band and the task's kind
-    # (sharing, size, time limit): the cycle's version then, and the reason (_Cycle._consider).
-    refused: dict[tuple[object, ...], tuple[int, Reason]] = field(default_factory=dict)
 
     def head(self) -> int:
         """The index of the queue's first task still waiting (tasks only ever leave, so it only moves on)."""
@@ -147,6 +144,10 @@ class Memo:
     reclaimable: dict[str, int] = field(default_factory=dict)  # pool: an upper bound of what reclaim frees
     no_reclaim: set[tuple[str, str, Sharing, int]] = field(default_factory=set)  # profile, policy, task kind
     no_room: dict[tuple[str, Sharing, int], Reason] = field(default_factory=dict)  # profile, task kind
+    # Refusals for room that changed nothing else, by queue, band and task kind (sharing, size, time limit)
+    refused: dict[tuple[object, ...], Reason] = field(default_factory=dict)
+    # Tasks settling found no room for, by policy, profile and task kind (_Cycle._settle)
+    unsettled: set[tuple[object, ...]] = field(default_factory=set)
 
 
 class CycleState:
@@ -194,8 +195,6 @@ class CycleState:
         }  # the tasks reservations are held for
         self.version = 0  # bumped whenever usage or the held pools change; see _memo
         self._home_cache: dict[tuple[str, Sharing, int], str | None] = {}
-        # The execution priority of the home (as _home) of each profile, sharing method and size.
-        self._execution: dict[tuple[str, Sharing, int], int] = {}
         self._memo_entries = Memo(-1)
         self._message_cache: dict[tuple[object, ...], Reason] = {}
 
