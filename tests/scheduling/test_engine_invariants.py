@@ -214,3 +214,29 @@ def test_reclaim_leaves_no_guaranteed_task_waiting_behind_borrowed_work(snapshot
     decision = schedule(snapshot)
     check_invariants(snapshot, decision)
     check_reclaim_is_complete(snapshot, decision)
+
+
+def check_queue_order(snapshot: Snapshot, decision: Decision) -> None:
+    """No task of a queue is placed while an earlier one of the same queue, of the same sharing method and
+    no larger, waits: whatever room the later one took would have held the earlier one (these snapshots
+    have no time limits, so backfill cannot tell them apart)."""
+    placed = {placement.task for placement in decision.placements}
+    by_queue: dict[str, list[Task]] = defaultdict(list)
+    for task in snapshot.queued:
+        by_queue[task.queue].append(task)
+    for tasks in by_queue.values():
+        tasks.sort(key=lambda task: (-task.priority, task.submitted_at, task.id))
+        for position, earlier in enumerate(tasks):
+            if earlier.id in placed:
+                continue
+            for later in tasks[position + 1 :]:
+                passed = (
+                    later.id in placed and later.sharing == earlier.sharing and earlier.size <= later.size
+                )
+                assert not passed, f"{later.id} was placed while {earlier.id}, before it in its queue, waits"
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(snapshots(uniform=False))
+def test_a_queue_order_holds(snapshot: Snapshot) -> None:
+    check_queue_order(snapshot, schedule(snapshot))

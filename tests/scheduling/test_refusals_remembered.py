@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from apps.scheduling.engine import Decision, Sharing, Snapshot, Task, schedule, units
 from apps.scheduling.engine.cycle import _Cycle
 from tests.scheduling.builders import policy, pool, profile, queue, running, snapshot, task
+from tests.scheduling.test_engine_invariants import check_queue_order
 from tests.scheduling.test_engine_invariants import snapshots as random_snapshots
 
 
@@ -131,31 +132,32 @@ def test_a_time_limit_makes_another_kind() -> None:
 
 
 def test_settling_asks_an_alike_task_again_once_something_has_changed() -> None:
-    """`a1` and `a2` are alike. When settling comes to `a1`, pool P is held for the starving `T`, so `a1`
-    finds no room. `T` then reclaims the newer of Team B's runs in P (borrowing in pool Q made Team B's work
-    in P reclaimable) and leaves a GPU free beside it. `a2`, asked again since the cycle has changed, takes
-    that GPU."""
-    decision = schedule(
-        snapshot(
-            pools=[pool("P", 4), pool("Q", 4)],
-            profiles=[profile("fa", ["P"]), profile("ft", ["P"], starvation=100.0), profile("fb", ["Q"])],
-            policies=[policy("A", 2, 2), policy("B", 4, 8), policy("C", 2, 2)],
-            queues=[queue("qa", "A", "fa"), queue("qt", "C", "ft"), queue("qb", "B", "fb")],
-            queued=[
-                task("a1", "qa", 1, at=500.0, priority=2),
-                task("T", "qt", 2, at=0.0, priority=1),
-                task("a2", "qa", 1, at=500.0),
-                task("b1", "qb", 3, at=0.0),
-            ],
-            allocations=[
-                running("v1", "qb", "P", 3, started=200.0),
-                running("v2", "qb", "P", 1, started=100.0),
-            ],
-        )
+    """`a1` and `a2` are alike, `a1` first in its queue. When settling comes to `a1`, pool P is held for the
+    starving `T`, so `a1` finds no room. `T` then reclaims the newer of Team B's runs in P (borrowing in pool
+    Q made Team B's work in P reclaimable) and leaves a GPU free beside it. Before `a2` is asked, `a1` is
+    asked again, since the cycle has changed: it takes that GPU, and `a2` waits behind it."""
+    state = snapshot(
+        pools=[pool("P", 4), pool("Q", 4)],
+        profiles=[profile("fa", ["P"]), profile("ft", ["P"], starvation=100.0), profile("fb", ["Q"])],
+        policies=[policy("A", 2, 2), policy("B", 4, 8), policy("C", 2, 2)],
+        queues=[queue("qa", "A", "fa"), queue("qt", "C", "ft"), queue("qb", "B", "fb")],
+        queued=[
+            task("a1", "qa", 1, at=500.0, priority=2),
+            task("T", "qt", 2, at=0.0, priority=1),
+            task("a2", "qa", 1, at=500.0),
+            task("b1", "qb", 3, at=0.0),
+        ],
+        allocations=[
+            running("v1", "qb", "P", 3, started=200.0),
+            running("v2", "qb", "P", 1, started=100.0),
+        ],
     )
+    decision = schedule(state)
+    check_queue_order(state, decision)
     assert {(placement.task, placement.pool) for placement in decision.placements} == {
         ("b1", "Q"),
         ("T", "P"),
-        ("a2", "P"),
+        ("a1", "P"),
     }
     assert [(item.victim, item.for_task) for item in decision.preemptions] == [("v1", "T")]
+    assert decision.reasons["a2"].code == "no_capacity"

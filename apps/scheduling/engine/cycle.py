@@ -32,6 +32,7 @@ Every task left queued gets a reason a person can read.
 from __future__ import annotations
 
 import heapq
+from collections import deque
 
 from .backfill import Backfilling
 from .model import (
@@ -46,7 +47,7 @@ from .model import (
 )
 from .preemption import Preempting
 from .reasons import Explaining
-from .state import BORROWING, GUARANTEED, QueueState
+from .state import BORROWING, GUARANTEED, Memo, QueueState
 from .units import describe
 
 
@@ -87,26 +88,60 @@ class _Cycle(Backfilling, Preempting, Explaining):
         tries reclaim again, in the order it was first considered. A borrowing placement of this cycle
         that is reclaimed is simply not made; work that was already running is preempted.
 
+        A queue's order holds here too: where the cycle has changed (a placement, a preemption, a hold let
+        go) since an earlier task of the same queue found no room in settling, that task tries again before
+        a later one of its queue is asked, so room that appeared in between goes to the earlier one.
+
         A task goes no further than the last one of its queue's policy and profile of its kind, while nothing
         has changed since that one found no room (the memo of the cycle's version, as in _refused_as_before).
         """
+        unplaced: dict[int, _Unplaced] = {}  # by queue (its state's id)
         for state, index in self.waiting_guaranteed:
-            task, policy = state.tasks[index], state.policy
-            kind = (policy.id, state.profile.id, task.sharing, task.size, task.time_limit)
-            alike = (
-                self.remember_refusals and task.id not in self.holding and task.id not in self.planned_heads
-            )
-            if alike and kind in self._memo().unsettled:
+            earlier = unplaced.get(id(state))
+            if earlier is not None and earlier.memo is not self._memo():
+                self._settle_again(state, earlier)
+            if not self._settle_one(state, index):
+                if earlier is None:
+                    earlier = unplaced[id(state)] = _Unplaced()
+                earlier.add(state, index)
+            if earlier is not None:
+                earlier.memo = self._memo()
+
+    def _settle_again(self, state: QueueState, earlier: _Unplaced) -> None:
+        """Ask a queue's tasks that settling found no room for again, in their order, now that the cycle has
+        changed. Of each kind, the first one is asked: where it finds no room still, so would the rest of
+        its kind (and they may not pass it); where it is placed, the next of its kind is asked."""
+        heads = [(indexes[0], kind) for kind, indexes in earlier.kinds.items()]
+        heapq.heapify(heads)
+        while heads:
+            index, kind = heapq.heappop(heads)
+            if not self._settle_one(state, index):
                 continue
-            if self._ineligible(policy, task) is not None or not self._guaranteed(policy, task):
-                continue
-            pool = self._place(state.profile, policy, task) or self._reclaim(state.profile, policy, task)
-            if pool is None and alike:
+            indexes = earlier.kinds[kind]
+            indexes.popleft()
+            if indexes:
+                heapq.heappush(heads, (indexes[0], kind))
+            else:
+                del earlier.kinds[kind]
+
+    def _settle_one(self, state: QueueState, index: int) -> bool:
+        """Settling's second chance for one guaranteed task: whether it was placed."""
+        task, policy = state.tasks[index], state.policy
+        kind = (policy.id, state.profile.id, task.sharing, task.size, task.time_limit)
+        alike = self.remember_refusals and task.id not in self.holding and task.id not in self.planned_heads
+        if alike and kind in self._memo().unsettled:
+            return False
+        if self._ineligible(policy, task) is not None or not self._guaranteed(policy, task):
+            return False
+        pool = self._place(state.profile, policy, task) or self._reclaim(state.profile, policy, task)
+        if pool is None:
+            if alike:
                 self._memo().unsettled.add(kind)
-            if pool is not None:
-                self._commit(task, policy, pool, band=GUARANTEED)
-                self.placed_now[task.id] = (state, index)
-                del self.reasons[task.id]
+            return False
+        self._commit(task, policy, pool, band=GUARANTEED)
+        self.placed_now[task.id] = (state, index)
+        del self.reasons[task.id]
+        return True
 
     def _run_band(self, band: int) -> None:
         heap: list[tuple[tuple[object, ...], int, int, int]] = []
@@ -336,3 +371,17 @@ class _Cycle(Backfilling, Preempting, Explaining):
         if self.held.get(pool) == task.id:
             del self.held[pool]
             self.holding.discard(task.id)
+
+
+class _Unplaced:
+    """One queue's tasks that settling found no room for, by kind (sharing, size, time limit), each kind's in
+    queue order; and the memo of the cycle's version when they were last asked (a new memo: something
+    changed since)."""
+
+    def __init__(self) -> None:
+        self.kinds: dict[tuple[object, ...], deque[int]] = {}
+        self.memo: Memo | None = None
+
+    def add(self, state: QueueState, index: int) -> None:
+        task = state.tasks[index]
+        self.kinds.setdefault((task.sharing, task.size, task.time_limit), deque()).append(index)
