@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from apps.scheduling.engine import Allocation, Decision, Snapshot, Task, schedule
 from tests.scheduling.builders import policy, pool, profile, queue, running, snapshot, task
-from tests.scheduling.test_engine_invariants import check_invariants
+from tests.scheduling.test_engine_invariants import check_invariants, check_queue_order
 from tests.scheduling.test_engine_invariants import snapshots as random_snapshots
 
 NOW = 1000.0
@@ -304,3 +304,11 @@ def test_nothing_placed_keeps_a_planned_head_from_starting_when_planned(snapshot
         assert policy_free_at(snapshot, decision, policy_id, start) >= tasks[head].size, (head, policy_id)
     assert all(count == 1 for count in pools_planned.values())  # one planned head per pool
     assert all(count == 1 for count in policies_planned.values())  # and per policy
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(with_limits())
+def test_a_queue_order_holds_with_time_limits(snapshot: Snapshot) -> None:
+    """Backfill lets a later task of a queue pass an earlier one only where the later one asks for less
+    time (or is smaller, or shares its GPU another way)."""
+    check_queue_order(snapshot, schedule(snapshot))

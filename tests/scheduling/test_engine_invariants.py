@@ -216,10 +216,18 @@ def test_reclaim_leaves_no_guaranteed_task_waiting_behind_borrowed_work(snapshot
     check_reclaim_is_complete(snapshot, decision)
 
 
+def no_longer(earlier: Task, later: Task) -> bool:
+    """Whether `earlier` asks for no more time than `later`: whatever a planned start lets `later` use now,
+    it lets `earlier` use too."""
+    if later.time_limit is None:
+        return True
+    return earlier.time_limit is not None and earlier.time_limit <= later.time_limit
+
+
 def check_queue_order(snapshot: Snapshot, decision: Decision) -> None:
-    """No task of a queue is placed while an earlier one of the same queue, of the same sharing method and
-    no larger, waits: whatever room the later one took would have held the earlier one (these snapshots
-    have no time limits, so backfill cannot tell them apart)."""
+    """No task of a queue is placed while an earlier one of the same queue waits that is of the same sharing
+    method, no larger and asks for no more time: whatever room the later one took would have held the
+    earlier one."""
     placed = {placement.task for placement in decision.placements}
     by_queue: dict[str, list[Task]] = defaultdict(list)
     for task in snapshot.queued:
@@ -231,7 +239,10 @@ def check_queue_order(snapshot: Snapshot, decision: Decision) -> None:
                 continue
             for later in tasks[position + 1 :]:
                 passed = (
-                    later.id in placed and later.sharing == earlier.sharing and earlier.size <= later.size
+                    later.id in placed
+                    and later.sharing == earlier.sharing
+                    and earlier.size <= later.size
+                    and no_longer(earlier, later)
                 )
                 assert not passed, f"{later.id} was placed while {earlier.id}, before it in its queue, waits"
 
