@@ -95,14 +95,14 @@ class _Cycle(Backfilling, Preempting, Explaining):
         A task goes no further than the last one of its queue's policy and profile of its kind, while nothing
         has changed since that one found no room (the memo of the cycle's version, as in _refused_as_before).
         """
-        unplaced: dict[int, _Unplaced] = {}  # by queue (its state's id)
+        unplaced: dict[str, _Unplaced] = {}  # by queue
         for state, index in self.waiting_guaranteed:
-            earlier = unplaced.get(id(state))
+            earlier = unplaced.get(state.queue.id)
             if earlier is not None and earlier.memo is not self._memo():
                 self._settle_again(state, earlier)
             if not self._settle_one(state, index):
                 if earlier is None:
-                    earlier = unplaced[id(state)] = _Unplaced()
+                    earlier = unplaced[state.queue.id] = _Unplaced()
                 earlier.add(state, index)
             if earlier is not None:
                 earlier.memo = self._memo()
