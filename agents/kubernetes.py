@@ -36,14 +36,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from agents import k3k
 from agents.backend import Refused, Report, Upload, free_port, upload_outputs, with_log_end
 from agents.baremetal import split_lines
 from agents.leadership import Conflict, Leadership
 from agents.relay import NodeRelay, new_key
 from agents.state import JobRecord, LogCursor, State
 from protocol import apps as protocol_apps
+from protocol import clusters, pods
 from protocol import environment as task_environment
-from protocol import pods
 from protocol import volumes as task_volumes
 
 logger = logging.getLogger("klique.agent.kubernetes")
@@ -64,6 +65,12 @@ HOPELESS = frozenset({"InvalidImageName", "ErrImageNeverPull"})
 # Waiting reasons that may pass (a registry down, a tag pushed late): the task fails after image_pull_seconds.
 IMAGE_PULL = frozenset({"ErrImagePull", "ImagePullBackOff", "RegistryUnavailable"})
 ADMISSION_SECONDS = 5.0  # how often Kueue's Workloads are read while a Job waits for admission
+# The custom objects the agent makes, by kind: its workloads, and the clusters of clustering services.
+CUSTOM_OBJECTS = {
+    **pods.CUSTOM_WORKLOADS,
+    clusters.K3K_KIND: (clusters.K3K_GROUP, clusters.K3K_VERSION, clusters.K3K_PLURAL),
+}
+CLUSTER_READ_SECONDS = 2.0  # how often the clusters of clustering services are listed while one runs
 WORKLOAD_READ_SECONDS = 2.0  # how often the JobSets (while one's Job is not seen) and PyTorchJobs are listed
 DISCOVERY_SECONDS = 300.0  # how long the answer "which workload APIs does the cluster serve" is kept
 APP_LOOK_SECONDS = 1.0  # how often the agent looks whether an app's pod runs
@@ -356,8 +363,8 @@ class Api:
 
     def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
         kind, ns = manifest["kind"], self.namespace
-        if kind in pods.CUSTOM_WORKLOADS:
-            group, version, plural = pods.CUSTOM_WORKLOADS[kind]
+        if kind in CUSTOM_OBJECTS:
+            group, version, plural = CUSTOM_OBJECTS[kind]
             return self._raw(
                 self.custom.create_namespaced_custom_object(
                     group, version, ns, plural, dict(manifest), _preload_content=False, _request_timeout=30
@@ -415,8 +422,8 @@ class Api:
         return any(item.get("name") == plural for item in resources if isinstance(item, dict))
 
     def custom_workloads(self, kind: str) -> dict[str, dict[str, Any]]:
-        """This agent's JobSets or PyTorchJobs (pods.CUSTOM_WORKLOADS), by name."""
-        group, version, plural = pods.CUSTOM_WORKLOADS[kind]
+        """This agent's JobSets, PyTorchJobs or K3k Clusters (CUSTOM_OBJECTS), by name."""
+        group, version, plural = CUSTOM_OBJECTS[kind]
         data = self._raw(
             self.custom.list_namespaced_custom_object(
                 group,
@@ -444,6 +451,12 @@ class Api:
             "blockOwnerDeletion": False,
         }
         patch = {"metadata": {"ownerReferences": [owner]}}
+        if kind in CUSTOM_OBJECTS:
+            group, version, plural = CUSTOM_OBJECTS[kind]
+            self.custom.patch_namespaced_custom_object(
+                group, version, self.namespace, plural, name, patch, _preload_content=False
+            )
+            return
         call = {
             "Secret": self.core.patch_namespaced_secret,
             "Service": self.core.patch_namespaced_service,
@@ -461,6 +474,7 @@ class Api:
             "Job": self.batch.delete_namespaced_job,
             "JobSet": self._delete_custom("JobSet"),
             "PyTorchJob": self._delete_custom("PyTorchJob"),
+            clusters.K3K_KIND: self._delete_custom(clusters.K3K_KIND),
             "Pod": self.core.delete_namespaced_pod,
             "Secret": self.core.delete_namespaced_secret,
             "Service": self.core.delete_namespaced_service,
@@ -476,7 +490,7 @@ class Api:
                 raise
 
     def _delete_custom(self, kind: str) -> Callable[..., Any]:
-        group, version, plural = pods.CUSTOM_WORKLOADS[kind]
+        group, version, plural = CUSTOM_OBJECTS[kind]
 
         def delete(name: str, namespace: str, **options: Any) -> Any:
             return self.custom.delete_namespaced_custom_object(
@@ -895,6 +909,11 @@ class Kubernetes:
     loop: asyncio.AbstractEventLoop | None = None
     reasons: dict[str, str] = field(default_factory=dict)  # task -> why it was stopped from outside (fail)
     tails: dict[str, list[str]] = field(default_factory=dict)  # task -> the last lines of its log read
+    # Clustering services: the K3k Clusters as last listed (when, by name), whether the cluster serves them
+    # (and when that was asked), and the runs whose kubeconfig Secret exists.
+    clusters_seen: tuple[float, dict[str, dict[str, Any]]] = (0.0, {})
+    clusters_served: tuple[float, bool] = (0.0, False)
+    minted: set[str] = field(default_factory=set)
 
     # What the agent loop asks ---------------------------------------------------------------------------
 
@@ -991,11 +1010,14 @@ class Kubernetes:
         except pods.PodTemplateInvalid as error:
             raise Refused(str(error), permanent=True) from None
         name = manifests.job["metadata"]["name"]
+        if manifests.cluster is not None:
+            await self._check_clusters_served()
         try:
             await self._create(manifests)
         except ApiProblem as problem:
             self.create_problem = str(problem)
-            for made in (manifests.secret, manifests.app_secret, manifests.app_policy):  # none is left
+            made_first = (manifests.secret, manifests.app_secret, manifests.app_policy, manifests.cluster)
+            for made in made_first:  # none is left
                 if made is not None:
                     with contextlib.suppress(ApiProblem):
                         kind = str(made["kind"])
@@ -1070,6 +1092,31 @@ class Kubernetes:
             )
         return chosen
 
+    async def _check_clusters_served(self) -> None:
+        """A clustering service needs the K3k controller: its API group served (asked again every
+        DISCOVERY_SECONDS while it is not, so one installed later is taken up). Refused, not for good,
+        where it is not: the app waits in the queue while an administrator installs K3k."""
+        try:
+            await self._clusters_served()
+        except ApiProblem as problem:
+            self.create_problem = str(problem)
+            raise Refused(f"The app's cluster was not made: {problem}", permanent=False) from None
+
+    async def _clusters_served(self) -> None:
+        asked, served = self.clusters_served
+        if not served and (not asked or time.monotonic() - asked >= DISCOVERY_SECONDS):
+            served = await self._call(
+                self.api.serves, clusters.K3K_API, clusters.K3K_PLURAL, verb="discover", resource="API groups"
+            )
+            self.clusters_served = (time.monotonic(), served)
+        if not served:
+            raise ApiProblem(
+                f"the cluster at {self.api.where} does not serve {clusters.K3K_API} {clusters.K3K_PLURAL}: "
+                "install K3k (its controller and CRDs) to run K3k clusters on this pool, or launch the app "
+                "on another Kubernetes compute resource",
+                status=404,
+            )
+
     async def _create(self, manifests: pods.Manifests) -> None:
         """The Secret first (the pods need it), the Service, then the Job (or JobSet), which then owns the
         other two. One that exists already is this run's own (the name carries the lease): an assignment
@@ -1083,6 +1130,8 @@ class Kubernetes:
             await self._create_one(manifests.service, "services")
         if manifests.app_policy is not None:  # before the pod: it is never reachable but by its relay
             await self._create_one(manifests.app_policy, "networkpolicies.networking.k8s.io")
+        if manifests.cluster is not None:  # before the Job, whose pod waits for the cluster's kubeconfig
+            await self._create_one(manifests.cluster, f"{clusters.K3K_PLURAL}.{clusters.K3K_GROUP}")
         custom = pods.CUSTOM_WORKLOADS.get(manifests.kind)
         resource = f"{custom[2]}.{custom[0]}" if custom else "jobs"
         job = await self._create_one(manifests.job, resource) or {}
@@ -1098,6 +1147,8 @@ class Kubernetes:
             owned.append(("Secret", pods.app_objects_name(name)))
         if manifests.app_policy is not None:
             owned.append(("NetworkPolicy", pods.app_objects_name(name)))
+        if manifests.cluster is not None:
+            owned.append((clusters.K3K_KIND, manifests.cluster["metadata"]["name"]))
         for kind, item in owned:
             with contextlib.suppress(ApiProblem):  # the agent deletes them itself anyway
                 await self._call(self.api.own, kind, item, job, verb="patch", resource=kind.lower() + "s")
@@ -1293,10 +1344,11 @@ class Kubernetes:
         records = self.state.jobs()
         await self._read_workloads(records)
         await self._read_admission(records)
+        await self._read_clusters(records)
         by_job = self._pods_by_job()
         await asyncio.gather(
             *(
-                self._look_at(record, by_job.get(_followed(record), []))
+                self._look_at_run(record, by_job.get(_followed(record), []))
                 for record in records
                 if record.task_id not in self.ending
             )
@@ -1368,6 +1420,120 @@ class Kubernetes:
                 self._trouble(str(problem))
             return
         self.admission = admission_of(workloads)
+
+    async def _read_clusters(self, records: list[JobRecord]) -> None:
+        """List this agent's K3k Clusters, at most every CLUSTER_READ_SECONDS, while a clustering service
+        runs: one listing for all of them."""
+        now = time.monotonic()
+        if now - self.clusters_seen[0] < CLUSTER_READ_SECONDS or not any(map(_cluster_of, records)):
+            return
+        try:
+            listed = await self._call(
+                self.api.custom_workloads,
+                clusters.K3K_KIND,
+                verb="list",
+                resource=f"{clusters.K3K_PLURAL}.{clusters.K3K_GROUP}",
+            )
+        except ApiProblem as problem:
+            self._trouble(str(problem))
+            return
+        self.clusters_seen = (time.monotonic(), listed)
+
+    async def _cluster_looked(self, record: JobRecord, task_pods: list[dict[str, Any]]) -> bool:
+        """A clustering service's run, as its cluster says: ended where the cluster failed or was deleted;
+        waiting (and said so) until it is ready; then its kubeconfig minted once. True where this said
+        all there was to say of the run this pass."""
+        name = clusters.cluster_name(record.job_id)
+        listed_at, items = self.clusters_seen
+        found = items.get(name)
+        if found is None:
+            if listed_at > 0 and self._missed(record.job_id, listed_at):
+                line = f"kubernetes: the K3k Cluster {name} was deleted outside Klique; the app ended with it"
+                await self._cluster_over(record, task_pods, "deleted", line)
+                return True
+            return False  # not listed since it was made
+        phase, said = clusters.phase_of(found)
+        if phase in clusters.PHASES_FAILED:
+            line = f"kubernetes: the K3k Cluster {name} failed" + (f": {said}" if said else "")
+            await self._cluster_over(record, task_pods, "cluster failed", line)
+            return True
+        if record.job_id in self.minted:
+            return False
+        return await self._until_ready(record, name, found, phase, said)
+
+    async def _until_ready(
+        self, record: JobRecord, name: str, cluster: Mapping[str, Any], phase: str, said: str
+    ) -> bool:
+        """Until the cluster is ready and its kubeconfig minted, the run waits for it and says so."""
+        if phase != "Ready":
+            waiting = f"waiting for the K3k Cluster {name} to be ready ({phase}" + (
+                f": {said})" if said else ")"
+            )
+            await self._tell(record, Seen("pending", waiting))
+            return True
+        problem = await self._mint(record, name, cluster)
+        if problem:
+            await self._tell(record, Seen("pending", f"the K3k Cluster {name} is ready; {problem}"))
+            return True
+        return False
+
+    async def _mint(self, record: JobRecord, name: str, cluster: Mapping[str, Any]) -> str:
+        """The run's kubeconfig Secret, made once from the K3k controller's bootstrap Secret and owned by the
+        run's Job; "" once it exists, else what keeps it from being made (the pass after tries again)."""
+        namespace = self.settings.cluster.namespace
+        try:
+            bootstrap = await self._call(
+                self.api.secret_value, clusters.bootstrap_secret(name), "bootstrap", resource="secrets"
+            )
+            config = k3k.admin_kubeconfig(
+                bootstrap, server=f"https://{clusters.server_host(name, namespace)}", name=name
+            )
+        except ApiProblem as problem:
+            if problem.status != 404:
+                self._trouble(str(problem))
+            return f"its bootstrap Secret {clusters.bootstrap_secret(name)} cannot be read yet ({problem})"
+        except k3k.BootstrapUnreadable as error:
+            return str(error)
+        labels = dict((cluster.get("metadata") or {}).get("labels") or {})
+        secret_name = clusters.kubeconfig_secret(record.job_id)
+        secret: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": secret_name,
+                "namespace": namespace,
+                "labels": labels,
+            },
+            "type": "Opaque",
+            "stringData": {clusters.KUBECONFIG_KEY: config},
+        }
+        try:
+            await self._create_one(secret, "secrets")  # one there already was minted before a restart
+        except ApiProblem as problem:
+            self._trouble(str(problem))
+            return f"its kubeconfig Secret was not made ({problem})"
+        job = self.seen_jobs.get(record.job_id)
+        if job is not None:
+            with contextlib.suppress(ApiProblem):  # the agent deletes it itself anyway
+                await self._call(self.api.own, "Secret", secret_name, job, verb="patch", resource="secrets")
+        self.minted.add(record.job_id)
+        logger.info(
+            "task %s: the K3k Cluster %s is ready; its kubeconfig is in the app's pod", record.task_id, name
+        )
+        return ""
+
+    async def _cluster_over(
+        self, record: JobRecord, task_pods: list[dict[str, Any]], reason: str, line: str
+    ) -> None:
+        """The cluster of a clustering service is gone or failed: its app goes with it, the task ends."""
+        await self._delete_pods(record, task_pods, grace=0)
+        await self._end(record, Seen("ended", reason, None, (line,)), [], delete_job=True)
+
+    async def _look_at_run(self, record: JobRecord, task_pods: list[dict[str, Any]]) -> None:
+        """A clustering service's run is looked at through its cluster first, then as any other."""
+        if not record.stopping and _cluster_of(record) and await self._cluster_looked(record, task_pods):
+            return
+        await self._look_at(record, task_pods)
 
     async def _look_at(self, record: JobRecord, task_pods: list[dict[str, Any]]) -> None:
         assert self.reporter is not None
@@ -1536,6 +1702,11 @@ class Kubernetes:
         made = [("Secret", name), ("Service", name)]
         if record.app:
             made += [("Secret", pods.app_objects_name(name)), ("NetworkPolicy", pods.app_objects_name(name))]
+        if _cluster_of(record):  # never kept for the TTL: it holds the app's GPUs
+            made += [
+                (clusters.K3K_KIND, clusters.cluster_name(name)),
+                ("Secret", clusters.kubeconfig_secret(name)),
+            ]
         if workload:
             made.append((record.kind, name))
         for kind, item in made:
@@ -1573,6 +1744,7 @@ class Kubernetes:
         self.tails.pop(record.task_id, None)
         self.created_at.pop(record.job_id, None)
         self.gone_jobs.discard(record.job_id)
+        self.minted.discard(record.job_id)
         for _, items in self.workloads.values():
             items.pop(record.job_id, None)
 
@@ -1600,6 +1772,7 @@ class Kubernetes:
     # Apps -------------------------------------------------------------------------------------------------
 
     app_ports_here = True  # the agent names the app's port: a pod's network is its own, any port is free
+    makes_clusters = True  # clustering services' clusters (protocol.clusters) are made beside their apps
 
     def _record(self, task_id: str) -> JobRecord | None:
         return next((job for job in self.state.jobs() if job.task_id == task_id), None)
@@ -1699,6 +1872,17 @@ class Kubernetes:
                         sock.shutdown(socket.SHUT_RDWR)
         for worker in self.workers:
             worker.cancel()
+
+
+def _cluster_of(record: JobRecord) -> clusters.ClusterService | None:
+    """The cluster of a clustering service's run (its app section says), else None."""
+    if not record.app or '"cluster"' not in record.app:
+        return None
+    try:
+        section = json.loads(record.app).get("cluster")
+        return clusters.ClusterService.parse(section) if section is not None else None
+    except (ValueError, AttributeError):
+        return None
 
 
 def _followed(record: JobRecord) -> str:

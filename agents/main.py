@@ -400,6 +400,13 @@ class Agent:
             app = protocol_apps.AppSpec.parse(spec["app"])
         except protocol_apps.TemplateInvalid as error:
             raise Refused(f"The app cannot be run: {error}", permanent=True) from None
+        if app.cluster is not None and not getattr(self.backend, "makes_clusters", False):
+            raise Refused(
+                f"A {app.cluster.service} cluster is made on a Kubernetes pool's nodes; a "
+                f"{self.backend.name} pool cannot make one. Launch it on a compute resource whose pools are "
+                "Kubernetes pools.",
+                permanent=True,
+            )
         if app.port is None and not self.backend.app_ports_here:  # type: ignore[attr-defined]
             return assignment  # the node that runs it picks its port (agents.node)
         return {**assignment, "spec": protocol_apps.with_port(spec, app.port or free_port())}

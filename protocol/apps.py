@@ -18,7 +18,8 @@ and open the app's tunnel.
       "secrets": ["HF_TOKEN"],                          (vault secrets every instance is given)
       "idle_timeout_seconds": 3600,
       "serves": {"model_variable": "SERVED_NAME", "mode": "chat", "when_idle": "scale_to_zero"},
-      "gateway_session": {"tokens": 200000}
+      "gateway_session": {"tokens": 200000},
+      "cluster": {"service": "k3k", "servers": 1, "agents": 2, "version": "v1.31.3-k3s1"}
     }
 
 `{port}` in the command is the port the app must serve on; the same number is in its `PORT` variable.
@@ -29,6 +30,10 @@ by name, never as words of its command line.
 (named in the template, or by one of its variables) to it, through its tunnel. `when_idle` says what its
 idle timeout does: `stop` (the model leaves the gateway until someone starts the app again) or
 `scale_to_zero` (its GPUs go back to the pool, the model stays listed, and the next call starts it again).
+
+`cluster` makes the app a clustering service (kind `cluster`, on Kubernetes pools only): a team's own
+cluster made on the pool's nodes (protocol.clusters), whose GPUs are the app's, split evenly over its
+`agents`; the app's own container is the way in (for K3k, `kubectl proxy` to the virtual cluster's API).
 
 `gateway_session` gives each run of the app a key for the tenant's gateway with a quota of its own, dead
 when the run ends (protocol.sessions): an agent session's coding agent calls models with it.
@@ -41,9 +46,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from protocol import environment, images, sessions
+from protocol import clusters, environment, images, sessions
 
-KINDS = ("ide", "model", "agent", "custom")
+KINDS = ("ide", "model", "agent", "cluster", "custom")
 SLUG = re.compile(r"[a-z][a-z0-9-]{0,62}")
 VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_-]{0,39}")
 HEALTH_PATH = re.compile(r"/[A-Za-z0-9._~!$&'()*+,;=:@%/?-]{0,499}")
@@ -61,7 +66,7 @@ FIELDS = frozenset(
     {
         "name", "version", "title", "description", "kind", "image", "command", "port", "health", "gpus",
         "compute_resource", "environment", "variables", "idle_timeout_seconds", "secrets", "serves",
-        "gateway_session",
+        "gateway_session", "cluster",
     }
 )  # fmt: skip
 SERVES_FIELDS = frozenset(
@@ -313,6 +318,7 @@ class Template:
     secrets: tuple[str, ...] = ()
     serves: Serves | None = None
     gateway_session: sessions.GatewaySession | None = None
+    cluster: clusters.ClusterService | None = None
 
     @classmethod
     def parse(cls, document: object) -> Template:
@@ -371,6 +377,7 @@ class Template:
             secrets=secret_names(document.get("secrets"), problems),
             serves=_serves(document.get("serves"), variables, problems),
             gateway_session=_session(document.get("gateway_session"), problems),
+            cluster=_cluster(document.get("cluster"), kind, gpus, problems),
         )
         if problems:
             raise TemplateInvalid(problems)
@@ -418,7 +425,9 @@ class Template:
         spec: dict[str, Any] = {
             "command": list(self.command),
             "environment": {**self.environment, **values},
-            "app": AppSpec(instance, self.port, self.health_path, self.startup_seconds).as_json(),
+            "app": AppSpec(
+                instance, self.port, self.health_path, self.startup_seconds, self.cluster
+            ).as_json(),
         }
         if names := list(dict.fromkeys((*self.secrets, *secrets))):
             spec["secrets"] = names
@@ -456,7 +465,24 @@ class Template:
             document["serves"] = self.serves.as_json()
         if self.gateway_session is not None:
             document["gateway_session"] = self.gateway_session.as_json()
+        if self.cluster is not None:
+            document["cluster"] = self.cluster.as_json()
         return document
+
+
+def _cluster(value: object, kind: object, gpus: str, problems: list[str]) -> clusters.ClusterService | None:
+    """A clustering service's section: present exactly where the template's kind is `cluster`."""
+    if value is None:
+        if kind == "cluster":
+            problems.append('cluster: a template of kind cluster says which service, as {"service": "k3k"}.')
+        return None
+    if kind != "cluster":
+        problems.append("cluster: only a template of kind cluster makes a cluster.")
+    try:
+        return clusters.ClusterService.parse(value, gpus=gpus)
+    except clusters.ServiceInvalid as error:
+        problems.extend(error.problems)
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -468,6 +494,7 @@ class AppSpec:
     port: int | None
     health_path: str = "/"
     startup_seconds: int = DEFAULT_STARTUP_SECONDS
+    cluster: clusters.ClusterService | None = None  # a clustering service's cluster, made beside the app
 
     @classmethod
     def parse(cls, value: object) -> AppSpec:
@@ -482,18 +509,27 @@ class AppSpec:
             {"path": value.get("health_path", "/"), "startup_seconds": value.get("startup_seconds", 300)},
             problems,
         )
+        cluster = None
+        if value.get("cluster") is not None:
+            try:
+                cluster = clusters.ClusterService.parse(value["cluster"])
+            except clusters.ServiceInvalid as error:
+                problems.extend(f"app.{problem}" for problem in error.problems)
         if problems:
             raise TemplateInvalid(problems)
         assert isinstance(instance, str)
-        return cls(instance, port, path, startup)
+        return cls(instance, port, path, startup, cluster)
 
     def as_json(self) -> dict[str, Any]:
-        return {
+        document: dict[str, Any] = {
             "instance": self.instance,
             "port": self.port,
             "health_path": self.health_path,
             "startup_seconds": self.startup_seconds,
         }
+        if self.cluster is not None:
+            document["cluster"] = self.cluster.as_json()
+        return document
 
 
 def with_port(spec: Mapping[str, Any], port: int) -> dict[str, Any]:
@@ -503,5 +539,5 @@ def with_port(spec: Mapping[str, Any], port: int) -> dict[str, Any]:
         **spec,
         "command": [word.replace(PORT_WORD, str(port)) for word in spec.get("command") or []],
         "environment": {**(spec.get("environment") or {}), "PORT": str(port)},
-        "app": AppSpec(app.instance, port, app.health_path, app.startup_seconds).as_json(),
+        "app": AppSpec(app.instance, port, app.health_path, app.startup_seconds, app.cluster).as_json(),
     }

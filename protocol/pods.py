@@ -50,6 +50,7 @@ from typing import Any
 
 import yaml
 
+from protocol import clusters
 from protocol import volumes as task_volumes
 from protocol.units import UNITS_PER_GPU
 
@@ -324,6 +325,7 @@ class Manifests:
     service: dict[str, Any] | None  # a multi-node Indexed Job's headless Service (the others make theirs)
     app_secret: dict[str, Any] | None = None  # an app's relay key (Relay), for its sidecar alone
     app_policy: dict[str, Any] | None = None  # an app's NetworkPolicy: its pod takes in its relay's port only
+    cluster: dict[str, Any] | None = None  # a clustering service's cluster (protocol.clusters), made first
 
     @property
     def kind(self) -> str:
@@ -421,9 +423,12 @@ def render(
     Raises PodTemplateInvalid."""
     try:
         values = values_for(assignment, settings)
-        limits, fraction = gpu_limits(assignment, settings)
+        cluster_limits, fraction = gpu_limits(assignment, settings)
+        service = _cluster_service(assignment) if relay is not None else None
     except ValueError as error:
         raise PodTemplateInvalid(template.name, None, str(error)) from None
+    # A clustering service's GPUs are its cluster's workers', not the app's own pod's.
+    limits, fraction = ({}, "") if service is not None else (cluster_limits, fraction)
     _, nodes = gpus_per_node(assignment)
     pod = copy.deepcopy(template.render(values)[0])
     name = values["job_name"]
@@ -479,6 +484,10 @@ def render(
         if relay
         else None
     )
+    cluster = _with_cluster(
+        template, service, spec, containers[index], name=name, labels=labels, limits=cluster_limits,
+        settings=settings,
+    )  # fmt: skip
     job = _job(pod, name, labels, annotations, nodes=nodes, settings=settings)
     if on_jobset:
         job = _jobset(job, settings)
@@ -498,6 +507,65 @@ def render(
         app_policy=_app_policy(name, labels, relay, settings)
         if relay and settings.app_network_policy
         else None,
+        cluster=cluster,
+    )
+
+
+def _cluster_service(assignment: Mapping[str, Any]) -> clusters.ClusterService | None:
+    """The app's cluster section, where it is a clustering service; ValueError where it is wrong."""
+    section = ((assignment.get("spec") or {}).get("app") or {}).get("cluster")
+    if section is None:
+        return None
+    try:
+        return clusters.ClusterService.parse(section)
+    except clusters.ServiceInvalid as error:
+        raise ValueError(f"the app's cluster cannot be made: {error}") from None
+
+
+def _with_cluster(
+    template: Template,
+    service: clusters.ClusterService | None,
+    spec: dict[str, Any],
+    main: dict[str, Any],
+    *,
+    name: str,
+    labels: Mapping[str, str],
+    limits: Mapping[str, str],
+    settings: ClusterSettings,
+) -> dict[str, Any] | None:
+    """The run's cluster (None for an app that makes none), with the task's GPUs split over its workers;
+    the app's container gets the kubeconfig the agent mints for it once the cluster is ready (the pod
+    starts when that Secret exists)."""
+    if service is None:
+        return None
+    if any(GPU_RESOURCE.fullmatch(resource) and resource != settings.gpu_resource for resource in limits):
+        problem = (
+            "a cluster's GPUs are whole GPUs; a fraction or a MIG slice cannot be split over its workers"
+        )
+        raise PodTemplateInvalid(template.name, None, problem)
+    gpus = int(limits.get(settings.gpu_resource) or 0)
+    if gpus % service.agents:
+        problem = f"{gpus} GPUs do not split evenly over the cluster's {service.agents} agents"
+        raise PodTemplateInvalid(template.name, None, problem)
+    volume = f"klique-{clusters.K3K_KIND.lower()}"
+    _listed(spec, "volumes").append(
+        {"name": volume, "secret": {"secretName": clusters.kubeconfig_secret(name), "defaultMode": 0o400}}
+    )
+    _listed(main, "volumeMounts").append(
+        {"name": volume, "mountPath": clusters.KUBECONFIG_PATH, "readOnly": True}
+    )
+    main["env"] = [
+        *(item for item in _listed(main, "env") if item.get("name") != "KUBECONFIG"),
+        {"name": "KUBECONFIG", "value": f"{clusters.KUBECONFIG_PATH}/{clusters.KUBECONFIG_KEY}"},
+    ]
+    return clusters.k3k_cluster(
+        service,
+        job=name,
+        namespace=settings.namespace,
+        gpus=gpus,
+        gpu_resource=settings.gpu_resource,
+        labels=labels,
+        pod_spec=spec,
     )
 
 
@@ -779,8 +847,15 @@ def validate_pytorchjob(job: Mapping[str, Any], version: str = KUBERNETES_VERSIO
 
 def validate_workload(manifest: Mapping[str, Any], version: str = KUBERNETES_VERSION) -> None:
     """Any manifest Klique makes, each by its own rule."""
-    checks = {"JobSet": validate_jobset, "PyTorchJob": validate_pytorchjob}
+    checks = {"JobSet": validate_jobset, "PyTorchJob": validate_pytorchjob, clusters.K3K_KIND: _validate_k3k}
     checks.get(str(manifest.get("kind")), validate)(manifest, version)
+
+
+def _validate_k3k(manifest: Mapping[str, Any], version: str = KUBERNETES_VERSION) -> None:
+    try:
+        clusters.validate_k3k(manifest)
+    except clusters.ManifestInvalid as invalid:
+        raise ManifestRefused(invalid.problem, invalid.path) from None
 
 
 def jobset_job(jobset: Mapping[str, Any]) -> dict[str, Any]:
@@ -899,6 +974,14 @@ SAMPLE_ASSIGNMENT: dict[str, Any] = {
 }
 
 SAMPLE_RELAY = Relay(image="klique:sample", port=7070, app_port=8888, key="0" * 64)
+SAMPLE_CLUSTER: dict[str, Any] = {
+    **SAMPLE_ASSIGNMENT,
+    "size_units": 2 * UNITS_PER_GPU,
+    "spec": {
+        "command": ["true"],
+        "app": {"instance": "0" * 8, "port": 8888, "cluster": {"service": "k3k", "agents": 2}},
+    },
+}
 
 
 def check(name: str, text: str, settings: ClusterSettings) -> Template:
@@ -908,9 +991,11 @@ def check(name: str, text: str, settings: ClusterSettings) -> Template:
     template = Template.parse(name, text)
     every_volume = {**SAMPLE_ASSIGNMENT["spec"], "volumes": sorted(settings.volumes)}  # each source checked
     two_nodes = {**SAMPLE_ASSIGNMENT, "size_units": 4 * UNITS_PER_GPU, "nodes": 2, "spec": every_volume}
-    samples = [(SAMPLE_ASSIGNMENT, settings, None), (SAMPLE_ASSIGNMENT, settings, SAMPLE_RELAY)] + [
-        (two_nodes, dataclasses.replace(settings, multi_node=kind), None) for kind in MULTI_NODE_KINDS
-    ]
+    samples = [
+        (SAMPLE_ASSIGNMENT, settings, None),
+        (SAMPLE_ASSIGNMENT, settings, SAMPLE_RELAY),
+        (SAMPLE_CLUSTER, settings, SAMPLE_RELAY),
+    ] + [(two_nodes, dataclasses.replace(settings, multi_node=kind), None) for kind in MULTI_NODE_KINDS]
     for sample, cluster, relay in samples:
         manifests = render(
             template, sample, cluster, tenant="sample", environment={"SAMPLE": "1"}, relay=relay
@@ -921,6 +1006,7 @@ def check(name: str, text: str, settings: ClusterSettings) -> Template:
             manifests.service,
             manifests.app_secret,
             manifests.app_policy,
+            manifests.cluster,
         )
         for manifest in made:
             if manifest is None:

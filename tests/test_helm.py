@@ -101,6 +101,7 @@ def test_the_agent_chart_lints_renders_and_validates(helm: Path, values: list[st
         "jobs",
         "jobsets",
         "pytorchjobs",
+        "clusters",
         "pods",
         "pods/log",
         "secrets",
@@ -113,6 +114,8 @@ def test_the_agent_chart_lints_renders_and_validates(helm: Path, values: list[st
     assert all(document["metadata"].get("namespace") == "ml" for document in of_kind(documents, "Role"))
     secrets = {verb for rule in role["rules"] if "secrets" in rule["resources"] for verb in rule["verbs"]}
     assert secrets == {"create", "get", "patch", "delete"}  # what the agent calls, and no more
+    k3k = {verb for rule in role["rules"] if rule["apiGroups"] == ["k3k.io"] for verb in rule["verbs"]}
+    assert k3k == {"create", "get", "list", "patch", "delete"}  # K3k Clusters, of clustering services
     cluster_roles = of_kind(documents, "ClusterRole")
     if "capacity.clusterWide=false" in values:
         assert not cluster_roles

@@ -29,9 +29,12 @@ from apps.core.errors import Conflict, Forbidden, InvalidInput, NotFound
 from apps.core.events import publish_event
 from apps.core.ids import as_uuid
 from apps.fleet.models import TaskReport
+from apps.resources.models import Environment, TaskSharing
+from apps.scheduling.engine.units import to_gpus_text
 from apps.scheduling.models import ENDED_STATES, Task, TaskState
-from apps.scheduling.services import TaskRequest, task_cancel, tasks_submit
+from apps.scheduling.services import TaskRequest, compute_resource_open_to, task_cancel, tasks_submit
 from gateway import services as gateway
+from protocol import clusters
 from protocol.apps import Template, TemplateInvalid, secret_names
 
 if TYPE_CHECKING:
@@ -122,6 +125,8 @@ def app_launch(
             f"{entry} names no compute resource of its own: choose one (GET /api/v1/compute-resources/).",
             field="compute_resource",
         )
+    if template.cluster is not None:
+        _cluster_fits(user, template, resource, gpus or template.gpus)
     shared_groups = _groups(user, groups or [])
     app = AppInstance(
         name=(name or template.title)[:100],
@@ -143,6 +148,36 @@ def app_launch(
     app.groups.set(shared_groups)
     _register_model(app, template)
     return app
+
+
+def _cluster_fits(user: User, template: Template, resource: str, gpus: str) -> None:
+    """A clustering service's cluster is made on Kubernetes pools only, its GPUs split evenly over its
+    workers: said at launch, not by a task that fails on its agent."""
+    assert template.cluster is not None
+    found = compute_resource_open_to(user, resource)
+    profile = found.profile
+    if profile.nodes > 1 or profile.sharing != TaskSharing.WHOLE:
+        raise InvalidInput(
+            f"A {template.cluster.service} cluster is one app of whole GPUs on one compute resource; "
+            f"{found.name} gives {profile.size_text()}. Choose one of whole GPUs on one node.",
+            field="compute_resource",
+        )
+    size = gpus if profile.size_from_task else to_gpus_text(profile.size_units)  # a fixed size is the task's
+    try:
+        clusters.ClusterService.parse(template.cluster.as_json(), gpus=size)
+    except clusters.ServiceInvalid as error:
+        raise InvalidInput("; ".join(error.problems), field="gpus") from None
+    others = sorted(
+        f"{pool.name} ({pool.environment})"
+        for pool in found.profile.pools.all()
+        if pool.environment != Environment.KUBERNETES
+    )
+    if others:
+        raise InvalidInput(
+            f"A {template.cluster.service} cluster is made on Kubernetes pools; {found.name} also places "
+            f"work on {', '.join(others)}. Choose a compute resource whose pools are all Kubernetes pools.",
+            field="compute_resource",
+        )
 
 
 def _register_model(app: AppInstance, template: Template) -> None:

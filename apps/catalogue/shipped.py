@@ -127,6 +127,22 @@ DOCUMENTS: tuple[dict[str, Any], ...] = (
         "idle_timeout_seconds": 1800,
         "serves": {"model_variable": "SERVED_NAME", "mode": "chat", "when_idle": "scale_to_zero"},
     },
+    {
+        "name": "k3k",
+        "version": "1",
+        "title": "Kubernetes cluster (K3k)",
+        "kind": "cluster",
+        "description": "A Kubernetes cluster of your own, made by K3k on a Kubernetes pool's nodes (its "
+        "servers and workers are pods there; its workers share the app's GPUs). Its API is at the app's "
+        "address: point kubectl at it with a Klique token of yours. Its state goes when it stops.",
+        "image": "registry.k8s.io/kubectl:v1.34.1",
+        "command": [
+            "kubectl", "proxy", "--address=127.0.0.1", "--port={port}", "--disable-filter=true",
+        ],
+        "health": {"path": "/version", "startup_seconds": 1800},
+        "gpus": "1",
+        "cluster": {"service": "k3k", "servers": 1, "agents": 1},
+    },
 )  # fmt: skip
 
 TEMPLATES: dict[str, Template] = {document["name"]: Template.parse(document) for document in DOCUMENTS}

@@ -170,6 +170,7 @@ class Cluster:
 
     jobset: bool = False  # serve jobset.x-k8s.io/v1alpha2, as a cluster with JobSet installed does
     pytorchjob: bool = False  # serve kubeflow.org/v1 pytorchjobs, as one with the training operator does
+    k3k: bool = False  # serve k3k.io/v1beta1 clusters, as one with K3k installed does
     emulator: Emulator | None = None
     url: str = ""
     loop: asyncio.AbstractEventLoop | None = None
@@ -190,6 +191,7 @@ class Cluster:
                     "kueue.x-k8s.io/v1beta1/workloads",
                     *(["jobset.x-k8s.io/v1alpha2/jobsets"] if self.jobset else []),
                     *(["kubeflow.org/v1/pytorchjobs"] if self.pytorchjob else []),
+                    *(["k3k.io/v1beta1/clusters"] if self.k3k else []),
                 ):
                     emulator.resources[resource] = kmock.ResourceInfo()
                 self.emulator, self.url, self.loop = (
@@ -408,6 +410,41 @@ class Kubelet:
             "jobset.x-k8s.io", "v1alpha2", NAMESPACE, "jobsets", name, _preload_content=False
         )
 
+    def k3k_cluster(self, name: str) -> dict[str, Any]:
+        read = self.custom.get_namespaced_custom_object
+        return dict(
+            json.loads(read("k3k.io", "v1beta1", NAMESPACE, "clusters", name, _preload_content=False).data)
+        )
+
+    def k3k_phase(self, name: str, phase: str, message: str = "") -> None:
+        """The K3k controller's status of a Cluster: its phase, and a condition that says what is wrong."""
+        status: dict[str, Any] = {"phase": phase}
+        if message:
+            status["conditions"] = [
+                {"type": "Ready", "status": "False", "reason": "ServerFailed", "message": message}
+            ]
+        self.custom.patch_namespaced_custom_object(
+            "k3k.io", "v1beta1", NAMESPACE, "clusters", name, {"status": status}, _preload_content=False
+        )
+
+    def k3k_bootstrap(self, name: str, content: dict[str, Any]) -> None:
+        """The K3k controller's bootstrap Secret of a Cluster: its certificate authorities, JSON under
+        `bootstrap`, base64 in `data` as an API server gives it."""
+        import base64
+
+        secret = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": f"k3k-{name}-bootstrap", "namespace": NAMESPACE},
+            "data": {"bootstrap": base64.b64encode(json.dumps(content).encode()).decode()},
+        }
+        self.core.create_namespaced_secret(NAMESPACE, secret, _preload_content=False)
+
+    def delete_k3k(self, name: str) -> None:
+        self.custom.delete_namespaced_custom_object(
+            "k3k.io", "v1beta1", NAMESPACE, "clusters", name, _preload_content=False
+        )
+
     def network_policy(self, name: str) -> dict[str, Any]:
         networking = client.NetworkingV1Api(self.core.api_client)
         read = networking.read_namespaced_network_policy(name, NAMESPACE, _preload_content=False)
@@ -542,9 +579,11 @@ class Kubelet:
         )
 
     def gone(self, kind: str, name: str) -> bool:
-        if kind in ("JobSet", "PyTorchJob"):
+        if kind in ("JobSet", "PyTorchJob", "Cluster"):
             try:
-                (self.jobset if kind == "JobSet" else self.pytorchjob)(name)
+                {"JobSet": self.jobset, "PyTorchJob": self.pytorchjob, "Cluster": self.k3k_cluster}[kind](
+                    name
+                )
             except client.exceptions.ApiException as error:
                 return bool(error.status == 404)
             return False

@@ -78,6 +78,16 @@ def test_a_backend_that_cannot_serve_apps_refuses_them_saying_why(tmp_path: Path
     assert refused.value.permanent
 
 
+def test_a_pool_that_is_not_kubernetes_refuses_a_clustering_service_for_good(tmp_path: Path) -> None:
+    agent = Agent(url="http://demo.localhost:1", token="t", backend=backend(tmp_path), agent_id="a")
+    assignment = app_assignment("t1", ["kubectl", "proxy", "--port={port}"])
+    assignment["spec"]["app"] = {**assignment["spec"]["app"], "cluster": {"service": "k3k"}}
+    words = "A k3k cluster is made on a Kubernetes pool's nodes; a baremetal pool cannot make one"
+    with pytest.raises(Refused, match=words) as refused:
+        agent._with_app_port(assignment)
+    assert refused.value.permanent
+
+
 def test_the_tunnel_connects_where_the_agent_does() -> None:
     assert tunnel_address("http://demo.localhost:8000") == (
         "ws://demo.localhost:8000/agents/tunnel/",

@@ -35,6 +35,7 @@ def test_every_shipped_entry_is_a_valid_template() -> None:
         "vllm",
         "sglang",
         "llama-cpp",
+        "k3k",
     }
     sandbox = shipped.TEMPLATES["agent-sandbox"]
     assert sandbox.gateway_session is not None
@@ -144,3 +145,72 @@ def test_a_users_values_are_the_templates_variables(given: dict[str, Any], probl
 def test_an_agent_reads_only_a_well_formed_app_section(section: object) -> None:
     with pytest.raises(TemplateInvalid):
         AppSpec.parse(section)
+
+
+CLUSTER: dict[str, Any] = {
+    "name": "team-cluster",
+    "version": "1",
+    "kind": "cluster",
+    "command": ["kubectl", "proxy", "--port={port}"],
+    "gpus": "4",
+    "cluster": {"service": "k3k", "servers": 3, "agents": 2, "version": "v1.31.3-k3s1"},
+}
+
+
+def test_a_cluster_template_carries_its_cluster_to_the_agent() -> None:
+    template = Template.parse(CLUSTER)
+    assert template.cluster is not None
+    assert (template.cluster.servers, template.cluster.agents) == (3, 2)
+    app = template.spec({}, instance="0" * 8)["app"]
+    assert app["cluster"] == {
+        "service": "k3k", "servers": 3, "agents": 2, "version": "v1.31.3-k3s1", "persistence": "ephemeral"
+    }  # fmt: skip
+    assert (
+        AppSpec.parse(with_port(template.spec({}, instance="0" * 8), 8001)["app"]).cluster == template.cluster
+    )
+    assert Template.parse(template.as_json()) == template
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ({"cluster": None}, 'cluster: a template of kind cluster says which service, as {"service": "k3k"}.'),
+        ({"kind": "ide"}, "cluster: only a template of kind cluster makes a cluster."),
+        ({"cluster": "k3k"}, 'cluster: an object {"service": "k3k", "agents": 1, ...}.'),
+        ({"cluster": {"service": "slurm"}}, "cluster.service: one of k3k."),
+        ({"cluster": {"service": "k3k", "mode": "shared"}}, "cluster.mode: not a field of a cluster"),
+        ({"cluster": {"service": "k3k", "servers": 2}}, "cluster.servers: 1, 3 or 5"),
+        ({"cluster": {"service": "k3k", "servers": True}}, "cluster.servers: 1, 3 or 5"),
+        ({"cluster": {"service": "k3k", "agents": 0}}, "cluster.agents: a whole number of worker nodes"),
+        ({"cluster": {"service": "k3k", "agents": "2"}}, "cluster.agents: a whole number of worker nodes"),
+        ({"cluster": {"service": "k3k", "agents": 65}}, "cluster.agents: a whole number of worker nodes"),
+        ({"cluster": {"service": "k3k", "version": "latest"}}, "cluster.version: a K3s version"),
+        (
+            {"cluster": {"service": "k3k", "version": "v1.31.3-k3s1; rm -rf /"}},
+            "cluster.version: a K3s version",
+        ),
+        ({"cluster": {"service": "k3k", "persistence": "hostPath"}}, "cluster.persistence: one of"),
+        ({"gpus": "3"}, "gpus: a cluster's GPUs are split over its 2 agents in whole GPUs; 3 is not."),
+        ({"gpus": "0.5"}, "gpus: a cluster's GPUs are split over its 2 agents in whole GPUs; 0.5 is not."),
+    ],
+)
+def test_a_cluster_template_with_a_problem_is_refused_naming_it(change: dict[str, Any], problem: str) -> None:
+    document = {**CLUSTER, **change}
+    if document["cluster"] is None:
+        del document["cluster"]
+    found = problems(document)
+    assert any(line.startswith(problem) for line in found), found
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        {"service": "k3k", "agents": -1},
+        {"service": "nomad"},
+        {"service": "k3k", "servers": 4},
+        "k3k",
+    ],
+)
+def test_an_agent_reads_only_a_well_formed_cluster_in_an_app_section(section: object) -> None:
+    with pytest.raises(TemplateInvalid, match=r"app\.cluster"):
+        AppSpec.parse({"instance": "0a1b", "port": 8001, "cluster": section})
