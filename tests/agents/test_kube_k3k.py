@@ -122,6 +122,14 @@ def check_kubeconfig(text: str, name: str, server: x509.Certificate, client: x50
     return certificate.public_bytes(serialization.Encoding.PEM)
 
 
+async def launched(kube: Kubernetes, task: dict[str, Any], recorder: Recorder) -> tuple[str, str]:
+    """The app started on the agent: its Job's name and its cluster's."""
+    begin(kube, task)
+    await kube.start(task, recorder)
+    job_name = pods.job_name(task["task_id"], task["lease_id"])
+    return job_name, clusters.cluster_name(job_name)
+
+
 def test_a_k3k_cluster_is_made_with_the_apps_gpus_and_its_kubeconfig_once_it_is_ready(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -130,10 +138,7 @@ def test_a_k3k_cluster_is_made_with_the_apps_gpus_and_its_kubeconfig_once_it_is_
     task = cluster_task("vc1", gpus=4, agents=2)
 
     async def scenario() -> None:
-        begin(kube, task)
-        await kube.start(task, recorder)
-        job_name = pods.job_name("vc1", "lease-vc1")
-        name = clusters.cluster_name(job_name)
+        job_name, name = await launched(kube, task, recorder)
         made = await asyncio.to_thread(kubelet.k3k_cluster, name)
         pods.validate_workload(made)
         assert made["spec"]["mode"] == "virtual"
@@ -200,10 +205,7 @@ def test_a_cluster_that_fails_or_is_deleted_ends_its_app_saying_why(
     task = cluster_task("vc2", gpus=1, agents=1)
 
     async def scenario() -> None:
-        begin(kube, task)
-        await kube.start(task, recorder)
-        job_name = pods.job_name("vc2", "lease-vc2")
-        name = clusters.cluster_name(job_name)
+        job_name, name = await launched(kube, task, recorder)
         await until(lambda: recorder.of("status"))
         if how == "failed":
             await asyncio.to_thread(
@@ -232,10 +234,7 @@ def test_a_bootstrap_secret_not_there_yet_keeps_the_app_waiting_then_it_goes_on(
     task = cluster_task("vc3", gpus=2, agents=2)
 
     async def scenario() -> None:
-        begin(kube, task)
-        await kube.start(task, recorder)
-        job_name = pods.job_name("vc3", "lease-vc3")
-        name = clusters.cluster_name(job_name)
+        job_name, name = await launched(kube, task, recorder)
         await asyncio.to_thread(kubelet.k3k_phase, name, "Ready")
         await until(
             lambda: any("bootstrap Secret" in body.get("reason", "") for body in recorder.of("status"))
