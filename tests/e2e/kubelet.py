@@ -11,7 +11,9 @@ timestamps, and its exit code put in the pod's status. Deleting a pod sends SIGT
 period, SIGKILL; the Job's condition follows its pods. A native sidecar (an init container with
 `restartPolicy: Always`, as an app's relay) runs as a process too, started before the main container once
 its startup probe's port answers and stopped when it ends; Klique's `klique-node` is this checkout's. Every
-pod's address is this host's loopback. On a cluster with JobSet (`Cluster(jobset=True)`) it is
+pod's address is this host's loopback. A Secret volume of the main container is written to a folder here
+(its mount path, in the container's variables, mapped to it); the pod waits `ContainerCreating`, as a
+kubelet retries the mount, until the Secret exists. On a cluster with JobSet (`Cluster(jobset=True)`) it is
 the JobSet controller too: each JobSet that is not suspended gets its Job (`Kubelet.make_jobset_job`).
 """
 
@@ -133,7 +135,12 @@ class LocalNode:
             try:
                 if pod["metadata"].get("deletionTimestamp"):
                     self._terminate(name, pod)
-                elif phase == "Pending" and name not in self.running and not self._waiting(pod):
+                elif (
+                    phase == "Pending"
+                    and name not in self.running
+                    and not self._waiting(pod)
+                    and self._volumes_ready(name, pod)
+                ):
                     self._schedule(name, pod)
             except client.exceptions.ApiException as error:  # its Secret gone: the kubelet says so, goes on
                 if error.status == 404 and name not in self.running:
@@ -170,7 +177,50 @@ class LocalNode:
     def _waiting(self, pod: dict[str, Any]) -> bool:
         """The pod's container waits for something this node cannot give it (its Secret is gone)."""
         statuses = (pod.get("status") or {}).get("containerStatuses") or []
-        return any("waiting" in (status.get("state") or {}) for status in statuses)
+        return any(
+            "waiting" in (status.get("state") or {})
+            and status["state"]["waiting"].get("reason") != "ContainerCreating"  # a mount retried
+            for status in statuses
+        )
+
+    def _secret_volumes(self, pod: dict[str, Any]) -> dict[str, str]:
+        """The main container's Secret volumes: mount path -> Secret name."""
+        secrets = {
+            volume["name"]: volume["secret"]["secretName"]
+            for volume in pod["spec"].get("volumes") or []
+            if volume.get("secret")
+        }
+        mounts = pod["spec"]["containers"][0].get("volumeMounts") or []
+        return {mount["mountPath"]: secrets[mount["name"]] for mount in mounts if mount["name"] in secrets}
+
+    def _volumes_ready(self, name: str, pod: dict[str, Any]) -> bool:
+        """Whether every Secret the pod mounts exists; else it waits ContainerCreating, as a kubelet
+        whose mount fails tries again."""
+        for secret in self._secret_volumes(pod).values():
+            try:
+                self._secret(secret)
+            except client.exceptions.ApiException as error:
+                if error.status != 404:
+                    raise
+                waiting = {"reason": "ContainerCreating", "message": f'secret "{secret}" not found'}
+                statuses = (pod.get("status") or {}).get("containerStatuses") or []
+                if not statuses:
+                    status = {"name": "main", "state": {"waiting": waiting}, **IMAGE}
+                    self._patch(name, {"status": {"phase": "Pending", "containerStatuses": [status]}})
+                return False
+        return True
+
+    def _mounted(self, name: str, pod: dict[str, Any]) -> dict[str, str]:
+        """The pod's Secret volumes written to folders here: mount path -> folder."""
+        mapped = {}
+        for index, (path, secret) in enumerate(sorted(self._secret_volumes(pod).items())):
+            folder = self.work_root.parent / f"{name}-volumes" / str(index)
+            folder.mkdir(parents=True, exist_ok=True)
+            for key, value in self._secret(secret).items():
+                (folder / key).write_text(value)
+                (folder / key).chmod(0o400)
+            mapped[path] = str(folder)
+        return mapped
 
     def _make_pods(self, job: dict[str, Any]) -> None:
         """The Job controller's part, as the unit tests' Kubelet does it; pods stay while they stop."""
@@ -208,7 +258,11 @@ class LocalNode:
         return dict(found.get("stringData") or {})
 
     def _environment(
-        self, pod: dict[str, Any], folder: Path, container: dict[str, Any] | None = None
+        self,
+        pod: dict[str, Any],
+        folder: Path,
+        container: dict[str, Any] | None = None,
+        mounted: dict[str, str] | None = None,
     ) -> dict[str, str]:
         main = container or pod["spec"]["containers"][0]
         klique_node = str(Path(sys.executable).parent)  # where this checkout's klique-node is
@@ -230,6 +284,11 @@ class LocalNode:
                 path = item["valueFrom"]["fieldRef"]["fieldPath"]
                 environment[item["name"]] = str(annotations.get(path.split("'")[1], ""))
         environment["KLIQUE_WORK_DIR"] = str(folder)  # the work volume's mount, as this host has it
+        for path, here in (mounted or {}).items():  # a Secret volume's mount, as this host has it
+            environment = {
+                key: here + value[len(path) :] if value.startswith(path + "/") or value == path else value
+                for key, value in environment.items()
+            }
         return environment
 
     def _run(self, name: str, pod: dict[str, Any], asks: dict[str, int]) -> None:
@@ -241,7 +300,7 @@ class LocalNode:
         process = subprocess.Popen(
             main["command"],
             cwd=folder,
-            env=self._environment(pod, folder),
+            env=self._environment(pod, folder, mounted=self._mounted(name, pod)),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
