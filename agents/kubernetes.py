@@ -71,6 +71,8 @@ CUSTOM_OBJECTS = {
     clusters.K3K_KIND: (clusters.K3K_GROUP, clusters.K3K_VERSION, clusters.K3K_PLURAL),
 }
 CLUSTER_READ_SECONDS = 2.0  # how often the clusters of clustering services are listed while one runs
+CLUSTER_SWEEP_SECONDS = 60.0  # how often, while none runs, they are listed for clusters of no run
+CLUSTER_ORPHAN_SECONDS = 60.0  # how long a cluster of no run is left (a start under way) before it goes
 WORKLOAD_READ_SECONDS = 2.0  # how often the JobSets (while one's Job is not seen) and PyTorchJobs are listed
 DISCOVERY_SECONDS = 300.0  # how long the answer "which workload APIs does the cluster serve" is kept
 APP_LOOK_SECONDS = 1.0  # how often the agent looks whether an app's pod runs
@@ -914,6 +916,7 @@ class Kubernetes:
     clusters_seen: tuple[float, dict[str, dict[str, Any]]] = (0.0, {})
     clusters_served: tuple[float, bool] = (0.0, False)
     minted: set[str] = field(default_factory=set)
+    orphans: dict[str, float] = field(default_factory=dict)  # cluster of no run -> when first seen so
 
     # What the agent loop asks ---------------------------------------------------------------------------
 
@@ -1422,11 +1425,18 @@ class Kubernetes:
         self.admission = admission_of(workloads)
 
     async def _read_clusters(self, records: list[JobRecord]) -> None:
-        """List this agent's K3k Clusters, at most every CLUSTER_READ_SECONDS, while a clustering service
-        runs: one listing for all of them."""
+        """List this agent's K3k Clusters: every CLUSTER_READ_SECONDS while a clustering service runs (one
+        listing for all of them), else every CLUSTER_SWEEP_SECONDS where K3k is served; then sweep."""
         now = time.monotonic()
-        if now - self.clusters_seen[0] < CLUSTER_READ_SECONDS or not any(map(_cluster_of, records)):
+        running = any(map(_cluster_of, records))
+        if now - self.clusters_seen[0] < (CLUSTER_READ_SECONDS if running else CLUSTER_SWEEP_SECONDS):
             return
+        if not running:
+            try:
+                await self._clusters_served()
+            except ApiProblem:  # no K3k: no cluster of this agent's to look for
+                self.clusters_seen = (now, {})
+                return
         try:
             listed = await self._call(
                 self.api.custom_workloads,
@@ -1438,6 +1448,34 @@ class Kubernetes:
             self._trouble(str(problem))
             return
         self.clusters_seen = (time.monotonic(), listed)
+        await self._sweep_clusters(records, listed)
+
+    async def _sweep_clusters(self, records: list[JobRecord], listed: Mapping[str, dict[str, Any]]) -> None:
+        """Delete the clusters of no run of this agent's: made by an agent killed before it made the run's
+        Job (whose owner reference would have had Kubernetes delete them with it). Each is left
+        CLUSTER_ORPHAN_SECONDS first, for a start or an adoption under way: it holds GPUs no run counts."""
+        runs = {record.job_id for record in records}
+        now = time.monotonic()
+        for name in set(self.orphans) - set(listed):
+            del self.orphans[name]
+        for name, item in listed.items():
+            job = _labels(item).get("klique.io/job", "")
+            if job in runs:
+                self.orphans.pop(name, None)
+                continue
+            if now - self.orphans.setdefault(name, now) < CLUSTER_ORPHAN_SECONDS:
+                continue
+            logger.warning(
+                "the K3k Cluster %s belongs to no run of this agent's (Job %s): deleted", name, job
+            )
+            for kind, item_name in ((clusters.K3K_KIND, name), ("Secret", clusters.kubeconfig_secret(job))):
+                try:
+                    await self._call(
+                        self.api.delete, kind, item_name, verb="delete", resource=kind.lower() + "s"
+                    )
+                except ApiProblem as problem:
+                    logger.warning("%s %s was not deleted: %s", kind, item_name, problem)
+            self.orphans.pop(name, None)
 
     async def _cluster_looked(self, record: JobRecord, task_pods: list[dict[str, Any]]) -> bool:
         """A clustering service's run, as its cluster says: ended where the cluster failed or was deleted;

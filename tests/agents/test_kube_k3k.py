@@ -326,3 +326,42 @@ def test_gpus_a_cluster_cannot_split_over_its_workers_are_refused_for_good(
 def test_a_bootstrap_secret_that_is_not_what_k3k_writes_mints_nothing(document: str, words: str) -> None:
     with pytest.raises(k3k.BootstrapUnreadable, match=words):
         k3k.admin_kubeconfig(document, server="https://x", name="vc")
+
+
+def test_a_cluster_of_no_run_is_deleted_after_its_grace_and_a_runs_own_is_kept(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent killed after it made a run's cluster and before the run's Job leaves a cluster no Job owns
+    and no run counts, holding GPUs: the next agent deletes it, after a grace for a start under way."""
+    from agents import kubernetes
+
+    monkeypatch.setattr(kubernetes, "CLUSTER_SWEEP_SECONDS", 0.2)
+    monkeypatch.setattr(kubernetes, "CLUSTER_ORPHAN_SECONDS", 1.5)
+    kube, kubelet = backend(cluster, tmp_path, relay_image=IMAGE), Kubelet(cluster)
+    recorder = Recorder(kube.state)
+
+    def left_behind(job: str) -> str:
+        made = clusters.k3k_cluster(
+            clusters.ClusterService(), job=job, namespace=NAMESPACE, gpus=2, gpu_resource="nvidia.com/gpu",
+            labels={"klique.io/agent": kube.settings.cluster.agent, "klique.io/task": job}, pod_spec={},
+        )  # fmt: skip
+        kubelet.custom.create_namespaced_custom_object(
+            "k3k.io", "v1beta1", NAMESPACE, "clusters", made, _preload_content=False
+        )
+        return str(made["metadata"]["name"])
+
+    async def scenario() -> None:
+        first = await asyncio.to_thread(left_behind, "k-dead1-0a0a0a0a")
+        kube.adopt(recorder)  # with no run at all, the agent still looks for them
+        await until(lambda: kubelet.gone("Cluster", first), timeout=20)
+
+        _, name = await launched(kube, cluster_task("vc6", gpus=1, agents=1), recorder)
+        second = await asyncio.to_thread(left_behind, "k-dead2-0b0b0b0b")
+        started = asyncio.get_running_loop().time()
+        await until(lambda: kubelet.gone("Cluster", second), timeout=20)
+        assert asyncio.get_running_loop().time() - started >= 1.0  # not before its grace
+        assert not await asyncio.to_thread(kubelet.gone, "Cluster", name)  # the run's own stays
+        assert kube.running() == ["vc6"]
+        await kube.stop_all(0)
+
+    asyncio.run(scenario())
