@@ -377,7 +377,7 @@ class Template:
             secrets=secret_names(document.get("secrets"), problems),
             serves=_serves(document.get("serves"), variables, problems),
             gateway_session=_session(document.get("gateway_session"), problems),
-            cluster=_cluster(document.get("cluster"), kind, gpus, problems),
+            cluster=_cluster(document.get("cluster"), kind, gpus, problems, idle=idle),
         )
         if problems:
             raise TemplateInvalid(problems)
@@ -470,8 +470,17 @@ class Template:
         return document
 
 
-def _cluster(value: object, kind: object, gpus: str, problems: list[str]) -> clusters.ClusterService | None:
-    """A clustering service's section: present exactly where the template's kind is `cluster`."""
+def _cluster(
+    value: object, kind: object, gpus: str, problems: list[str], *, idle: int | None = None
+) -> clusters.ClusterService | None:
+    """A clustering service's section: present exactly where the template's kind is `cluster`. A cluster has
+    no idle timeout: its work runs inside it, unseen by its route, on GPUs its agent does not sample, so a
+    timeout would stop a cluster busy with jobs."""
+    if kind == "cluster" and idle is not None:
+        problems.append(
+            "idle_timeout_seconds: a cluster has none (its jobs run inside it, unseen by its route); leave "
+            "it out, and stop the cluster when the team is done."
+        )
     if value is None:
         if kind == "cluster":
             problems.append('cluster: a template of kind cluster says which service, as {"service": "k3k"}.')

@@ -192,6 +192,7 @@ def test_a_cluster_template_carries_its_cluster_to_the_agent() -> None:
         ({"cluster": {"service": "k3k", "persistence": "hostPath"}}, "cluster.persistence: one of"),
         ({"gpus": "3"}, "gpus: a cluster's GPUs are split over its 2 agents in whole GPUs; 3 is not."),
         ({"gpus": "0.5"}, "gpus: a cluster's GPUs are split over its 2 agents in whole GPUs; 0.5 is not."),
+        ({"idle_timeout_seconds": 3600}, "idle_timeout_seconds: a cluster has none"),
     ],
 )
 def test_a_cluster_template_with_a_problem_is_refused_naming_it(change: dict[str, Any], problem: str) -> None:
