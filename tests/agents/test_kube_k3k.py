@@ -23,12 +23,12 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
 from agents import k3k
-from agents.backend import Refused, free_port
+from agents.backend import free_port
 from agents.kubernetes import Kubernetes
 from agents.state import State
 from protocol import clusters, pods
 from tests.agents.kube import NAMESPACE, Cluster, Kubelet
-from tests.agents.test_kubernetes import Recorder, assignment, backend, begin, until
+from tests.agents.test_kubernetes import Recorder, assignment, backend, begin, refusal, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -258,14 +258,7 @@ def test_a_pool_without_k3k_keeps_the_app_queued_saying_what_to_install_and_make
         kube, kubelet = backend(plain, tmp_path, relay_image=IMAGE), Kubelet(plain)
         task = cluster_task("vc4")
 
-        async def scenario() -> Refused:
-            begin(kube, task)
-            with pytest.raises(Refused) as refused:
-                await kube.start(task, Recorder(kube.state))
-            await kube.stop_all(0)
-            return refused.value
-
-        refused = asyncio.run(scenario())
+        refused = refusal(kube, task)
         assert refused.permanent is False  # it waits in the queue while an administrator installs K3k
         assert "The app's cluster was not made: " in str(refused)
         assert "does not serve k3k.io/v1beta1 clusters: install K3k" in str(refused)
@@ -291,14 +284,7 @@ def test_gpus_a_cluster_cannot_split_over_its_workers_are_refused_for_good(
     kube = backend(cluster, tmp_path, relay_image=IMAGE)
     task = cluster_task("vc5", gpus=gpus, agents=agents, **extra)
 
-    async def scenario() -> Refused:
-        begin(kube, task)
-        with pytest.raises(Refused) as refused:
-            await kube.start(task, Recorder(kube.state))
-        await kube.stop_all(0)
-        return refused.value
-
-    refused = asyncio.run(scenario())
+    refused = refusal(kube, task)
     assert refused.permanent
     assert words in str(refused)
     assert Kubelet(cluster).jobs() == []
