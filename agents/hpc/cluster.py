@@ -10,6 +10,7 @@ import os
 import pwd
 import re
 import shutil
+import signal
 import stat
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -135,6 +136,7 @@ async def execute(
             stderr=asyncio.subprocess.PIPE,
             env=environment,
             cwd="/",  # never the agent's folder, which the account cannot read
+            start_new_session=True,  # its own process group: a kill reaches the children it started
             **_switch_to(account),
         )
     except FileNotFoundError:
@@ -142,11 +144,30 @@ async def execute(
     try:
         out, err = await asyncio.wait_for(process.communicate(stdin), COMMAND_SECONDS)
     except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-        await process.wait()
+        await _end(process, 0)
         return Completed(124, "", f"{argv[0]} did not answer within {COMMAND_SECONDS:.0f} s")
+    except asyncio.CancelledError:
+        # The agent is stopping: a command already sent to the cluster (a submission, a cancel) is let
+        # finish for a moment, so the cluster and the agent's state agree, and the child is reaped while
+        # the event loop still runs, not collected after it has closed.
+        await _end(process, CANCELLED_PATIENCE_SECONDS)
+        raise
     return Completed(process.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace"))
+
+
+CANCELLED_PATIENCE_SECONDS = 5.0
+
+
+async def _end(process: asyncio.subprocess.Process, patience: float) -> None:
+    """Wait up to `patience` seconds for a command, then kill it, and reap it either way."""
+    try:
+        await asyncio.wait_for(asyncio.shield(process.wait()), patience)
+        return  # it ended, and its pipes closed
+    except TimeoutError:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # the command and anything it left holding its pipes
+    await process.wait()
 
 
 class ClusterUnavailable(Exception):
