@@ -1019,14 +1019,12 @@ class Kubernetes:
             await self._create(manifests)
         except ApiProblem as problem:
             self.create_problem = str(problem)
-            made_first = (manifests.secret, manifests.app_secret, manifests.app_policy, manifests.cluster)
-            for made in made_first:  # none is left
-                if made is not None:
-                    with contextlib.suppress(ApiProblem):
-                        kind = str(made["kind"])
-                        await self._call(
-                            self.api.delete, kind, _name(made), verb="delete", resource=kind.lower() + "s"
-                        )
+            for made in (manifests.secret, *(made for made, _ in manifests.beside())):  # none is left
+                with contextlib.suppress(ApiProblem):
+                    kind = str(made["kind"])
+                    await self._call(
+                        self.api.delete, kind, _name(made), verb="delete", resource=kind.lower() + "s"
+                    )
             raise Refused(
                 f"The {manifests.kind} was not created: {problem}", permanent=problem.permanent
             ) from None
@@ -1127,14 +1125,11 @@ class Kubernetes:
         name = manifests.job["metadata"]["name"]
         if await self._create_one(manifests.secret, "secrets") is None:
             await self._call(self.api.refresh_secret, manifests.secret, verb="patch", resource="secrets")
-        if manifests.app_secret is not None:  # one there already holds the key a pod of the run may use
-            await self._create_one(manifests.app_secret, "secrets")
-        if manifests.service is not None:
-            await self._create_one(manifests.service, "services")
-        if manifests.app_policy is not None:  # before the pod: it is never reachable but by its relay
-            await self._create_one(manifests.app_policy, "networkpolicies.networking.k8s.io")
-        if manifests.cluster is not None:  # before the Job, whose pod waits for the cluster's kubeconfig
-            await self._create_one(manifests.cluster, f"{clusters.K3K_PLURAL}.{clusters.K3K_GROUP}")
+        # The app's relay key (one there already holds the key a pod of the run may use), the Service, the
+        # app's NetworkPolicy (it is never reachable but by its relay), a cluster or a Slurm controller's
+        # objects (the pod waits for the kubeconfig, or mounts the cluster's files): before the Job.
+        for made, kind in manifests.beside():
+            await self._create_one(made, kind)
         custom = pods.CUSTOM_WORKLOADS.get(manifests.kind)
         resource = f"{custom[2]}.{custom[0]}" if custom else "jobs"
         job = await self._create_one(manifests.job, resource) or {}
@@ -1143,15 +1138,7 @@ class Kubernetes:
             self.workloads.setdefault(manifests.kind, (0.0, {}))[1][name] = job
         elif job and name not in self.seen_jobs:  # what the watch will say: known now, not after its lag
             self.seen_jobs[name] = job
-        owned = [("Secret", name)]
-        if manifests.service is not None:
-            owned.append(("Service", name))
-        if manifests.app_secret is not None:
-            owned.append(("Secret", pods.app_objects_name(name)))
-        if manifests.app_policy is not None:
-            owned.append(("NetworkPolicy", pods.app_objects_name(name)))
-        if manifests.cluster is not None:
-            owned.append((clusters.K3K_KIND, manifests.cluster["metadata"]["name"]))
+        owned = [("Secret", name), *((str(made["kind"]), _name(made)) for made, _ in manifests.beside())]
         for kind, item in owned:
             with contextlib.suppress(ApiProblem):  # the agent deletes them itself anyway
                 await self._call(self.api.own, kind, item, job, verb="patch", resource=kind.lower() + "s")
@@ -1740,11 +1727,14 @@ class Kubernetes:
         made = [("Secret", name), ("Service", name)]
         if record.app:
             made += [("Secret", pods.app_objects_name(name)), ("NetworkPolicy", pods.app_objects_name(name))]
-        if _cluster_of(record):  # never kept for the TTL: it holds the app's GPUs
+        service = _service_of(record)
+        if service is not None and service.service == "k3k":  # never kept for the TTL: it holds GPUs
             made += [
                 (clusters.K3K_KIND, clusters.cluster_name(name)),
                 ("Secret", clusters.kubeconfig_secret(name)),
             ]
+        elif service is not None:  # a Slurm controller's: its workers' tasks end with it (the plane's)
+            made += [("Secret", clusters.slurm_secret(name)), ("Service", clusters.slurm_controller(name))]
         if workload:
             made.append((record.kind, name))
         for kind, item in made:
@@ -1912,8 +1902,8 @@ class Kubernetes:
             worker.cancel()
 
 
-def _cluster_of(record: JobRecord) -> clusters.ClusterService | None:
-    """The cluster of a clustering service's run (its app section says), else None."""
+def _service_of(record: JobRecord) -> clusters.ClusterService | None:
+    """The clustering service of a run (its app section says), else None."""
     if not record.app or '"cluster"' not in record.app:
         return None
     try:
@@ -1921,6 +1911,12 @@ def _cluster_of(record: JobRecord) -> clusters.ClusterService | None:
         return clusters.ClusterService.parse(section) if section is not None else None
     except (ValueError, AttributeError):
         return None
+
+
+def _cluster_of(record: JobRecord) -> clusters.ClusterService | None:
+    """The K3k cluster of a clustering service's run, made and followed by the agent, else None."""
+    service = _service_of(record)
+    return service if service is not None and service.service == "k3k" else None
 
 
 def _followed(record: JobRecord) -> str:

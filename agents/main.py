@@ -60,7 +60,7 @@ from agents.state import Position, State, StateLost
 from agents.tunnel import AppTunnel
 from klique.sdk import loopback
 from protocol import apps as protocol_apps
-from protocol import messages, sessions
+from protocol import clusters, messages, sessions
 from protocol import outputs as protocol_outputs
 
 logger = logging.getLogger("klique.agent")
@@ -363,7 +363,7 @@ class Agent:
             return
         self.state.lease_begin(task_id, lease, assignment.attempt)
         try:
-            handed = self._with_gateway(self._with_app_port(assignment.as_json()))
+            handed = self._with_plane(self._with_gateway(self._with_app_port(assignment.as_json())))
             await self.backend.start(handed, self.report)
         except Refused as refused:
             self.state.lease_end(task_id)
@@ -373,16 +373,33 @@ class Agent:
         if "app" in (handed.get("spec") or {}):
             self.open_tunnel(task_id, handed["spec"])
 
+    def _plane(self) -> str:
+        """The plane's address as this agent reaches it, over HTTP."""
+        parts = urlsplit(self.url.rstrip("/"))
+        scheme = {"ws": "http", "wss": "https"}.get(parts.scheme, parts.scheme)
+        return urlunsplit((scheme, parts.netloc, parts.path, "", ""))
+
     def _with_gateway(self, assignment: dict[str, Any]) -> dict[str, Any]:
         """A run with a gateway session (protocol.sessions) is told where the gateway is: the plane's
         address as this agent reaches it."""
         secrets = assignment.get("secrets") or {}
         if sessions.KEY_VARIABLE not in secrets or "gateway_session" not in (assignment.get("spec") or {}):
             return assignment
-        parts = urlsplit(self.url.rstrip("/"))
-        scheme = {"ws": "http", "wss": "https"}.get(parts.scheme, parts.scheme)
-        base = urlunsplit((scheme, parts.netloc, parts.path, "", "")) + "/v1"
-        return {**assignment, "secrets": {**secrets, sessions.BASE_VARIABLE: base}}
+        return {**assignment, "secrets": {**secrets, sessions.BASE_VARIABLE: self._plane() + "/v1"}}
+
+    def _with_plane(self, assignment: dict[str, Any]) -> dict[str, Any]:
+        """A Slurm cluster's controller asks the plane for its workers (protocol.clusters): it is told
+        where the plane is. A Slurm worker runs only where the agent makes Kubernetes pods."""
+        spec = assignment.get("spec") or {}
+        if clusters.WORKER_SECTION in spec and not getattr(self.backend, "makes_clusters", False):
+            raise Refused(
+                f"A Slurm cluster's worker runs on a Kubernetes pool; a {self.backend.name} pool cannot run "
+                "one. Give the cluster a worker compute resource whose pools are Kubernetes pools.",
+                permanent=True,
+            )
+        if ((spec.get("app") or {}).get("cluster") or {}).get("service") != "slurm":
+            return assignment
+        return {**assignment, "plane_url": self._plane()}
 
     def _with_app_port(self, assignment: dict[str, Any]) -> dict[str, Any]:
         """An app's assignment with the port it is to serve on (a free one of this host, unless its

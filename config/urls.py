@@ -8,6 +8,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from apps.accounts.urls import urlpatterns as accounts_urlpatterns
 from apps.catalogue.urls import address_urlpatterns
+from apps.catalogue.urls import agent_urlpatterns as catalogue_agent_urlpatterns
 from apps.catalogue.urls import urlpatterns as catalogue_urlpatterns
 from apps.configuration.urls import urlpatterns as configuration_urlpatterns
 from apps.fleet.urls import agent_urlpatterns
@@ -40,6 +41,7 @@ urlpatterns = [
     path("api/v1/", include(api_v1)),
     *portal_urlpatterns,
     *agent_urlpatterns,
+    *catalogue_agent_urlpatterns,
     *address_urlpatterns,
     *sign_in_urlpatterns,
     path("api/schema/", SpectacularAPIView.as_view(urlconf="config.urls"), name="schema"),

@@ -40,10 +40,12 @@ not name GPUs other than what the task's profile counts. Every refusal names the
 
 from __future__ import annotations
 
+import base64
 import copy
 import dataclasses
 import json
 import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -326,10 +328,24 @@ class Manifests:
     app_secret: dict[str, Any] | None = None  # an app's relay key (Relay), for its sidecar alone
     app_policy: dict[str, Any] | None = None  # an app's NetworkPolicy: its pod takes in its relay's port only
     cluster: dict[str, Any] | None = None  # a clustering service's cluster (protocol.clusters), made first
+    # A Slurm cluster's controller: the Secret of its files and the Service its workers reach it by.
+    cluster_objects: tuple[dict[str, Any], ...] = ()
 
     @property
     def kind(self) -> str:
         return str(self.job["kind"])
+
+    def beside(self) -> list[tuple[dict[str, Any], str]]:
+        """What is made before the workload (after its Secret) and owned by it, each with its resource's
+        name, in the order made."""
+        made = [
+            (self.app_secret, "secrets"),
+            (self.service, "services"),
+            (self.app_policy, "networkpolicies.networking.k8s.io"),
+            (self.cluster, f"{clusters.K3K_PLURAL}.{clusters.K3K_GROUP}"),
+            *((item, str(item["kind"]).lower() + "s") for item in self.cluster_objects),
+        ]
+        return [(item, resource) for item, resource in made if item is not None]
 
     @property
     def followed(self) -> str:
@@ -427,8 +443,9 @@ def render(
         service = _cluster_service(assignment) if relay is not None else None
     except ValueError as error:
         raise PodTemplateInvalid(template.name, None, str(error)) from None
-    # A clustering service's GPUs are its cluster's workers', not the app's own pod's.
-    limits, fraction = ({}, "") if service is not None else (cluster_limits, fraction)
+    # A K3k cluster's GPUs are its agents', not the app's own pod's (a Slurm cluster's workers are tasks).
+    k3k = service is not None and service.service == "k3k"
+    limits, fraction = ({}, "") if k3k else (cluster_limits, fraction)
     _, nodes = gpus_per_node(assignment)
     pod = copy.deepcopy(template.render(values)[0])
     name = values["job_name"]
@@ -439,6 +456,7 @@ def render(
         "klique.io/lease": label_value(values["lease_id"]),
         "klique.io/tenant": label_value(tenant),
         "klique.io/submitter": label_value(values["user"]),
+        **_worker_label(assignment),
     }
     annotations = {
         "klique.io/task-name": values["task_name"][:1000],
@@ -484,9 +502,9 @@ def render(
         if relay
         else None
     )
-    cluster = _with_cluster(
-        template, service, spec, containers[index], name=name, labels=labels, limits=cluster_limits,
-        settings=settings,
+    cluster, slurm = _cluster_parts(
+        template, service, assignment, spec, containers[index], name=name, labels=labels,
+        limits=cluster_limits, settings=settings,
     )  # fmt: skip
     job = _job(pod, name, labels, annotations, nodes=nodes, settings=settings)
     if on_jobset:
@@ -504,10 +522,11 @@ def render(
         },
         service=_service(name, labels, settings) if nodes > 1 and job["kind"] == "Job" else None,
         app_secret=app_secret,
-        app_policy=_app_policy(name, labels, relay, settings)
+        app_policy=_app_policy(name, labels, relay, settings, slurm=bool(slurm))
         if relay and settings.app_network_policy
         else None,
         cluster=cluster,
+        cluster_objects=slurm,
     )
 
 
@@ -570,7 +589,7 @@ def _with_cluster(
 
 
 def _app_policy(
-    name: str, labels: Mapping[str, str], relay: Relay, settings: ClusterSettings
+    name: str, labels: Mapping[str, str], relay: Relay, settings: ClusterSettings, *, slurm: bool = False
 ) -> dict[str, Any]:
     """The app's pod admits connections to its relay's port and nothing else, from anywhere (the agent
     may run outside the cluster): an app that listens on the pod's network as well as its loopback is
@@ -583,9 +602,147 @@ def _app_policy(
         "spec": {
             "podSelector": {"matchLabels": run},
             "policyTypes": ["Ingress"],
-            "ingress": [{"ports": [{"protocol": "TCP", "port": relay.port}]}],
+            "ingress": [
+                {"ports": [{"protocol": "TCP", "port": relay.port}]},
+                # A Slurm controller takes in its own workers, on any port (slurmd calls srun back).
+                *(
+                    [
+                        {
+                            "from": [
+                                {
+                                    "podSelector": {
+                                        "matchLabels": {SLURM_CLUSTER_LABEL: clusters.cluster_name(name)}
+                                    }
+                                }
+                            ]
+                        }
+                    ]
+                    if slurm
+                    else []
+                ),
+            ],
         },
     }
+
+
+SLURM_CLUSTER_LABEL = "klique.io/slurm-cluster"
+
+
+def _cluster_parts(
+    template: Template,
+    service: clusters.ClusterService | None,
+    assignment: Mapping[str, Any],
+    spec: dict[str, Any],
+    main: dict[str, Any],
+    *,
+    name: str,
+    labels: Mapping[str, str],
+    limits: Mapping[str, str],
+    settings: ClusterSettings,
+) -> tuple[dict[str, Any] | None, tuple[dict[str, Any], ...]]:
+    """A K3k cluster's object, or a Slurm controller's objects, made beside the app; a Slurm worker's pod
+    made its node."""
+    _slurm_worker(template, assignment, spec, main)
+    if service is None:
+        return None, ()
+    if service.service == "slurm":
+        return None, _slurm_controller(
+            service, assignment, spec, main, name=name, labels=labels, settings=settings
+        )
+    k3k = _with_cluster(
+        template, service, spec, main, name=name, labels=labels, limits=limits, settings=settings
+    )
+    return k3k, ()
+
+
+def _worker_label(assignment: Mapping[str, Any]) -> dict[str, str]:
+    """A Slurm worker's pod carries its cluster's name: its controller takes connections from it."""
+    worker = (assignment.get("spec") or {}).get(clusters.WORKER_SECTION)
+    if not isinstance(worker, dict) or not isinstance(worker.get("node"), str):
+        return {}
+    return {SLURM_CLUSTER_LABEL: label_value(worker["node"].rpartition("-w")[0])}
+
+
+def _slurm_controller(
+    service: clusters.ClusterService,
+    assignment: Mapping[str, Any],
+    spec: dict[str, Any],
+    main: dict[str, Any],
+    *,
+    name: str,
+    labels: Mapping[str, str],
+    settings: ClusterSettings,
+) -> tuple[dict[str, Any], ...]:
+    """A Slurm cluster's controller: the app's pod, under the controller's host name, with the cluster's
+    files; the Secret of those files (a new munge key: one made before for this run is kept by the agent)
+    and the Service its workers reach slurmctld by."""
+    try:
+        files = clusters.slurm_files(
+            service,
+            job=name,
+            plane=str(assignment.get("plane_url") or ""),
+            task_id=str(assignment.get("task_id") or ""),
+            token=str(assignment.get("task_token") or ""),
+        )
+    except ValueError as error:
+        raise PodTemplateInvalid("slurm", None, str(error)) from None
+    spec["hostname"] = clusters.slurm_controller(name)
+    _mount_slurm(spec, main, clusters.slurm_secret(name))
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": clusters.slurm_secret(name),
+            "namespace": settings.namespace,
+            "labels": dict(labels),
+        },
+        "type": "Opaque",
+        "stringData": files,
+        "data": {"munge.key": base64.b64encode(secrets.token_bytes(clusters.MUNGE_KEY_BYTES)).decode()},
+    }
+    run = {key: labels[key] for key in ("klique.io/agent", "klique.io/task", "klique.io/lease")}
+    controller = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": clusters.slurm_controller(name),
+            "namespace": settings.namespace,
+            "labels": dict(labels),
+        },
+        "spec": {
+            "selector": run,
+            "publishNotReadyAddresses": True,
+            "ports": [{"name": "slurmctld", "protocol": "TCP", "port": clusters.SLURMCTLD_PORT}],
+        },
+    }
+    return secret, controller
+
+
+def _mount_slurm(spec: dict[str, Any], main: dict[str, Any], secret: str) -> None:
+    _listed(spec, "volumes").append(
+        {"name": "klique-slurm", "secret": {"secretName": secret, "defaultMode": 0o500}}
+    )
+    _listed(main, "volumeMounts").append(
+        {"name": "klique-slurm", "mountPath": clusters.SLURM_PATH, "readOnly": True}
+    )
+
+
+def _slurm_worker(
+    template: Template, assignment: Mapping[str, Any], spec: dict[str, Any], main: dict[str, Any]
+) -> None:
+    """A Slurm cluster's worker task: its pod is its node (host name, the cluster's label) with the
+    controller run's files, its CPUs asked for as Slurm counts them."""
+    section = (assignment.get("spec") or {}).get(clusters.WORKER_SECTION)
+    if section is None:
+        return
+    try:
+        worker = clusters.SlurmWorker.parse(section)
+    except ValueError as error:
+        raise PodTemplateInvalid(template.name, None, str(error)) from None
+    spec["hostname"] = worker.node
+    _mount_slurm(spec, main, worker.secret)
+    requests = _mapping(_mapping(main, "resources"), "requests")
+    requests.setdefault("cpu", str(worker.cpus))
 
 
 def _add_relay(

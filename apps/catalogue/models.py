@@ -78,3 +78,23 @@ class AppInstance(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class ClusterWorker(models.Model):
+    """A worker node of an app's Slurm cluster (protocol.clusters): the task that runs it, made when the
+    cluster's controller woke the node, under the controller run it belongs to."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    app = models.ForeignKey(AppInstance, on_delete=models.CASCADE, related_name="workers")
+    controller = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="+")
+    controller_lease = models.UUIDField()  # the controller's run: a worker never outlives it
+    node = models.CharField(max_length=80)
+    task = models.OneToOneField(Task, on_delete=models.CASCADE, related_name="cluster_worker")
+    made_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["made_at"]
+        indexes = [models.Index(fields=["controller", "node"], name="worker_by_controller_node")]
+
+    def __str__(self) -> str:
+        return self.node

@@ -22,20 +22,21 @@ from django.db.models import Sum
 from django.utils import timezone
 
 from apps.accounts.models import ApiToken, Group, Role, User
-from apps.catalogue import shipped
+from apps.catalogue import shipped, slurm
 from apps.catalogue.admissions import ADMISSIONS
 from apps.catalogue.models import AppInstance, CatalogueEntry
 from apps.core.errors import Conflict, Forbidden, InvalidInput, NotFound
 from apps.core.events import publish_event
 from apps.core.ids import as_uuid
 from apps.fleet.models import TaskReport
-from apps.resources.models import Environment, TaskSharing
+from apps.resources.models import ComputeResource, Environment, TaskSharing
 from apps.scheduling.engine.units import to_gpus_text
 from apps.scheduling.models import ENDED_STATES, Task, TaskState
 from apps.scheduling.services import TaskRequest, compute_resource_open_to, task_cancel, tasks_submit
 from gateway import services as gateway
 from protocol import clusters
 from protocol.apps import Template, TemplateInvalid, secret_names
+from protocol.units import UNITS_PER_GPU
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -154,6 +155,9 @@ def _cluster_fits(user: User, template: Template, resource: str, gpus: str) -> N
     """A clustering service's cluster is made on Kubernetes pools only, its GPUs split evenly over its
     workers: said at launch, not by a task that fails on its agent."""
     assert template.cluster is not None
+    if template.cluster.service == "slurm":
+        _slurm_fits(user, template.cluster, resource)
+        return
     found = compute_resource_open_to(user, resource)
     profile = found.profile
     if profile.nodes > 1 or profile.sharing != TaskSharing.WHOLE:
@@ -167,6 +171,10 @@ def _cluster_fits(user: User, template: Template, resource: str, gpus: str) -> N
         clusters.ClusterService.parse(template.cluster.as_json(), gpus=size)
     except clusters.ServiceInvalid as error:
         raise InvalidInput("; ".join(error.problems), field="gpus") from None
+    _on_kubernetes(template.cluster.service, found)
+
+
+def _on_kubernetes(service: str, found: ComputeResource, what: str = "compute_resource") -> None:
     others = sorted(
         f"{pool.name} ({pool.environment})"
         for pool in found.profile.pools.all()
@@ -174,8 +182,35 @@ def _cluster_fits(user: User, template: Template, resource: str, gpus: str) -> N
     )
     if others:
         raise InvalidInput(
-            f"A {template.cluster.service} cluster is made on Kubernetes pools; {found.name} also places "
-            f"work on {', '.join(others)}. Choose a compute resource whose pools are all Kubernetes pools.",
+            f"A {service} cluster is made on Kubernetes pools; {found.name} also places work on "
+            f"{', '.join(others)}. Choose a compute resource whose pools are all Kubernetes pools.",
+            field=what,
+        )
+
+
+def _slurm_fits(user: User, service: clusters.ClusterService, resource: str) -> None:
+    """A Slurm cluster's controller and its workers run on Kubernetes pools; each worker is a task of
+    `worker_gpus` whole GPUs on one node of the worker compute resource, which its launcher may use."""
+    _on_kubernetes("slurm", compute_resource_open_to(user, resource))
+    name = service.worker_compute_resource or resource
+    try:
+        workers = compute_resource_open_to(user, name)
+    except InvalidInput as error:
+        raise InvalidInput(
+            f"The cluster's workers run on {name}: {error.message}", field="compute_resource"
+        ) from None
+    _on_kubernetes("slurm", workers)
+    profile, gpus = workers.profile, service.worker_gpus * UNITS_PER_GPU
+    fits = (
+        profile.min_units <= gpus <= profile.max_units
+        if profile.size_from_task
+        else profile.size_units == gpus
+    )
+    if profile.nodes > 1 or profile.sharing != TaskSharing.WHOLE or not fits:
+        raise InvalidInput(
+            f"Each worker of this Slurm cluster is a task of {service.worker_gpus} whole GPUs on one node; "
+            f"{workers.name} gives {profile.size_text()}. Choose a worker compute resource that runs such "
+            "tasks, or an entry whose worker_gpus it runs.",
             field="compute_resource",
         )
 
@@ -271,6 +306,10 @@ def app_stop(
     else:
         gateway.selfhosted_remove(app.pk)
     app.task = task_cancel(tenant=tenant, user=user, task=app.task, why=app.stop_reason, actor=actor)
+    if ((app.template or {}).get("cluster") or {}).get("service") == "slurm":
+        slurm.workers_end(
+            tenant=tenant, app=app, why=f"Its Slurm cluster {app.name} stopped: {app.stop_reason}"
+        )
     return app
 
 

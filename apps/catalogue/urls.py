@@ -19,3 +19,8 @@ address_urlpatterns = [
     path("apps/<uuid:app_id>/", views.address, name="app-address"),
     path("apps/<uuid:app_id>/<path:rest>", views.address, name="app-address-path"),
 ]
+
+# A Slurm cluster's controller asks for its worker nodes (apps.catalogue.slurm), with its task token.
+agent_urlpatterns = [
+    path("agents/v1/tasks/<uuid:task_id>/slurm/", views.slurm_workers, name="agent-slurm-workers"),
+]

@@ -4,16 +4,21 @@ its own). A stopped app's address says so and offers to start it; a starting one
 
 from __future__ import annotations
 
+import json
 from urllib.parse import quote, urlencode
 
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.db import transaction
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.shortcuts import render
+from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_http_methods
 
 from apps.accounts.models import User
-from apps.catalogue import addresses, selectors, services, tickets
+from apps.catalogue import addresses, selectors, services, slurm, tickets
 from apps.catalogue.models import AppInstance
 from apps.core.errors import KliqueError
+from apps.fleet import credentials
+from apps.fleet import errors as fleet_errors
 
 
 def _reachable(request: HttpRequest, app_id: str) -> AppInstance | HttpResponse:
@@ -58,3 +63,48 @@ def _start(request: HttpRequest, app_id: str) -> HttpResponse:
         context = {"app": app, "state": state, "error": error.message}
         return render(request, "portal/app_state.html", context, status=error.status_code)
     return HttpResponseRedirect(f"/apps/{app.pk}/")
+
+
+@csrf_exempt
+@require_http_methods(["POST"])
+@transaction.atomic
+def slurm_workers(request: HttpRequest, task_id: str) -> JsonResponse:
+    """POST /agents/v1/tasks/{id}/slurm/: a Slurm cluster's resume or suspend program (apps.catalogue.slurm)
+    asks for its nodes, {"resume": "<host list>"} or {"suspend": "<host list>"}, with its controller run's
+    task token. Outside the user API on purpose: the token opens this and its task's reports, nothing else."""
+    tenant = getattr(request, "tenant", None)
+    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+    if (
+        tenant is None
+        or scheme.lower() != "bearer"
+        or not presented.startswith(f"{credentials.TASK_TOKEN_KIND}_")
+    ):
+        return JsonResponse(
+            {"detail": "Send 'Authorization: Bearer <the controller run's task token>'."}, status=401
+        )
+    try:
+        controller = credentials.task_authenticate(
+            schema_name=tenant.schema_name, presented=presented.strip(), task_id=str(task_id)
+        )
+    except fleet_errors.AgentRejected as rejected:
+        return JsonResponse({"detail": str(rejected)}, status=403)
+    try:
+        body = json.loads(request.body or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        body = None
+    if (
+        not isinstance(body, dict)
+        or not body.keys() & {"resume", "suspend"}
+        or body.keys() - {"resume", "suspend"}
+    ):
+        return JsonResponse(
+            {"detail": 'Send {"resume": "<host list>"} or {"suspend": "<host list>"}.'}, status=400
+        )
+    try:
+        changed = slurm.workers_change(
+            tenant=tenant, controller=controller, resume=body.get("resume"), suspend=body.get("suspend")
+        )
+    except KliqueError as error:
+        return JsonResponse({"detail": error.message}, status=error.status_code)
+    status = 409 if changed.refused and not (changed.made or changed.kept or changed.ended) else 200
+    return JsonResponse(changed.as_json(), status=status)

@@ -450,6 +450,11 @@ class Kubelet:
         read = networking.read_namespaced_network_policy(name, NAMESPACE, _preload_content=False)
         return dict(json.loads(read.data))
 
+    def service(self, name: str) -> dict[str, Any]:
+        return dict(
+            json.loads(self.core.read_namespaced_service(name, NAMESPACE, _preload_content=False).data)
+        )
+
     def secret(self, name: str) -> dict[str, Any]:
         return dict(
             json.loads(self.core.read_namespaced_secret(name, NAMESPACE, _preload_content=False).data)

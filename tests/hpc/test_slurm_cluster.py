@@ -1,0 +1,223 @@
+"""A Slurm cluster's configuration and programs (protocol.clusters) run by a real Slurm (Debian's 22.05):
+slurmctld reads the slurm.conf Klique writes, wakes a CLOUD node for a waiting job by running Klique's
+resume program, the node's slurmd joins configless and runs the job, and once the node has been idle
+slurmctld gives it back through the suspend program.
+
+What stands in: the plane is a small HTTP server here that checks the controller's token and, as the plane
+would make a worker task whose pod runs `slurmd`, starts `slurmd` for the node on this machine. On one
+machine the controller's host name, ports and folders are this machine's and a test folder's (a line each,
+replaced); every other line is as Klique writes it, and the programs are Klique's, run by slurmctld."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from protocol import clusters, pods
+
+pytestmark = pytest.mark.timeout(300)
+
+TASK = "0f0e0d0c-0b0a-4999-8888-777766665555"
+JOB = pods.job_name(TASK, "abcdef12-3456-4789-8abc-def012345678")
+NODE = f"{clusters.cluster_name(JOB)}-w0"
+TOKEN = "kqt_0f0e0d0c0b0a49998888777766665555_signature"
+IDLE_SECONDS = 15  # as the test's idle time; the section's shortest is a minute
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class Plane(ThreadingHTTPServer):
+    """The plane as the programs see it: the controller's token checked, a node woken by starting its
+    slurmd, a node given back by stopping it."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(("127.0.0.1", 0), Asked)
+        self.folder = folder
+        self.asked: list[tuple[str, dict[str, Any]]] = []
+        self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        self.controller_port = 0
+
+    def wake(self, node: str) -> None:
+        log = open(self.folder / f"{node}.log", "wb")  # noqa: SIM115 -- the worker's, closed with it
+        self.workers[node] = subprocess.Popen(  # as the worker's start runs it (clusters.START)
+            ["slurmd", "-D", "-b", "-N", node, "--conf-server", f"127.0.0.1:{self.controller_port}"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={"PATH": os.environ["PATH"]},
+        )
+
+    def give_back(self, node: str) -> None:
+        worker = self.workers.pop(node, None)
+        if worker is not None:
+            worker.terminate()
+            worker.wait(timeout=30)
+
+
+class Asked(BaseHTTPRequestHandler):
+    server: Plane
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.asked.append((self.path, {**body, "token": self.headers.get("Authorization")}))
+        if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+            self.send_response(403)
+        else:
+            if "resume" in body:
+                for node in clusters.expand_hostlist(body["resume"]):
+                    self.server.wake(node)
+            if "suspend" in body:
+                for node in clusters.expand_hostlist(body["suspend"]):
+                    self.server.give_back(node)
+            self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *_: Any) -> None:
+        return
+
+
+@pytest.fixture
+def plane(tmp_path: Path) -> Iterator[Plane]:
+    server = Plane(tmp_path)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    for node in list(server.workers):
+        server.give_back(node)
+    server.shutdown()
+
+
+def on_this_machine(text: str, folder: Path, port: int, spool: Path) -> str:
+    """Klique's slurm.conf with this machine as the controller's host, the test's ports and folders."""
+    replaced = {
+        "SlurmctldHost": f"{socket.gethostname()}(127.0.0.1)",
+        "SlurmctldPort": str(port),
+        "StateSaveLocation": str(folder / "state"),
+        "SlurmdSpoolDir": str(spool / "%n"),  # short: a step's socket path has at most 108 characters
+        "SuspendProgram": str(folder / "suspend"),
+        "ResumeProgram": str(folder / "resume"),
+        "ResumeFailProgram": str(folder / "suspend"),
+        "SuspendTime": str(IDLE_SECONDS),
+    }
+    lines = []
+    for line in text.splitlines():
+        key = line.partition("=")[0]
+        lines.append(f"{key}={replaced.pop(key)}" if key in replaced else line)
+    assert not replaced, f"Klique's slurm.conf no longer has {', '.join(replaced)}"
+    lines += [
+        f"SlurmdPort={free_port()}",
+        f"SlurmctldPidFile={folder / 'slurmctld.pid'}",
+        f"SlurmdPidFile={folder / 'slurmd-%n.pid'}",
+        f"SlurmctldLogFile={folder / 'slurmctld.log'}",
+        f"SlurmdLogFile={folder / 'slurmd-%n.log'}",
+        "AccountingStorageType=accounting_storage/none",
+        "SlurmctldDebug=verbose",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def until(check: Any, what: str, timeout: float, log: Path) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.5)
+    said = log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)"
+    raise AssertionError(f"{what}: not seen in {timeout:.0f} s; slurmctld's log ends:\n{said}")
+
+
+def test_slurm_wakes_a_node_through_klique_runs_a_job_on_it_and_gives_it_back(
+    slurm: Path, tmp_path: Path, plane: Plane
+) -> None:
+    service = clusters.ClusterService.parse(
+        {"service": "slurm", "workers": 2, "worker_gpus": 1, "worker_cpus": 1, "partition": "team"}
+    )
+    files = clusters.slurm_files(
+        service, job=JOB, plane=f"http://127.0.0.1:{plane.server_port}", task_id=TASK, token=TOKEN
+    )
+    plane.controller_port = free_port()
+    (tmp_path / "state").mkdir()
+    spool = Path(tempfile.mkdtemp(prefix="kq-", dir="/tmp"))
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(on_this_machine(files["slurm.conf"], tmp_path, plane.controller_port, spool))
+    # The GPU links a worker's start makes, here to stand-in devices (as deploy/slurm/single-node.sh's).
+    devices = tmp_path / "dev"
+    devices.mkdir()
+    os.mknod(devices / "klique-gpu0", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    (tmp_path / "gres.conf").write_text(
+        files["gres.conf"].replace(clusters.GPU_LINKS, str(devices / "klique-gpu"))
+    )
+    (tmp_path / "token").write_text(files["token"])
+    for program in ("resume", "suspend"):  # Klique's, reading the token where the test keeps it
+        (tmp_path / program).write_text(
+            files[program].replace(f"{clusters.SLURM_PATH}/token", str(tmp_path / "token"))
+        )
+        (tmp_path / program).chmod(0o700)
+    environment = {"PATH": os.environ["PATH"], "SLURM_CONF": str(conf)}
+    log = tmp_path / "slurmctld.log"
+    controller = subprocess.Popen(
+        ["slurmctld", "-D", "-i", "-f", str(conf)],
+        env=environment,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+
+        def scontrol(*words: str) -> str:
+            done = subprocess.run(
+                ["scontrol", *words], env=environment, capture_output=True, text=True, timeout=30, check=False
+            )
+            return done.stdout + done.stderr
+
+        until(lambda: "UP" in scontrol("ping"), "slurmctld answering", 60, log)
+        nodes = scontrol("show", "nodes")
+        assert f"NodeName={NODE}" in nodes
+        assert "CLOUD" in nodes  # powered down until a job wants it
+
+        output = tmp_path / "job.out"
+        script = "echo ran on $SLURMD_NODENAME with GPUs $CUDA_VISIBLE_DEVICES"
+        submitted = subprocess.run(
+            ["sbatch", "--parsable", "-p", "team", "--gres=gpu:1", "-o", str(output), "--wrap", script],
+            env=environment, capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        assert submitted.returncode == 0, submitted.stderr
+
+        # Slurm runs Klique's resume program for the node; the plane starts its slurmd; the job runs there.
+        until(lambda: any("resume" in body for _, body in plane.asked), "the resume program", 90, log)
+        path, body = next((path, body) for path, body in plane.asked if "resume" in body)
+        assert path == f"/agents/v1/tasks/{TASK}/slurm/"
+        assert body == {"resume": NODE, "token": f"Bearer {TOKEN}"}
+        until(lambda: output.exists() and "ran on" in output.read_text(), "the job's output", 120, log)
+        assert output.read_text().split() == ["ran", "on", NODE, "with", "GPUs", "0"]  # its one GPU, bound
+        assert submitted.stdout.strip().isdigit()
+
+        # Idle for its SuspendTime, the node is given back through the suspend program.
+        until(lambda: any("suspend" in body for _, body in plane.asked), "the suspend program", 120, log)
+        assert next(body for _, body in plane.asked if "suspend" in body) == {
+            "suspend": NODE,
+            "token": f"Bearer {TOKEN}",
+        }
+        assert NODE not in plane.workers
+    finally:
+        controller.terminate()
+        controller.wait(timeout=30)
+        shutil.rmtree(spool, ignore_errors=True)
