@@ -420,12 +420,17 @@ def _program(action: str, *, plane: str, task_id: str) -> str:
     return "\n".join([
         "#!/bin/sh",
         f"# Slurm's {action} program, made by Klique: the nodes go to the plane, which makes or ends their",
-        "# worker tasks. Its output goes to slurmctld's log.",
-        "set -eu",
+        "# worker tasks. slurmctld keeps no output of its programs: where it is the container's first",
+        "# process, the plane's answer goes to its output, which is the app's log.",
+        "set -u",
+        'if [ "$(cat /proc/1/comm 2>/dev/null)" = slurmctld ]; then exec >>/proc/1/fd/2 2>&1; fi',
         "nodes=$(printf %s \"$1\" | tr -cd 'A-Za-z0-9_.,[]-')",
-        'exec curl --silent --show-error --fail-with-body --max-time 60 --retry 5 --retry-all-errors \\',
+        'answer=$(curl --silent --show-error --fail-with-body --max-time 60 --retry 5 --retry-all-errors \\',
         f'  -H "Authorization: Bearer $(cat {SLURM_PATH}/token)" -H "Content-Type: application/json" \\',
-        f'  --data "{{\\"{action}\\": \\"$nodes\\"}}" "{plane}/agents/v1/tasks/{task_id}/slurm/"',
+        f'  --data "{{\\"{action}\\": \\"$nodes\\"}}" "{plane}/agents/v1/tasks/{task_id}/slurm/" 2>&1)',
+        "said=$?",
+        f'echo "klique: {action} $nodes: $answer"',
+        "exit $said",
         "",
     ])  # fmt: skip
 

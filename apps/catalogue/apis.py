@@ -72,6 +72,13 @@ class LaunchIn(serializers.Serializer[AppInstance]):
         max_length=50,
         help_text="vault secrets to give the app as environment variables, beside its entry's own",
     )
+    worker_compute_resource = serializers.CharField(
+        max_length=200,
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="a Slurm cluster's: where its worker nodes run (else the entry's choice, or the app's own)",
+    )
 
 
 class AppOut(serializers.ModelSerializer[AppInstance]):

@@ -13,6 +13,7 @@ idleness and the template scales to zero, when the model stays listed and the ne
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -108,8 +109,10 @@ def app_launch(
     groups: list[str] | None = None,
     secrets: list[str] | None = None,
     token: ApiToken | None = None,
+    worker_compute_resource: str | None = None,
 ) -> AppInstance:
     template, allowed = entry_find(entry, version)
+    template = _with_workers_on(template, worker_compute_resource)
     if not allowed and not user.has_role(Role.ADMIN):
         raise Forbidden(f"{entry} is not allowed for projects; a tenant admin may launch it, or allow it.")
     try:
@@ -149,6 +152,21 @@ def app_launch(
     app.groups.set(shared_groups)
     _register_model(app, template)
     return app
+
+
+def _with_workers_on(template: Template, resource: str | None) -> Template:
+    """The template as launched, its Slurm cluster's workers on the compute resource the launch chose."""
+    if not resource:
+        return template
+    if template.cluster is None or template.cluster.service != "slurm":
+        raise InvalidInput(
+            f"{template.name} makes no Slurm cluster: only a Slurm cluster's workers run on a compute "
+            "resource of their own. Leave worker_compute_resource out.",
+            field="worker_compute_resource",
+        )
+    return dataclasses.replace(
+        template, cluster=dataclasses.replace(template.cluster, worker_compute_resource=resource)
+    )
 
 
 def _cluster_fits(user: User, template: Template, resource: str, gpus: str) -> None:

@@ -2,7 +2,7 @@
 
 Their images are the host's (or its agent's image archives'): no registry is reachable from most
 environments, so each entry names the image an operator builds or loads. deploy/apps/images.sh builds
-JupyterLab's, the agent sandbox's and code-server's from Debian's packages, PyPI and npm.
+JupyterLab's, the agent sandbox's, code-server's and Slurm's from Debian's packages, PyPI and npm.
 """
 
 from __future__ import annotations
@@ -142,6 +142,28 @@ DOCUMENTS: tuple[dict[str, Any], ...] = (
         "health": {"path": "/version", "startup_seconds": 1800},
         "gpus": "1",
         "cluster": {"service": "k3k", "servers": 1, "agents": 1},
+    },
+    {
+        "name": "slurm",
+        "version": "22.05",
+        "title": "Slurm cluster",
+        "kind": "cluster",
+        "description": "A Slurm cluster of your own on a Kubernetes pool: its controller, and JupyterLab "
+        "at the app's address as its login, where your sbatch scripts run unchanged in the terminal. Its "
+        "nodes are Klique tasks of 1 GPU each, up to 4, started as jobs wait for them and given back after "
+        "5 idle minutes; they count against your policies like any task.",
+        "image": "localhost/klique-slurm:22.05",
+        "command": [
+            "sh", "/var/run/klique/slurm/start", "controller", "--",
+            "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", "--port={port}", "--ServerApp.token=",
+            "--ServerApp.password=", "--ServerApp.root_dir=/work", "--ServerApp.trust_xheaders=True",
+            "--ServerApp.allow_remote_access=True", "--allow-root",
+        ],
+        "health": {"path": "/api", "startup_seconds": 300},
+        "gpus": "0",
+        "cluster": {
+            "service": "slurm", "workers": 4, "worker_gpus": 1, "worker_cpus": 4, "idle_seconds": 300,
+        },
     },
 )  # fmt: skip
 

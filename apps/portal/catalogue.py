@@ -83,6 +83,7 @@ def app_launch(request: HttpRequest) -> HttpResponse:
             share_with_project=form.get("share_with_project") == "on",
             name=form.get("name", "").strip(),
             secrets=[name.strip() for name in form.get("secrets", "").split(",") if name.strip()],
+            worker_compute_resource=form.get("worker_compute_resource") or None,
         )
         context["message"] = f"{app.name} is starting; it opens from the list when it is ready."
     except KliqueError as error:

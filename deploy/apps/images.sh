@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The images the shipped catalogue entries name (apps/catalogue/shipped.py), built on this host for its
 # container engine, since no registry is reachable from most environments:
-#   deploy/apps/images.sh DIR [jupyterlab|agent-sandbox|code-server|all]
+#   deploy/apps/images.sh DIR [jupyterlab|agent-sandbox|code-server|slurm|all]
 #       localhost/klique-debian-python:12   Debian 12 (bookworm) from Debian's packages: Python 3, venv, git
 #       localhost/klique-jupyter:4          that, with PyPI's jupyterlab 4 and ipykernel in /opt/jupyter
 #       localhost/klique-agent-sandbox:1    that, with PyPI's openai client and httpx, for the agent-sandbox
 #                                           entry (the coding agent itself is its user's to install)
 #       localhost/klique-code-server:4      the base, with this host's Node.js 20 and npm's code-server built
 #                                           for it (deploy/apps/code-server.sh) in /opt/code-server
+#       localhost/klique-slurm:22.05        JupyterLab's, with Debian's Slurm 22.05 (slurmctld, slurmd and
+#                                           its clients), munge and curl: the slurm entry's controller,
+#                                           its login (JupyterLab's terminal) and its workers
+#                                           (protocol/clusters.py's start script)
 # DIR keeps the engine's settings (deploy/containers/podman.sh) and the build's scratch. Idempotent: an
 # image the engine holds already is kept. Prints the containers.conf path last: give it to podman (and to
 # the bare-metal agent) as CONTAINERS_CONF.
@@ -18,9 +22,9 @@
 # same Debian, so the same libraries) with the code-server built for it. The model servers' images are not
 # built here: they want CUDA (docs/apps.md).
 set -euo pipefail
-dir=$(realpath -m "${1:?usage: images.sh DIR [jupyterlab|agent-sandbox|code-server|all]}")
+dir=$(realpath -m "${1:?usage: images.sh DIR [jupyterlab|agent-sandbox|code-server|slurm|all]}")
 which=${2:-all}
-case "$which" in jupyterlab|agent-sandbox|code-server|all) ;; *) echo "unknown image $which" >&2; exit 2 ;; esac
+case "$which" in jupyterlab|agent-sandbox|code-server|slurm|all) ;; *) echo "unknown image $which" >&2; exit 2 ;; esac
 here=$(cd "$(dirname "$0")" && pwd)
 conf=$(bash "$here/../containers/podman.sh" setup "$dir" | tail -n 1)
 export CONTAINERS_CONF="$conf"
@@ -29,6 +33,7 @@ base=localhost/klique-debian-python:12
 jupyter=localhost/klique-jupyter:4
 sandbox=localhost/klique-agent-sandbox:1
 code_server=localhost/klique-code-server:4
+slurm=localhost/klique-slurm:22.05
 path=/opt/jupyter/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
 mirror() {
@@ -70,7 +75,7 @@ if ! podman image exists "$base"; then
   trap - EXIT
 fi
 
-if [ "$which" != code-server ] && ! podman image exists "$jupyter"; then  # the sandbox is made from it too
+if [ "$which" != code-server ] && ! podman image exists "$jupyter"; then  # the sandbox and Slurm are made from it
   derive "$base" "$jupyter" \
     'python3 -m venv /opt/jupyter && /opt/jupyter/bin/pip install --quiet --no-cache-dir "jupyterlab>=4,<5" ipykernel'
 fi
@@ -93,5 +98,9 @@ if { [ "$which" = code-server ] || [ "$which" = all ]; } && ! podman image exist
   podman commit --quiet --change "ENV PATH=/opt/code-server/node_modules/.bin:$path" --change 'WORKDIR /work' \
     "$name" "$code_server" >/dev/null
   podman rm "$name" >/dev/null
+fi
+if { [ "$which" = slurm ] || [ "$which" = all ]; } && ! podman image exists "$slurm"; then
+  derive "$jupyter" "$slurm" \
+    'export DEBIAN_FRONTEND=noninteractive; apt-get update -qq && apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge curl ca-certificates >/dev/null && rm -rf /var/lib/apt/lists/* /etc/munge/munge.key'
 fi
 echo "$conf"

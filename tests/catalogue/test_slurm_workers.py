@@ -264,3 +264,44 @@ def test_a_cluster_whose_workers_could_not_run_is_refused_at_launch(
             services.app_launch(
                 tenant=world.tenant_a, user=bob, entry="team-slurm", compute_resource="Research: 4 GPUs"
             )
+
+
+def test_the_shipped_entry_is_launched_with_its_workers_on_the_compute_resource_the_launch_chose(
+    world: World,
+) -> None:
+    with schema_context(world.tenant_a.schema_name):
+        bob = User.objects.get(username="bob")
+        controller, workers = kubernetes_only(0), kubernetes_only(1)
+        with pytest.raises(InvalidInput, match="Each worker of this Slurm cluster is a task of 1 whole GPUs"):
+            services.app_launch(tenant=world.tenant_a, user=bob, entry="slurm", compute_resource=controller)
+        app = services.app_launch(
+            tenant=world.tenant_a, user=bob, entry="slurm", compute_resource=controller,
+            worker_compute_resource=workers,
+        )  # fmt: skip
+        task = Task.objects.get(pk=str(app.task_id))
+        assert task.spec["app"]["cluster"]["worker_compute_resource"] == workers
+        assert app.template["cluster"]["worker_compute_resource"] == workers  # as launched, kept
+        with pytest.raises(InvalidInput, match="makes no Slurm cluster") as refused:
+            services.app_launch(
+                tenant=world.tenant_a, user=bob, entry="jupyterlab", compute_resource=controller,
+                worker_compute_resource=workers,
+            )  # fmt: skip
+        assert refused.value.field == "worker_compute_resource"
+
+
+def test_a_launch_through_the_api_names_the_workers_compute_resource(world: World) -> None:
+    with schema_context(world.tenant_a.schema_name):
+        controller, workers = kubernetes_only(0), kubernetes_only(1)
+    answer = Client().post(
+        "/api/v1/apps/",
+        data=json.dumps(
+            {"entry": "slurm", "compute_resource": controller, "worker_compute_resource": workers}
+        ),
+        content_type="application/json",
+        HTTP_HOST=HOST_A,
+        headers={"Authorization": f"Bearer {world.tokens['bob']}"},
+    )
+    assert answer.status_code == 201, answer.content
+    with schema_context(world.tenant_a.schema_name):
+        app = AppInstance.objects.get(pk=answer.json()["id"])
+        assert app.template["cluster"]["worker_compute_resource"] == workers

@@ -36,6 +36,7 @@ def test_every_shipped_entry_is_a_valid_template() -> None:
         "sglang",
         "llama-cpp",
         "k3k",
+        "slurm",
     }
     sandbox = shipped.TEMPLATES["agent-sandbox"]
     assert sandbox.gateway_session is not None

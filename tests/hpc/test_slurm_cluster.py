@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from protocol import clusters, pods
+from tests.containers import Podman
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -47,8 +48,8 @@ class Plane(ThreadingHTTPServer):
     """The plane as the programs see it: the controller's token checked, a node woken by starting its
     slurmd, a node given back by stopping it."""
 
-    def __init__(self, folder: Path) -> None:
-        super().__init__(("127.0.0.1", 0), Asked)
+    def __init__(self, folder: Path, host: str = "127.0.0.1") -> None:
+        super().__init__((host, 0), Asked)
         self.folder = folder
         self.asked: list[tuple[str, dict[str, Any]]] = []
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
@@ -221,3 +222,123 @@ def test_slurm_wakes_a_node_through_klique_runs_a_job_on_it_and_gives_it_back(
         controller.terminate()
         controller.wait(timeout=30)
         shutil.rmtree(spool, ignore_errors=True)
+
+
+# The image and its start script, in containers -------------------------------------------------------
+
+
+class Pods(Plane):
+    """The plane for a cluster in containers: a woken node is a container of the image running the
+    worker's start, as the pod of its worker task would; given back, it is removed."""
+
+    def __init__(self, folder: Path, podman: Podman, controller: str) -> None:
+        # Every address: the pods' network reaches this host at its gateway, which podman gives its bridge
+        # only once a container is on it.
+        super().__init__(folder, "0.0.0.0")  # noqa: S104
+        self.podman, self.controller, self.address = podman, controller, ""
+        self.containers: set[str] = set()
+
+    def wake(self, node: str) -> None:
+        name = f"kq-{node}"
+        self.podman.run("rm", "--force", name)
+        started = self.podman.run(
+            "run", "--detach", "--name", name, "--hostname", node,
+            "--add-host", f"{self.controller}:{self.address}",  # the Service's name, as cluster DNS gives it
+            "--device", f"{self.folder / 'nvidia0'}:/dev/nvidia0",  # the pod's one GPU
+            "--volume", f"{self.folder / 'files'}:{clusters.SLURM_PATH}:ro",
+            SLURM_IMAGE, *clusters.worker_command(node, self.controller),
+        )  # fmt: skip
+        assert started.returncode == 0, started.stderr
+        self.containers.add(node)
+
+    def give_back(self, node: str) -> None:
+        if node in self.containers:
+            self.containers.discard(node)
+            self.podman.run("rm", "--force", "--time", "5", f"kq-{node}")
+
+
+SLURM_IMAGE = "localhost/klique-slurm:22.05"
+
+
+def test_the_slurm_image_starts_a_controller_and_a_worker_as_their_pods_would(
+    shipped_images: Podman, tmp_path: Path
+) -> None:
+    """The shipped entry's image (deploy/apps/images.sh) with Klique's files and start script, unchanged
+    but for SuspendTime: the controller's container starts munge and slurmctld, a job waits, the resume
+    program asks the plane, the worker's container joins and runs it on its one GPU, and the idle node is
+    given back. The pods' network is podman's; the Service's name is the controller's address."""
+    podman = shipped_images
+    gateway = json.loads(podman.run("network", "inspect", "podman").stdout)[0]["subnets"][0]["gateway"]
+    service = clusters.ClusterService.parse(
+        {"service": "slurm", "workers": 2, "worker_gpus": 1, "worker_cpus": 1}
+    )
+    controller = clusters.slurm_controller(JOB)
+    node = f"{clusters.cluster_name(JOB)}-w0"
+    name = f"kq-{controller}"
+    files = tmp_path / "files"  # the controller run's Secret, as its pods mount it
+    files.mkdir()
+    os.mknod(tmp_path / "nvidia0", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    plane = Pods(tmp_path, podman, controller)
+    threading.Thread(target=plane.serve_forever, daemon=True).start()
+    written = clusters.slurm_files(
+        service, job=JOB, plane=f"http://{gateway}:{plane.server_port}", task_id=TASK, token=TOKEN
+    )
+    for file, text in written.items():
+        (files / file).write_text(text.replace("SuspendTime=300", f"SuspendTime={IDLE_SECONDS}"))
+    (files / "munge.key").write_bytes(os.urandom(clusters.MUNGE_KEY_BYTES))
+    for made in files.iterdir():  # as the Secret volume gives them (protocol.pods: defaultMode 0500)
+        made.chmod(0o500)
+    log = tmp_path / "controller.log"
+
+    def login(*words: str) -> str:  # what a user types in the login's terminal
+        done = podman.run("exec", "--env", f"SLURM_CONF={clusters.SLURM_PATH}/slurm.conf", name, *words)
+        return done.stdout + done.stderr
+
+    def seen(check: Any) -> Any:  # with the controller's log kept for a failure's message
+        said = podman.run("logs", name)
+        log.write_text(said.stdout + said.stderr)
+        return check()
+
+    def output() -> str:
+        return podman.run("exec", f"kq-{node}", "cat", "/work/job.out").stdout
+
+    podman.run("rm", "--force", name)
+    try:
+        started = podman.run(
+            "run", "--detach", "--name", name, "--hostname", controller,
+            "--volume", f"{files}:{clusters.SLURM_PATH}:ro",
+            SLURM_IMAGE, "sh", f"{clusters.SLURM_PATH}/start", "controller", "--", "sleep", "infinity",
+        )  # fmt: skip
+        assert started.returncode == 0, started.stderr
+        plane.address = podman.run(
+            "inspect", "--format", "{{.NetworkSettings.IPAddress}}", name
+        ).stdout.strip()
+        until(lambda: seen(lambda: "UP" in login("scontrol", "ping")), "slurmctld in its container", 90, log)
+        assert f"{clusters.cluster_name(JOB)}-w[0-1]" in login("sinfo", "--noheader")  # powered down, listed
+
+        script = "echo ran on $SLURMD_NODENAME with GPUs $CUDA_VISIBLE_DEVICES"
+        assert login("sbatch", "--gres=gpu:1", "-o", "/work/job.out", "--wrap", script).startswith(
+            "Submitted"
+        )
+
+        def resumed() -> bool:
+            return any("resume" in body for _, body in plane.asked)
+
+        until(lambda: seen(resumed), "the resume program", 90, log)
+        # The plane's answer is in the controller's output, which is the app's log.
+        until(
+            lambda: seen(lambda: f"klique: resume {node}: {{}}" in log.read_text()),
+            "the answer logged",
+            30,
+            log,
+        )
+        until(lambda: seen(lambda: "ran on" in output()), "the job in the worker's container", 150, log)
+        assert output().split() == ["ran", "on", node, "with", "GPUs", "0"]
+        until(lambda: seen(lambda: node not in plane.containers), "the suspend program", 150, log)
+        given = next(body for _, body in plane.asked if "suspend" in body)
+        assert given == {"suspend": node, "token": f"Bearer {TOKEN}"}
+    finally:
+        plane.shutdown()
+        podman.run("rm", "--force", name)
+        for worker in ("w0", "w1"):
+            podman.run("rm", "--force", f"kq-{clusters.cluster_name(JOB)}-{worker}")
