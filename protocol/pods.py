@@ -1141,9 +1141,33 @@ SAMPLE_CLUSTER: dict[str, Any] = {
 }
 
 
+SAMPLE_SLURM: dict[str, Any] = {
+    **SAMPLE_ASSIGNMENT,
+    "size_units": 0,
+    "plane_url": "https://sample.klique.example",
+    "task_token": "kqt_sample",
+    "spec": {
+        "command": ["true"],
+        "app": {"instance": "0" * 8, "port": 8888, "cluster": {"service": "slurm", "workers": 2}},
+    },
+}
+_SAMPLE_JOB = job_name(SAMPLE_ASSIGNMENT["task_id"], SAMPLE_ASSIGNMENT["lease_id"])
+SAMPLE_SLURM_WORKER: dict[str, Any] = {
+    **SAMPLE_ASSIGNMENT,
+    "spec": {
+        "command": clusters.worker_command(f"{clusters.cluster_name(_SAMPLE_JOB)}-w0", "controller"),
+        clusters.WORKER_SECTION: {
+            "node": f"{clusters.cluster_name(_SAMPLE_JOB)}-w0", "secret": clusters.slurm_secret(_SAMPLE_JOB),
+            "cpus": 4,
+        },
+    },
+}  # fmt: skip
+
+
 def check(name: str, text: str, settings: ClusterSettings) -> Template:
-    """Parse the template and render it for a sample one-GPU and a sample two-node task, each manifest
-    validated against the schema: what the agent does with each template before it takes any work.
+    """Parse the template and render it for a sample one-GPU and a sample two-node task, an app, a K3k
+    cluster, a Slurm controller and a Slurm worker, each manifest validated against the schema: what the
+    agent does with each template before it takes any work.
     Returns the parsed template; raises PodTemplateInvalid naming the line."""
     template = Template.parse(name, text)
     every_volume = {**SAMPLE_ASSIGNMENT["spec"], "volumes": sorted(settings.volumes)}  # each source checked
@@ -1152,22 +1176,14 @@ def check(name: str, text: str, settings: ClusterSettings) -> Template:
         (SAMPLE_ASSIGNMENT, settings, None),
         (SAMPLE_ASSIGNMENT, settings, SAMPLE_RELAY),
         (SAMPLE_CLUSTER, settings, SAMPLE_RELAY),
+        (SAMPLE_SLURM, settings, SAMPLE_RELAY),
+        (SAMPLE_SLURM_WORKER, settings, None),
     ] + [(two_nodes, dataclasses.replace(settings, multi_node=kind), None) for kind in MULTI_NODE_KINDS]
     for sample, cluster, relay in samples:
         manifests = render(
             template, sample, cluster, tenant="sample", environment={"SAMPLE": "1"}, relay=relay
         )
-        made = (
-            manifests.job,
-            manifests.secret,
-            manifests.service,
-            manifests.app_secret,
-            manifests.app_policy,
-            manifests.cluster,
-        )
-        for manifest in made:
-            if manifest is None:
-                continue
+        for manifest in (manifests.job, manifests.secret, *(made for made, _ in manifests.beside())):
             try:
                 validate_workload(manifest)
             except ManifestRefused as refused:

@@ -104,6 +104,17 @@ def test_the_controller_is_the_apps_pod_with_the_clusters_files_and_a_service_fo
         assert volume["secret"] == {"secretName": f"{JOB}-slurm", "defaultMode": 0o500}
 
         files = await asyncio.to_thread(kubelet.secret, f"{JOB}-slurm")
+        for made in (files, await asyncio.to_thread(kubelet.service, f"{NAME}-ctld")):
+            kept = (
+                "apiVersion",
+                "kind",
+                "type",
+                "data",
+                "stringData",
+                "spec",
+            )  # as made, not as the API adds
+            rendered = {key: made[key] for key in kept if key in made}
+            pods.validate_workload({**rendered, "metadata": {"name": made["metadata"]["name"]}})
         written = files["stringData"]
         assert f"NodeName={NAME}-w[0-3] State=CLOUD CPUs=4 Gres=gpu:2" in written["slurm.conf"].splitlines()
         assert "PartitionName=train" in written["slurm.conf"]
