@@ -33,11 +33,16 @@ from apps.fleet.models import TaskReport
 from apps.resources.models import ComputeResource, Environment, TaskSharing
 from apps.scheduling.engine.units import to_gpus_text
 from apps.scheduling.models import ENDED_STATES, Task, TaskState
-from apps.scheduling.services import TaskRequest, compute_resource_open_to, task_cancel, tasks_submit
+from apps.scheduling.services import (
+    TaskRequest,
+    compute_resource_open_to,
+    task_cancel,
+    task_size,
+    tasks_submit,
+)
 from gateway import services as gateway
 from protocol import clusters
 from protocol.apps import Template, TemplateInvalid, secret_names
-from protocol.units import UNITS_PER_GPU
 
 if TYPE_CHECKING:
     from tenants.models import Tenant
@@ -130,7 +135,7 @@ def app_launch(
             field="compute_resource",
         )
     if template.cluster is not None:
-        _cluster_fits(user, template, resource, gpus or template.gpus)
+        _cluster_fits(tenant, user, template, resource, gpus or template.gpus)
     shared_groups = _groups(user, groups or [])
     app = AppInstance(
         name=(name or template.title)[:100],
@@ -169,12 +174,12 @@ def _with_workers_on(template: Template, resource: str | None) -> Template:
     )
 
 
-def _cluster_fits(user: User, template: Template, resource: str, gpus: str) -> None:
+def _cluster_fits(tenant: Tenant, user: User, template: Template, resource: str, gpus: str) -> None:
     """A clustering service's cluster is made on Kubernetes pools only, its GPUs split evenly over its
     workers: said at launch, not by a task that fails on its agent."""
     assert template.cluster is not None
     if template.cluster.service == "slurm":
-        _slurm_fits(user, template.cluster, resource)
+        _slurm_fits(tenant, user, template.cluster, resource)
         return
     found = compute_resource_open_to(user, resource)
     profile = found.profile
@@ -206,9 +211,11 @@ def _on_kubernetes(service: str, found: ComputeResource, what: str = "compute_re
         )
 
 
-def _slurm_fits(user: User, service: clusters.ClusterService, resource: str) -> None:
+def _slurm_fits(tenant: Tenant, user: User, service: clusters.ClusterService, resource: str) -> None:
     """A Slurm cluster's controller and its workers run on Kubernetes pools; each worker is a task of
-    `worker_gpus` whole GPUs on one node of the worker compute resource, which its launcher may use."""
+    `worker_gpus` whole GPUs on one node of the worker compute resource, which its launcher may use and
+    where such a task could ever run (its policy's limit, the tenant's share): a worker refused when Slurm
+    wakes its node would leave the node down."""
     _on_kubernetes("slurm", compute_resource_open_to(user, resource))
     name = service.worker_compute_resource or resource
     try:
@@ -218,19 +225,22 @@ def _slurm_fits(user: User, service: clusters.ClusterService, resource: str) -> 
             f"The cluster's workers run on {name}: {error.message}", field="compute_resource"
         ) from None
     _on_kubernetes("slurm", workers)
-    profile, gpus = workers.profile, service.worker_gpus * UNITS_PER_GPU
-    fits = (
-        profile.min_units <= gpus <= profile.max_units
-        if profile.size_from_task
-        else profile.size_units == gpus
-    )
-    if profile.nodes > 1 or profile.sharing != TaskSharing.WHOLE or not fits:
+    profile = workers.profile
+    what = f"Each worker of this Slurm cluster is a task of {service.worker_gpus} whole GPUs on one node"
+    if profile.nodes > 1 or profile.sharing != TaskSharing.WHOLE:
         raise InvalidInput(
-            f"Each worker of this Slurm cluster is a task of {service.worker_gpus} whole GPUs on one node; "
-            f"{workers.name} gives {profile.size_text()}. Choose a worker compute resource that runs such "
-            "tasks, or an entry whose worker_gpus it runs.",
+            f"{what}; {workers.name} gives {profile.size_text()}. Choose a worker compute resource that runs "
+            "such tasks, or an entry whose worker_gpus it runs.",
             field="compute_resource",
         )
+    try:
+        task_size(tenant=tenant, resource=workers, gpus=str(service.worker_gpus))
+    except InvalidInput as error:
+        raise InvalidInput(
+            f"{what} of {workers.name}: {error.message} Choose a worker compute resource that runs such "
+            "tasks, or an entry whose worker_gpus it runs.",
+            field="compute_resource",
+        ) from None
 
 
 def _register_model(app: AppInstance, template: Template) -> None:

@@ -71,6 +71,12 @@ def compute_resource_open_to(user: User, reference: str) -> ComputeResource:
     return match
 
 
+def task_size(*, tenant: Tenant, resource: ComputeResource, gpus: str | None) -> int:
+    """The size in units a task asking for `gpus` would have on `resource`, or InvalidInput saying why
+    such a task could never run there: what submitting it would check, without submitting it."""
+    return _size(resource, gpus, tenant)
+
+
 def _size(resource: ComputeResource, gpus: str | None, tenant: Tenant) -> int:
     """The task's size in units, or InvalidInput naming the field and the limit it breaks."""
     profile = resource.profile

@@ -241,6 +241,8 @@ def test_a_worker_the_scheduler_refuses_is_said_and_the_others_are_made(world: W
         ({"worker_compute_resource": "No such resource"}, "The cluster's workers run on No such resource"),
         ({"worker_gpus": 2}, "Each worker of this Slurm cluster is a task of 2 whole GPUs"),
         ({"worker_compute_resource": "Research: MIG slice"}, "Each worker of this Slurm cluster"),
+        ({"worker_gpus": 16}, "Each worker of this Slurm cluster is a task of 16 whole GPUs"),
+        ({"share": 0}, "above the tenant's GPU share of 0"),  # such a worker could never run
     ],
 )
 def test_a_cluster_whose_workers_could_not_run_is_refused_at_launch(
@@ -248,6 +250,9 @@ def test_a_cluster_whose_workers_could_not_run_is_refused_at_launch(
 ) -> None:
     with schema_context(world.tenant_a.schema_name):
         alice, bob = User.objects.get(username="alice"), User.objects.get(username="bob")
+        if "share" in cluster:  # (the tenant as the request would read it; the world's stays as it is)
+            Tenant.objects.filter(pk=world.tenant_a.pk).update(gpu_share=cluster.pop("share"))
+        tenant = Tenant.objects.get(pk=world.tenant_a.pk)
         services.entry_add(
             user=alice, document={**TEAM_SLURM, "cluster": {**TEAM_SLURM["cluster"], **cluster}}
         )
@@ -255,14 +260,12 @@ def test_a_cluster_whose_workers_could_not_run_is_refused_at_launch(
         resource = kubernetes_only(0)
         apps, tasks = AppInstance.objects.count(), Task.objects.count()
         with pytest.raises(InvalidInput) as refused:
-            services.app_launch(
-                tenant=world.tenant_a, user=bob, entry="team-slurm", compute_resource=resource
-            )
+            services.app_launch(tenant=tenant, user=bob, entry="team-slurm", compute_resource=resource)
         assert words in str(refused.value)
         assert (AppInstance.objects.count(), Task.objects.count()) == (apps, tasks)
         with pytest.raises(InvalidInput, match="also places work on baremetal"):  # the controller's own
             services.app_launch(
-                tenant=world.tenant_a, user=bob, entry="team-slurm", compute_resource="Research: 4 GPUs"
+                tenant=tenant, user=bob, entry="team-slurm", compute_resource="Research: 4 GPUs"
             )
 
 
