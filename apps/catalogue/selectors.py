@@ -8,7 +8,7 @@ from decimal import Decimal
 from typing import Any
 
 from django.db import connection
-from django.db.models import Q, QuerySet
+from django.db.models import F, Q, QuerySet
 from django.utils import timezone
 
 from apps.accounts.models import Role, User
@@ -86,13 +86,14 @@ def app_tasks(app: AppInstance) -> QuerySet[Task]:
 
 
 def app_usage(app: AppInstance, now: datetime | None = None) -> dict[str, Decimal]:
-    """The app's GPU time so far (its runs' metered hours, and the running run's time since) and the cost
-    the ledger holds for it (metered hour by hour while it runs)."""
+    """The app's GPU time so far (its runs' metered hours, and the running run's time since; a Slurm
+    cluster's, its worker nodes' too) and the cost the ledger holds for it (metered hour by hour while it
+    runs)."""
     return apps_usage([app], now)[app.pk]
 
 
 def apps_usage(apps: list[AppInstance], now: datetime | None = None) -> dict[Any, dict[str, Decimal]]:
-    """app_usage of each app, by its id, in two queries whatever their number (the portal's list)."""
+    """app_usage of each app, by its id, in three queries whatever their number (the portal's list)."""
     now = now or timezone.now()
     fields = (
         "id",
@@ -105,10 +106,16 @@ def apps_usage(apps: list[AppInstance], now: datetime | None = None) -> dict[Any
         "spec",
     )
     tasks = list(Task.objects.filter(spec__app__instance__in=[str(app.pk) for app in apps]).only(*fields))
+    owner = {task.pk: str(task.spec["app"]["instance"]) for task in tasks}
+    # A Slurm cluster's worker nodes are tasks of their own: the cluster's time and cost are theirs too.
+    workers = Task.objects.filter(cluster_worker__app__in=apps).annotate(of_app=F("cluster_worker__app_id"))
+    for worker in workers.only(*fields):
+        tasks.append(worker)
+        owner[worker.pk] = str(worker.of_app)
     metered = tasks_gpu_usage([(task.pk, task.submitter_id, task.submitted_at) for task in tasks])
     totals = {str(app.pk): [Decimal(0), Decimal(0)] for app in apps}
     for task in tasks:
-        total = totals[str(task.spec["app"]["instance"])]
+        total = totals[owner[task.pk]]
         sums = metered.get(str(task.pk))
         if sums is not None:
             total[0] += Decimal(sums["gpu_unit_ms"] or 0)

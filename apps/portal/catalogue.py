@@ -26,7 +26,7 @@ def _user(request: HttpRequest) -> User:
 def _apps(user: User) -> list[dict[str, Any]]:
     rows = []
     apps = list(selectors.apps_visible_to(user)[:200])
-    usage = selectors.apps_usage(apps)  # two queries for the page, not two per app
+    usage = selectors.apps_usage(apps)  # three queries for the page, not three per app
     for app in apps:
         state = selectors.app_state(app)
         rows.append(

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import timedelta
+from decimal import Decimal
 from typing import Any
 
 import pytest
 from django.test import Client
+from django.utils import timezone
 from django_tenants.utils import schema_context
 
 from apps.accounts.models import User
-from apps.catalogue import services, slurm
+from apps.catalogue import selectors, services, slurm
 from apps.catalogue.models import AppInstance, ClusterWorker
 from apps.core.errors import InvalidInput
 from apps.fleet.credentials import task_token
@@ -308,3 +311,22 @@ def test_a_launch_through_the_api_names_the_workers_compute_resource(world: Worl
     with schema_context(world.tenant_a.schema_name):
         app = AppInstance.objects.get(pk=answer.json()["id"])
         assert app.template["cluster"]["worker_compute_resource"] == workers
+
+
+def test_a_clusters_gpu_time_is_its_workers(world: World) -> None:
+    with schema_context(world.tenant_a.schema_name):
+        app, controller, token = launched(world)
+        first, second = nodes(controller)[:2]
+        assert ask(controller, token, {"resume": f"{first},{second}"}).status_code == 200
+        now = timezone.now()
+        for node, minutes in ((first, 30), (second, 90)):  # two workers of 1 GPU, running so long
+            Task.objects.filter(cluster_worker__node=node).update(
+                state=TaskState.RUNNING, started_at=now - timedelta(minutes=minutes), metered_until=None
+            )
+        other = services.app_launch(
+            tenant=world.tenant_a, user=User.objects.get(username="bob"), entry="team-slurm",
+            compute_resource=app.compute_resource_name,
+        )  # fmt: skip
+        usage = selectors.apps_usage([app, other], now)
+        assert usage[app.pk]["gpu_hours"] == Decimal(2)  # half an hour and an hour and a half
+        assert usage[other.pk]["gpu_hours"] == Decimal(0)  # another cluster's workers are not its
