@@ -508,6 +508,9 @@ class SlurmWorker:
         if not isinstance(value, dict):
             raise ValueError("slurm_worker: an object {controller, lease, node, secret, cpus}")  # noqa: TRY004
         node, secret, cpus = value.get("node"), value.get("secret"), value.get("cpus")
+        controller = value.get("controller")
+        if not isinstance(controller, str) or not re.fullmatch(r"[0-9a-f][0-9a-f-]{0,35}", controller):
+            raise ValueError("slurm_worker.controller: the controller's task id")
         if not isinstance(node, str) or not re.fullmatch(
             r"vc-[a-z0-9]{1,12}-[a-z0-9]{1,8}-w[0-9]{1,2}", node
         ):
@@ -516,7 +519,7 @@ class SlurmWorker:
             raise ValueError("slurm_worker.secret: the Secret of the controller's run")
         if isinstance(cpus, bool) or not isinstance(cpus, int) or not 1 <= cpus <= MAX_WORKER_CPUS:
             raise ValueError(f"slurm_worker.cpus: 1 to {MAX_WORKER_CPUS}")
-        return cls(str(value.get("controller", "")), str(value.get("lease", "")), node, secret, cpus)
+        return cls(controller, str(value.get("lease", "")), node, secret, cpus)
 
 
 def worker_command(node: str, controller: str) -> list[str]:

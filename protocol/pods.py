@@ -642,7 +642,7 @@ def _cluster_parts(
 ) -> tuple[dict[str, Any] | None, tuple[dict[str, Any], ...]]:
     """A K3k cluster's object, or a Slurm controller's objects, made beside the app; a Slurm worker's pod
     made its node."""
-    _slurm_worker(template, assignment, spec, main)
+    _slurm_worker(template, assignment, spec, main, settings)
     if service is None:
         return None, ()
     if service.service == "slurm":
@@ -728,10 +728,16 @@ def _mount_slurm(spec: dict[str, Any], main: dict[str, Any], secret: str) -> Non
 
 
 def _slurm_worker(
-    template: Template, assignment: Mapping[str, Any], spec: dict[str, Any], main: dict[str, Any]
+    template: Template,
+    assignment: Mapping[str, Any],
+    spec: dict[str, Any],
+    main: dict[str, Any],
+    settings: ClusterSettings,
 ) -> None:
     """A Slurm cluster's worker task: its pod is its node (host name, the cluster's label) with the
-    controller run's files, its CPUs asked for as Slurm counts them."""
+    controller run's files, its CPUs asked for as Slurm counts them, and the controller's folder on the
+    work volume at the controller's path: a job runs in the folder it was submitted from, and its output
+    is written there, for the login to read."""
     section = (assignment.get("spec") or {}).get(clusters.WORKER_SECTION)
     if section is None:
         return
@@ -743,6 +749,13 @@ def _slurm_worker(
     _mount_slurm(spec, main, worker.secret)
     requests = _mapping(_mapping(main, "resources"), "requests")
     requests.setdefault("cpu", str(worker.cpus))
+    if settings.work_volume:
+        folder = {
+            "name": "klique-work",
+            "mountPath": f"{WORK_PATH}/{worker.controller}",
+            "subPath": worker.controller,
+        }
+        _listed(main, "volumeMounts").append(folder)
 
 
 def _add_relay(
@@ -1157,6 +1170,7 @@ SAMPLE_SLURM_WORKER: dict[str, Any] = {
     "spec": {
         "command": clusters.worker_command(f"{clusters.cluster_name(_SAMPLE_JOB)}-w0", "controller"),
         clusters.WORKER_SECTION: {
+            "controller": SAMPLE_ASSIGNMENT["task_id"], "lease": SAMPLE_ASSIGNMENT["lease_id"],
             "node": f"{clusters.cluster_name(_SAMPLE_JOB)}-w0", "secret": clusters.slurm_secret(_SAMPLE_JOB),
             "cpus": 4,
         },

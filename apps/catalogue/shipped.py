@@ -156,9 +156,9 @@ DOCUMENTS: tuple[dict[str, Any], ...] = (
         "command": [
             "sh", "/var/run/klique/slurm/start", "controller", "--",
             "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", "--port={port}", "--ServerApp.token=",
-            "--ServerApp.password=", "--ServerApp.root_dir=/work", "--ServerApp.trust_xheaders=True",
+            "--ServerApp.password=", "--ServerApp.trust_xheaders=True",
             "--ServerApp.allow_remote_access=True", "--allow-root",
-        ],
+        ],  # in its task's folder, which its worker nodes mount at the same path: jobs run where submitted
         "health": {"path": "/api", "startup_seconds": 300},
         "gpus": "0",
         "cluster": {

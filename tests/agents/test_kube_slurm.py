@@ -180,6 +180,9 @@ def test_a_worker_task_is_a_pod_that_is_its_node_with_its_gpus(cluster: Cluster,
         mount = next(item for item in main["volumeMounts"] if item["mountPath"] == clusters.SLURM_PATH)
         volume = next(item for item in spec["volumes"] if item["name"] == mount["name"])
         assert volume["secret"]["secretName"] == f"{JOB}-slurm"  # the controller run's files
+        # The controller's folder at the controller's path: a job runs where it was submitted from.
+        shared = next(item for item in main["volumeMounts"] if item["mountPath"] == f"/klique/{CONTROLLER}")
+        assert (shared["name"], shared["subPath"]) == ("klique-work", CONTROLLER)
         assert await asyncio.to_thread(kubelet.gone, "Service", f"{NAME}-ctld")  # a worker makes none
         await kube.stop_all(0)
 
@@ -192,6 +195,7 @@ def test_a_worker_task_is_a_pod_that_is_its_node_with_its_gpus(cluster: Cluster,
         ({"node": "worker; id"}, "slurm_worker.node"),
         ({"secret": "k-other-run-token"}, "slurm_worker.secret"),
         ({"cpus": 10_000}, "slurm_worker.cpus"),
+        ({"controller": "../other-task"}, "slurm_worker.controller"),
     ],
 )
 def test_a_worker_section_klique_did_not_make_is_refused_for_good(

@@ -206,17 +206,27 @@ def test_the_programs_are_not_made_from_values_that_are_not_klique_s(plane: str,
         clusters.slurm_files(slurm(), job=JOB, plane=plane, task_id=task, token="kqt_x_y")
 
 
+GOOD_WORKER = {
+    "controller": TASK,
+    "lease": LEASE,
+    "node": f"{CLUSTER}-w0",
+    "secret": f"{JOB}-slurm",
+    "cpus": 4,
+}
+
+
 @pytest.mark.parametrize(
     ("section", "problem"),
     [
-        ({"node": "x; id", "secret": f"{JOB}-slurm", "cpus": 4}, "slurm_worker.node"),
-        ({"node": f"{CLUSTER}-w0", "secret": "other-secret", "cpus": 4}, "slurm_worker.secret"),
-        ({"node": f"{CLUSTER}-w0", "secret": f"{JOB}-slurm", "cpus": 0}, "slurm_worker.cpus"),
+        ({**GOOD_WORKER, "node": "x; id"}, "slurm_worker.node"),
+        ({**GOOD_WORKER, "secret": "other-secret"}, "slurm_worker.secret"),
+        ({**GOOD_WORKER, "cpus": 0}, "slurm_worker.cpus"),
+        ({**GOOD_WORKER, "controller": "../../etc"}, "slurm_worker.controller"),  # a folder's name
+        ({**GOOD_WORKER, "controller": None}, "slurm_worker.controller"),
         ("node", "slurm_worker: an object"),
     ],
 )
 def test_a_worker_section_that_klique_did_not_make_is_refused(section: Any, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         clusters.SlurmWorker.parse(section)
-    good = {"controller": TASK, "lease": LEASE, "node": f"{CLUSTER}-w0", "secret": f"{JOB}-slurm", "cpus": 4}
-    assert clusters.SlurmWorker.parse(good).node == f"{CLUSTER}-w0"
+    assert clusters.SlurmWorker.parse(GOOD_WORKER).node == f"{CLUSTER}-w0"

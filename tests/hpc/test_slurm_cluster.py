@@ -246,6 +246,7 @@ class Pods(Plane):
             "--add-host", f"{self.controller}:{self.address}",  # the Service's name, as cluster DNS gives it
             "--device", f"{self.folder / 'nvidia0'}:/dev/nvidia0",  # the pod's one GPU
             "--volume", f"{self.folder / 'files'}:{clusters.SLURM_PATH}:ro",
+            "--volume", f"{self.folder / 'work'}:{WORK}",  # the controller's folder, from the work volume
             SLURM_IMAGE, *clusters.worker_command(node, self.controller),
         )  # fmt: skip
         assert started.returncode == 0, started.stderr
@@ -258,6 +259,7 @@ class Pods(Plane):
 
 
 SLURM_IMAGE = "localhost/klique-slurm:22.05"
+WORK = f"/klique/{TASK}"  # the controller's task folder on the work volume (protocol.pods)
 
 
 def test_the_slurm_image_starts_a_controller_and_a_worker_as_their_pods_would(
@@ -278,6 +280,7 @@ def test_the_slurm_image_starts_a_controller_and_a_worker_as_their_pods_would(
     files = tmp_path / "files"  # the controller run's Secret, as its pods mount it
     files.mkdir()
     os.mknod(tmp_path / "nvidia0", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    (tmp_path / "work").mkdir()
     plane = Pods(tmp_path, podman, controller)
     threading.Thread(target=plane.serve_forever, daemon=True).start()
     written = clusters.slurm_files(
@@ -290,8 +293,9 @@ def test_the_slurm_image_starts_a_controller_and_a_worker_as_their_pods_would(
         made.chmod(0o500)
     log = tmp_path / "controller.log"
 
-    def login(*words: str) -> str:  # what a user types in the login's terminal
-        done = podman.run("exec", "--env", f"SLURM_CONF={clusters.SLURM_PATH}/slurm.conf", name, *words)
+    def login(*words: str) -> str:  # what a user types in the login's terminal, in the app's folder
+        conf = f"SLURM_CONF={clusters.SLURM_PATH}/slurm.conf"
+        done = podman.run("exec", "--env", conf, "--workdir", WORK, name, *words)
         return done.stdout + done.stderr
 
     def seen(check: Any) -> Any:  # with the controller's log kept for a failure's message
@@ -299,14 +303,15 @@ def test_the_slurm_image_starts_a_controller_and_a_worker_as_their_pods_would(
         log.write_text(said.stdout + said.stderr)
         return check()
 
-    def output() -> str:
-        return podman.run("exec", f"kq-{node}", "cat", "/work/job.out").stdout
+    def output() -> str:  # where sbatch writes it by default: the folder it was submitted from
+        found = list((tmp_path / "work").glob("slurm-*.out"))
+        return found[0].read_text() if found else ""
 
     podman.run("rm", "--force", name)
     try:
         started = podman.run(
             "run", "--detach", "--name", name, "--hostname", controller,
-            "--volume", f"{files}:{clusters.SLURM_PATH}:ro",
+            "--volume", f"{files}:{clusters.SLURM_PATH}:ro", "--volume", f"{tmp_path / 'work'}:{WORK}",
             SLURM_IMAGE, "sh", f"{clusters.SLURM_PATH}/start", "controller", "--", "sleep", "infinity",
         )  # fmt: skip
         assert started.returncode == 0, started.stderr
@@ -317,9 +322,7 @@ def test_the_slurm_image_starts_a_controller_and_a_worker_as_their_pods_would(
         assert f"{clusters.cluster_name(JOB)}-w[0-1]" in login("sinfo", "--noheader")  # powered down, listed
 
         script = "echo ran on $SLURMD_NODENAME with GPUs $CUDA_VISIBLE_DEVICES"
-        assert login("sbatch", "--gres=gpu:1", "-o", "/work/job.out", "--wrap", script).startswith(
-            "Submitted"
-        )
+        assert login("sbatch", "--gres=gpu:1", "--wrap", script).startswith("Submitted")
 
         def resumed() -> bool:
             return any("resume" in body for _, body in plane.asked)
