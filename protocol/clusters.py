@@ -435,6 +435,34 @@ def _program(action: str, *, plane: str, task_id: str) -> str:
     ])  # fmt: skip
 
 
+RECONCILE_SECONDS = 30
+
+
+def _reconciler(*, plane: str, task_id: str) -> str:
+    """The controller's reconciler: a node whose worker task ended outside Slurm (preempted, failed, its
+    pod gone) is powered down, so that Slurm requeues its jobs and wakes the node again when it wants it,
+    rather than keeping it down for good. A node powered down, or on its way up or down, is left alone."""
+    return "\n".join([
+        "#!/bin/sh",
+        "# Klique's reconciler, beside slurmctld: the nodes Slurm counts on whose worker task is gone are",
+        "# powered down (their jobs requeued; woken again as new tasks when jobs want them).",
+        "set -u",
+        'if [ "$(cat /proc/1/comm 2>/dev/null)" = slurmctld ]; then exec >>/proc/1/fd/2 2>&1; fi',
+        f"while sleep {RECONCILE_SECONDS}; do",
+        "  live=$(curl --silent --show-error --fail --max-time 30 \\",
+        f'    -H "Authorization: Bearer $(cat {SLURM_PATH}/token)" \\',
+        f'    "{plane}/agents/v1/tasks/{task_id}/slurm/") || continue',
+        "  sinfo --noheader --Node --format '%N %t' | sort -u | while read -r node state; do",
+        "    case \"$state\" in *'~'|*'%'|*'#') continue ;; esac  # powered down, going down, coming up",
+        '    case " $live " in *" $node "*) continue ;; esac',
+        '    echo "klique: the worker task of $node ended outside Slurm: powered down, jobs requeued"',
+        '    scontrol update NodeName="$node" State=POWER_DOWN_FORCE Reason="klique: its worker task ended"',
+        "  done",
+        "done",
+        "",
+    ])  # fmt: skip
+
+
 START = f"""#!/bin/sh
 # Klique's Slurm cluster, in each of its pods: munge with the cluster's key, then the role's daemon.
 #   start controller -- LOGIN...   slurmctld, with the login (the app's command) beside it
@@ -454,6 +482,7 @@ controller)
     [ "${{1:-}}" = "--" ] && shift
     mkdir -p /var/spool/slurmctld
     "$@" &
+    sh "$here/reconcile" &
     exec slurmctld -D -f "$SLURM_CONF"
     ;;
 worker)
@@ -488,6 +517,7 @@ def slurm_files(service: ClusterService, *, job: str, plane: str, task_id: str, 
         "token": token,
         "resume": _program("resume", plane=plane.rstrip("/"), task_id=task_id),
         "suspend": _program("suspend", plane=plane.rstrip("/"), task_id=task_id),
+        "reconcile": _reconciler(plane=plane.rstrip("/"), task_id=task_id),
         "start": START,
     }
 

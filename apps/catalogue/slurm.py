@@ -6,7 +6,10 @@ submits a worker task per node (the app owner's, on the cluster's worker compute
 project), so each worker is counted in policies, queued, preempted and metered like any task. When a node
 has been idle its `idle_seconds`, the SuspendProgram gives it back and its task is cancelled. A worker
 never outlives its controller's run: stopping the app ends them at once, and the catalogue's periodic pass
-ends any whose controller run is over (failed, preempted, its lease expired).
+ends any whose controller run is over (failed, preempted, its lease expired). The other way round, a
+worker task that ended while Slurm still counted on its node (preempted, failed) is seen by the
+controller's reconciler, which reads the live nodes here and has Slurm power the node down: its jobs are
+requeued and the node is woken again, as a new task, when jobs want it.
 """
 
 from __future__ import annotations
@@ -114,6 +117,13 @@ def workers_change(
             data={"id": str(app.pk), "owner": app.owner.username, **changed.as_json()},
         )
     return changed
+
+
+def workers_live(*, controller: Task) -> list[str]:
+    """The nodes of the controller's run that have a worker task not ended (queued or running), by name:
+    what its reconciler compares with what Slurm believes."""
+    _service(controller)
+    return sorted(_live_workers(controller))
 
 
 def _submit(

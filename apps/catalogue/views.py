@@ -19,6 +19,7 @@ from apps.catalogue.models import AppInstance
 from apps.core.errors import KliqueError
 from apps.fleet import credentials
 from apps.fleet import errors as fleet_errors
+from apps.scheduling.models import Task
 
 
 def _reachable(request: HttpRequest, app_id: str) -> AppInstance | HttpResponse:
@@ -65,13 +66,8 @@ def _start(request: HttpRequest, app_id: str) -> HttpResponse:
     return HttpResponseRedirect(f"/apps/{app.pk}/")
 
 
-@csrf_exempt
-@require_http_methods(["POST"])
-@transaction.atomic
-def slurm_workers(request: HttpRequest, task_id: str) -> JsonResponse:
-    """POST /agents/v1/tasks/{id}/slurm/: a Slurm cluster's resume or suspend program (apps.catalogue.slurm)
-    asks for its nodes, {"resume": "<host list>"} or {"suspend": "<host list>"}, with its controller run's
-    task token. Outside the user API on purpose: the token opens this and its task's reports, nothing else."""
+def _slurm_controller(request: HttpRequest, task_id: str) -> Task | JsonResponse:
+    """The controller task whose run's token the request carries, locked; else the answer refusing it."""
     tenant = getattr(request, "tenant", None)
     scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
     if (
@@ -83,11 +79,31 @@ def slurm_workers(request: HttpRequest, task_id: str) -> JsonResponse:
             {"detail": "Send 'Authorization: Bearer <the controller run's task token>'."}, status=401
         )
     try:
-        controller = credentials.task_authenticate(
+        return credentials.task_authenticate(
             schema_name=tenant.schema_name, presented=presented.strip(), task_id=str(task_id)
         )
     except fleet_errors.AgentRejected as rejected:
         return JsonResponse({"detail": str(rejected)}, status=403)
+
+
+@csrf_exempt
+@require_http_methods(["GET", "POST"])
+@transaction.atomic
+def slurm_workers(request: HttpRequest, task_id: str) -> HttpResponse:
+    """/agents/v1/tasks/{id}/slurm/, with the controller run's task token (apps.catalogue.slurm): POST, a
+    Slurm cluster's resume or suspend program asks for its nodes, {"resume": "<host list>"} or
+    {"suspend": "<host list>"}; GET, its reconciler reads which nodes have a worker task now, as text
+    (names separated by spaces, for the shell). Outside the user API on purpose: the token opens this and
+    its task's reports, nothing else."""
+    controller = _slurm_controller(request, task_id)
+    if isinstance(controller, JsonResponse):
+        return controller
+    if request.method == "GET":
+        try:
+            live = slurm.workers_live(controller=controller)
+        except KliqueError as error:
+            return JsonResponse({"detail": error.message}, status=error.status_code)
+        return HttpResponse(" ".join(live), content_type="text/plain")
     try:
         body = json.loads(request.body or b"{}")
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -102,7 +118,10 @@ def slurm_workers(request: HttpRequest, task_id: str) -> JsonResponse:
         )
     try:
         changed = slurm.workers_change(
-            tenant=tenant, controller=controller, resume=body.get("resume"), suspend=body.get("suspend")
+            tenant=request.tenant,  # type: ignore[attr-defined]
+            controller=controller,
+            resume=body.get("resume"),
+            suspend=body.get("suspend"),
         )
     except KliqueError as error:
         return JsonResponse({"detail": error.message}, status=error.status_code)

@@ -120,6 +120,7 @@ def test_the_controller_is_the_apps_pod_with_the_clusters_files_and_a_service_fo
         assert "PartitionName=train" in written["slurm.conf"]
         assert written["token"] == "kqt_0f0e_signed"  # the controller run's task token, for its programs
         assert f'"{PLANE}/agents/v1/tasks/{CONTROLLER}/slurm/"' in written["resume"]
+        assert f'"{PLANE}/agents/v1/tasks/{CONTROLLER}/slurm/"' in written["reconcile"]
         assert written["start"] == clusters.START
         key = base64.b64decode(files["data"]["munge.key"])
         assert len(key) == clusters.MUNGE_KEY_BYTES

@@ -124,6 +124,12 @@ def test_nodes_slurm_wakes_become_worker_tasks_and_those_it_gives_back_end(world
         assert again.json() == {"made": names[2:3], "kept": names[:2], "ended": [], "refused": {}}
         assert len(live(app)) == 3
 
+        # The reconciler reads the nodes with a worker task, as text for its shell.
+        read = Client().get(f"/agents/v1/tasks/{controller.pk}/slurm/", HTTP_HOST=HOST_A,
+                            headers={"Authorization": f"Bearer {token}"})  # fmt: skip
+        assert (read.status_code, read["Content-Type"]) == (200, "text/plain")
+        assert read.content.decode() == " ".join(names[:3])
+
         # Given back: its task ends, saying why; woken again, a new task runs it.
         given = ask(controller, token, {"suspend": names[0]})
         assert given.json()["ended"] == [names[0]]
@@ -163,8 +169,11 @@ def test_workers_of_a_controller_run_that_is_over_are_ended_by_the_sweep(world: 
             "Its Slurm controller's run ended"
         )
         assert slurm.workers_sweep(tenant=world.tenant_a) == []
-        # The old run's token is dead with it.
+        # The old run's token is dead with it, for its reconciler too.
         assert ask(controller, token, {"resume": second}).status_code == 403
+        gone = Client().get(f"/agents/v1/tasks/{controller.pk}/slurm/", HTTP_HOST=HOST_A,
+                            headers={"Authorization": f"Bearer {token}"})  # fmt: skip
+        assert gone.status_code == 403
 
 
 @pytest.mark.parametrize(
@@ -202,6 +211,7 @@ def test_only_the_controller_runs_own_token_opens_it(world: World) -> None:
         app, controller, token = launched(world)
         body = {"resume": nodes(controller)[0]}
         assert ask(controller, None, body).status_code == 401
+        assert Client().get(f"/agents/v1/tasks/{controller.pk}/slurm/", HTTP_HOST=HOST_A).status_code == 401
         assert (
             ask(controller, world.tokens["bob"], body).status_code == 401
         )  # a user's token opens nothing here

@@ -70,9 +70,24 @@ class Plane(ThreadingHTTPServer):
             worker.terminate()
             worker.wait(timeout=30)
 
+    def live(self) -> list[str]:
+        """The nodes with a worker task, as the plane answers the reconciler."""
+        return sorted(self.workers)
+
 
 class Asked(BaseHTTPRequestHandler):
     server: Plane
+
+    def do_GET(self) -> None:
+        if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+            self.send_response(403)
+            self.end_headers()
+            return
+        said = " ".join(self.server.live()).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(said)))
+        self.end_headers()
+        self.wfile.write(said)
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -117,6 +132,7 @@ def on_this_machine(text: str, folder: Path, port: int, spool: Path) -> str:
         "ResumeProgram": str(folder / "resume"),
         "ResumeFailProgram": str(folder / "suspend"),
         "SuspendTime": str(IDLE_SECONDS),
+        "SuspendTimeout": "5",
     }
     lines = []
     for line in text.splitlines():
@@ -168,9 +184,11 @@ def test_slurm_wakes_a_node_through_klique_runs_a_job_on_it_and_gives_it_back(
         files["gres.conf"].replace(clusters.GPU_LINKS, str(devices / "klique-gpu"))
     )
     (tmp_path / "token").write_text(files["token"])
-    for program in ("resume", "suspend"):  # Klique's, reading the token where the test keeps it
+    for program in ("resume", "suspend", "reconcile"):  # Klique's, reading the token where the test keeps it
         (tmp_path / program).write_text(
-            files[program].replace(f"{clusters.SLURM_PATH}/token", str(tmp_path / "token"))
+            files[program]
+            .replace(f"{clusters.SLURM_PATH}/token", str(tmp_path / "token"))
+            .replace(f"sleep {clusters.RECONCILE_SECONDS}", "sleep 2")
         )
         (tmp_path / program).chmod(0o700)
     environment = {"PATH": os.environ["PATH"], "SLURM_CONF": str(conf)}
@@ -211,13 +229,42 @@ def test_slurm_wakes_a_node_through_klique_runs_a_job_on_it_and_gives_it_back(
         assert output.read_text().split() == ["ran", "on", NODE, "with", "GPUs", "0"]  # its one GPU, bound
         assert submitted.stdout.strip().isdigit()
 
+        # Its worker task ends outside Slurm (preempted: its pod goes). The reconciler, finding no task
+        # for the node, has Slurm power it down; the next job wakes it again, as a new worker.
+        reconciler = subprocess.Popen(
+            ["sh", str(tmp_path / "reconcile")],
+            env=environment,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        plane.give_back(NODE)
+
+        def asked(action: str) -> list[dict[str, Any]]:
+            return [body for _, body in plane.asked if action in body]
+
+        until(lambda: asked("suspend"), "the reconciler powering the node down", 90, log)
+        assert asked("suspend")[0] == {"suspend": NODE, "token": f"Bearer {TOKEN}"}
+        second = tmp_path / "second.out"
+        script = "echo again on $SLURMD_NODENAME"
+        again = subprocess.run(
+            ["sbatch", "--parsable", "-p", "team", "-o", str(second), "--wrap", script],
+            env=environment, capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        assert again.returncode == 0, again.stderr
+        until(
+            lambda: second.exists() and "again on" in second.read_text(), "the second job's output", 120, log
+        )
+        assert len(asked("resume")) == 2
+        woken = asked("resume")[1]["resume"]  # w0 again, or w1 while w0 powers down: woken by Klique
+        assert second.read_text().split() == ["again", "on", woken]
+
         # Idle for its SuspendTime, the node is given back through the suspend program.
-        until(lambda: any("suspend" in body for _, body in plane.asked), "the suspend program", 120, log)
-        assert next(body for _, body in plane.asked if "suspend" in body) == {
-            "suspend": NODE,
-            "token": f"Bearer {TOKEN}",
-        }
-        assert NODE not in plane.workers
+        until(lambda: len(asked("suspend")) == 2, "the suspend program", 120, log)
+        assert asked("suspend")[1]["suspend"] == woken
+        assert plane.workers == {}
+        reconciler.terminate()
+        said = reconciler.communicate(timeout=30)[0].decode()
+        assert said.count(f"klique: the worker task of {NODE} ended outside Slurm") == 1, said
     finally:
         controller.terminate()
         controller.wait(timeout=30)
@@ -251,6 +298,9 @@ class Pods(Plane):
         )  # fmt: skip
         assert started.returncode == 0, started.stderr
         self.containers.add(node)
+
+    def live(self) -> list[str]:
+        return sorted(self.containers)
 
     def give_back(self, node: str) -> None:
         if node in self.containers:
@@ -286,8 +336,9 @@ def test_the_slurm_image_starts_a_controller_and_a_worker_as_their_pods_would(
     written = clusters.slurm_files(
         service, job=JOB, plane=f"http://{gateway}:{plane.server_port}", task_id=TASK, token=TOKEN
     )
-    for file, text in written.items():
-        (files / file).write_text(text.replace("SuspendTime=300", f"SuspendTime={IDLE_SECONDS}"))
+    for file, text in written.items():  # idle for IDLE_SECONDS, reconciled every 3 s: a line each changed
+        changed = text.replace("SuspendTime=300", f"SuspendTime={IDLE_SECONDS}")
+        (files / file).write_text(changed.replace(f"sleep {clusters.RECONCILE_SECONDS}", "sleep 3"))
     (files / "munge.key").write_bytes(os.urandom(clusters.MUNGE_KEY_BYTES))
     for made in files.iterdir():  # as the Secret volume gives them (protocol.pods: defaultMode 0500)
         made.chmod(0o500)
@@ -319,6 +370,7 @@ def test_the_slurm_image_starts_a_controller_and_a_worker_as_their_pods_would(
             "inspect", "--format", "{{.NetworkSettings.IPAddress}}", name
         ).stdout.strip()
         until(lambda: seen(lambda: "UP" in login("scontrol", "ping")), "slurmctld in its container", 90, log)
+        assert "reconcile" in login("ps", "-eo", "args")  # the reconciler beside it, leaving live nodes be
         assert f"{clusters.cluster_name(JOB)}-w[0-1]" in login("sinfo", "--noheader")  # powered down, listed
 
         script = "echo ran on $SLURMD_NODENAME with GPUs $CUDA_VISIBLE_DEVICES"
