@@ -193,6 +193,7 @@ def test_slurm_wakes_a_node_through_klique_runs_a_job_on_it_and_gives_it_back(
         (tmp_path / program).chmod(0o700)
     environment = {"PATH": os.environ["PATH"], "SLURM_CONF": str(conf)}
     log = tmp_path / "slurmctld.log"
+    reconciler: subprocess.Popen[bytes] | None = None
     controller = subprocess.Popen(
         ["slurmctld", "-D", "-i", "-f", str(conf)],
         env=environment,
@@ -266,6 +267,9 @@ def test_slurm_wakes_a_node_through_klique_runs_a_job_on_it_and_gives_it_back(
         said = reconciler.communicate(timeout=30)[0].decode()
         assert said.count(f"klique: the worker task of {NODE} ended outside Slurm") == 1, said
     finally:
+        if reconciler is not None and reconciler.poll() is None:
+            reconciler.kill()
+            reconciler.wait(timeout=30)
         controller.terminate()
         controller.wait(timeout=30)
         shutil.rmtree(spool, ignore_errors=True)
