@@ -312,7 +312,7 @@ def phase_of(cluster: Mapping[str, Any]) -> tuple[str, str]:
 
 SLURM_PATH = "/var/run/klique/slurm"  # the cluster's files in its pods: config, munge key, programs
 SLURMCTLD_PORT = 6817
-RESUME_SECONDS = 1800  # how long Slurm waits for a worker task to start (it may queue behind others)
+RESUME_SECONDS = 3600  # how long Slurm waits for a worker task to start (it may queue behind others)
 SUSPEND_SECONDS = 120
 MUNGE_KEY_BYTES = 1024
 WORKER_SECTION = "slurm_worker"  # a worker task's spec: which controller run, which node
@@ -452,7 +452,13 @@ def _reconciler(*, plane: str, task_id: str) -> str:
         "  live=$(curl --silent --show-error --fail --max-time 30 \\",
         f'    -H "Authorization: Bearer $(cat {SLURM_PATH}/token)" \\',
         f'    "{plane}/agents/v1/tasks/{task_id}/slurm/") || continue',
-        "  sinfo --noheader --Node --format '%N %t' | sort -u | while read -r node state; do",
+        "  sinfo --noheader --Node --format '%N %t %E' | sort -u | while read -r node state reason; do",
+        '    if [ "$state" = "down~" ] && [ "$reason" = "ResumeTimeout reached" ]; then',
+        '      echo "klique: $node was not up within Slurm\'s resume timeout (its worker task waited):" \\',
+        '        "back in service"',
+        '      scontrol update NodeName="$node" State=RESUME',
+        "      continue",
+        "    fi",
         "    case \"$state\" in *'~'|*'%'|*'#') continue ;; esac  # powered down, going down, coming up",
         '    case " $live " in *" $node "*) continue ;; esac',
         '    echo "klique: the worker task of $node ended outside Slurm: powered down, jobs requeued"',

@@ -94,7 +94,11 @@ def workers_change(
     for node in _nodes(controller, service, suspend) if suspend is not None else []:
         worker = live.pop(node, None)
         if worker is not None:
-            _end(tenant, app, worker.task, f"Slurm gave {node} back: idle for {service.idle_seconds} s.")
+            why = (
+                f"Slurm gave {node} back: idle for {service.idle_seconds} s, or not up within "
+                f"{clusters.RESUME_SECONDS // 60} minutes (its resume timeout)."
+            )
+            _end(tenant, app, worker.task, why)
             changed.ended.append(node)
     for node in _nodes(controller, service, resume) if resume is not None else []:
         if node in live:

@@ -135,7 +135,8 @@ def test_nodes_slurm_wakes_become_worker_tasks_and_those_it_gives_back_end(world
         assert given.json()["ended"] == [names[0]]
         ended = Task.objects.get(pk=worker.pk)
         assert ended.state == TaskState.ABORTED
-        assert ended.reason == f"Slurm gave {names[0]} back: idle for 300 s."
+        idle = "idle for 300 s, or not up within 60 minutes (its resume timeout)"
+        assert ended.reason == f"Slurm gave {names[0]} back: {idle}."
         woken = ask(controller, token, {"resume": names[0]})
         assert woken.json()["made"] == [names[0]]
         assert live(app)[names[0]].pk != worker.pk

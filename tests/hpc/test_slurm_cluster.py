@@ -10,6 +10,7 @@ replaced); every other line is as Klique writes it, and the programs are Klique'
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -53,9 +55,14 @@ class Plane(ThreadingHTTPServer):
         self.folder = folder
         self.asked: list[tuple[str, dict[str, Any]]] = []
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        self.waiting: set[str] = set()  # woken, their worker task still queued (when it does not start them)
+        self.starts = True
         self.controller_port = 0
 
     def wake(self, node: str) -> None:
+        if not self.starts:
+            self.waiting.add(node)
+            return
         log = open(self.folder / f"{node}.log", "wb")  # noqa: SIM115 -- the worker's, closed with it
         self.workers[node] = subprocess.Popen(  # as the worker's start runs it (clusters.START)
             ["slurmd", "-D", "-b", "-N", node, "--conf-server", f"127.0.0.1:{self.controller_port}"],
@@ -65,6 +72,7 @@ class Plane(ThreadingHTTPServer):
         )
 
     def give_back(self, node: str) -> None:
+        self.waiting.discard(node)
         worker = self.workers.pop(node, None)
         if worker is not None:
             worker.terminate()
@@ -72,7 +80,7 @@ class Plane(ThreadingHTTPServer):
 
     def live(self) -> list[str]:
         """The nodes with a worker task, as the plane answers the reconciler."""
-        return sorted(self.workers)
+        return sorted({*self.workers, *self.waiting})
 
 
 class Asked(BaseHTTPRequestHandler):
@@ -121,7 +129,7 @@ def plane(tmp_path: Path) -> Iterator[Plane]:
     server.shutdown()
 
 
-def on_this_machine(text: str, folder: Path, port: int, spool: Path) -> str:
+def on_this_machine(text: str, folder: Path, port: int, spool: Path, **more: str) -> str:
     """Klique's slurm.conf with this machine as the controller's host, the test's ports and folders."""
     replaced = {
         "SlurmctldHost": f"{socket.gethostname()}(127.0.0.1)",
@@ -133,6 +141,7 @@ def on_this_machine(text: str, folder: Path, port: int, spool: Path) -> str:
         "ResumeFailProgram": str(folder / "suspend"),
         "SuspendTime": str(IDLE_SECONDS),
         "SuspendTimeout": "5",
+        **more,
     }
     lines = []
     for line in text.splitlines():
@@ -162,9 +171,45 @@ def until(check: Any, what: str, timeout: float, log: Path) -> Any:
     raise AssertionError(f"{what}: not seen in {timeout:.0f} s; slurmctld's log ends:\n{said}")
 
 
-def test_slurm_wakes_a_node_through_klique_runs_a_job_on_it_and_gives_it_back(
-    slurm: Path, tmp_path: Path, plane: Plane
-) -> None:
+@dataclass
+class Controller:
+    """slurmctld on this machine with Klique's files, and what the test reads of it."""
+
+    folder: Path
+    environment: dict[str, str]
+    log: Path
+    reconciler: subprocess.Popen[bytes] | None = None
+
+    def scontrol(self, *words: str) -> str:
+        done = subprocess.run(
+            ["scontrol", *words],
+            env=self.environment,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        return done.stdout + done.stderr
+
+    def reconcile(self) -> None:
+        self.reconciler = subprocess.Popen(
+            ["sh", str(self.folder / "reconcile")],
+            env=self.environment,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+
+    def reconciled(self) -> str:
+        """What the reconciler said, once stopped."""
+        assert self.reconciler is not None
+        self.reconciler.terminate()
+        return self.reconciler.communicate(timeout=30)[0].decode()
+
+
+@contextlib.contextmanager
+def controller_here(folder: Path, plane: Plane, **replaced: str) -> Iterator[Controller]:
+    """Klique's files for a cluster of two one-GPU workers in partition `team`, and slurmctld running them
+    (with `replaced` lines of slurm.conf besides this machine's), answering."""
     service = clusters.ClusterService.parse(
         {"service": "slurm", "workers": 2, "worker_gpus": 1, "worker_cpus": 1, "partition": "team"}
     )
@@ -172,43 +217,49 @@ def test_slurm_wakes_a_node_through_klique_runs_a_job_on_it_and_gives_it_back(
         service, job=JOB, plane=f"http://127.0.0.1:{plane.server_port}", task_id=TASK, token=TOKEN
     )
     plane.controller_port = free_port()
-    (tmp_path / "state").mkdir()
+    (folder / "state").mkdir()
     spool = Path(tempfile.mkdtemp(prefix="kq-", dir="/tmp"))
-    conf = tmp_path / "slurm.conf"
-    conf.write_text(on_this_machine(files["slurm.conf"], tmp_path, plane.controller_port, spool))
+    conf = folder / "slurm.conf"
+    conf.write_text(on_this_machine(files["slurm.conf"], folder, plane.controller_port, spool, **replaced))
     # The GPU links a worker's start makes, here to stand-in devices (as deploy/slurm/single-node.sh's).
-    devices = tmp_path / "dev"
+    devices = folder / "dev"
     devices.mkdir()
     os.mknod(devices / "klique-gpu0", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
-    (tmp_path / "gres.conf").write_text(
+    (folder / "gres.conf").write_text(
         files["gres.conf"].replace(clusters.GPU_LINKS, str(devices / "klique-gpu"))
     )
-    (tmp_path / "token").write_text(files["token"])
+    (folder / "token").write_text(files["token"])
     for program in ("resume", "suspend", "reconcile"):  # Klique's, reading the token where the test keeps it
-        (tmp_path / program).write_text(
+        (folder / program).write_text(
             files[program]
-            .replace(f"{clusters.SLURM_PATH}/token", str(tmp_path / "token"))
+            .replace(f"{clusters.SLURM_PATH}/token", str(folder / "token"))
             .replace(f"sleep {clusters.RECONCILE_SECONDS}", "sleep 2")
         )
-        (tmp_path / program).chmod(0o700)
-    environment = {"PATH": os.environ["PATH"], "SLURM_CONF": str(conf)}
-    log = tmp_path / "slurmctld.log"
-    reconciler: subprocess.Popen[bytes] | None = None
-    controller = subprocess.Popen(
+        (folder / program).chmod(0o700)
+    here = Controller(folder, {"PATH": os.environ["PATH"], "SLURM_CONF": str(conf)}, folder / "slurmctld.log")
+    daemon = subprocess.Popen(
         ["slurmctld", "-D", "-i", "-f", str(conf)],
-        env=environment,
+        env=here.environment,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
     )
     try:
+        until(lambda: "UP" in here.scontrol("ping"), "slurmctld answering", 60, here.log)
+        yield here
+    finally:
+        if here.reconciler is not None and here.reconciler.poll() is None:
+            here.reconciler.kill()
+            here.reconciler.wait(timeout=30)
+        daemon.terminate()
+        daemon.wait(timeout=30)
+        shutil.rmtree(spool, ignore_errors=True)
 
-        def scontrol(*words: str) -> str:
-            done = subprocess.run(
-                ["scontrol", *words], env=environment, capture_output=True, text=True, timeout=30, check=False
-            )
-            return done.stdout + done.stderr
 
-        until(lambda: "UP" in scontrol("ping"), "slurmctld answering", 60, log)
+def test_slurm_wakes_a_node_through_klique_runs_a_job_on_it_and_gives_it_back(
+    slurm: Path, tmp_path: Path, plane: Plane
+) -> None:
+    with controller_here(tmp_path, plane) as here:
+        environment, log, scontrol = here.environment, here.log, here.scontrol
         nodes = scontrol("show", "nodes")
         assert f"NodeName={NODE}" in nodes
         assert "CLOUD" in nodes  # powered down until a job wants it
@@ -232,12 +283,7 @@ def test_slurm_wakes_a_node_through_klique_runs_a_job_on_it_and_gives_it_back(
 
         # Its worker task ends outside Slurm (preempted: its pod goes). The reconciler, finding no task
         # for the node, has Slurm power it down; the next job wakes it again, as a new worker.
-        reconciler = subprocess.Popen(
-            ["sh", str(tmp_path / "reconcile")],
-            env=environment,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
+        here.reconcile()
         plane.give_back(NODE)
 
         def asked(action: str) -> list[dict[str, Any]]:
@@ -263,16 +309,37 @@ def test_slurm_wakes_a_node_through_klique_runs_a_job_on_it_and_gives_it_back(
         until(lambda: len(asked("suspend")) == 2, "the suspend program", 120, log)
         assert asked("suspend")[1]["suspend"] == woken
         assert plane.workers == {}
-        reconciler.terminate()
-        said = reconciler.communicate(timeout=30)[0].decode()
+        said = here.reconciled()
         assert said.count(f"klique: the worker task of {NODE} ended outside Slurm") == 1, said
-    finally:
-        if reconciler is not None and reconciler.poll() is None:
-            reconciler.kill()
-            reconciler.wait(timeout=30)
-        controller.terminate()
-        controller.wait(timeout=30)
-        shutil.rmtree(spool, ignore_errors=True)
+
+
+def test_a_node_not_up_within_slurms_resume_timeout_is_given_back_and_put_back_in_service(
+    slurm: Path, tmp_path: Path, plane: Plane
+) -> None:
+    """Its worker task waited in Klique's queue past ResumeTimeout: Slurm gives the node back (the task is
+    cancelled) and sets it down; the reconciler returns it to service, for the requeued job to wake."""
+    plane.starts = False  # the worker task waits in Klique's queue: no slurmd comes
+    with controller_here(tmp_path, plane, ResumeTimeout="10") as here:
+        here.reconcile()
+        submitted = subprocess.run(
+            ["sbatch", "-p", "team", "-o", "/dev/null", "--wrap", "true"],
+            env=here.environment, capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        assert submitted.returncode == 0, submitted.stderr
+
+        def states() -> dict[str, str]:
+            said = subprocess.run(
+                ["sinfo", "--noheader", "--Node", "--format", "%N %t"],
+                env=here.environment, capture_output=True, text=True, timeout=30, check=False,
+            )  # fmt: skip
+            return dict(line.split() for line in said.stdout.splitlines())
+
+        until(
+            lambda: any("suspend" in body for _, body in plane.asked), "the resume fail program", 60, here.log
+        )
+        until(lambda: states().get(NODE) == "idle~", "the node back in service", 60, here.log)
+        said = here.reconciled()
+        assert f"klique: {NODE} was not up within Slurm's resume timeout" in said, said
 
 
 # The image and its start script, in containers -------------------------------------------------------
