@@ -9,7 +9,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ('catalogue', '0002_app_secrets'),
-        ('scheduling', '0013_task_changes'),
+        ('scheduling', '0001_initial'),  # the tasks table: workers need nothing newer of it
     ]
 
     operations = [
