@@ -358,11 +358,20 @@ def expand_hostlist(text: str, *, limit: int = MAX_WORKERS) -> list[str]:
     return names
 
 
+def _numbered(prefix: str, count: int) -> str:
+    """`prefix0` to `prefix<count-1>` as Slurm compresses them."""
+    return f"{prefix}[0-{count - 1}]" if count > 1 else f"{prefix}0"
+
+
+def _node_range(job: str, service: ClusterService) -> str:
+    """The cluster's nodes (slurm_nodes) as slurm.conf and gres.conf name them."""
+    return _numbered(f"{cluster_name(job)}-w", service.workers)
+
+
 def slurm_conf(service: ClusterService, *, job: str) -> str:
     """The cluster's slurm.conf: CLOUD nodes woken and given back by Klique's programs, served to the
     workers configless by the controller."""
-    cluster, last = cluster_name(job), service.workers - 1
-    nodes = f"{cluster}-w[0-{last}]" if last else f"{cluster}-w0"
+    cluster, nodes = cluster_name(job), _node_range(job, service)
     gres = f" Gres=gpu:{service.worker_gpus}" if service.worker_gpus else ""
     return "\n".join([
         "# Made by Klique's Kubernetes agent for this run of the cluster; changed, it is made again.",
@@ -406,11 +415,8 @@ def gres_conf(service: ClusterService, *, job: str) -> str:
     """Each worker's GPUs: its pod was given exactly these, whatever their numbers on the host, and the
     worker's start links them as GPU_LINKS0, 1, ... (Slurm drops a GPU without a device file). Slurm sets
     a job's CUDA_VISIBLE_DEVICES to their indices, which are the pod's own as CUDA counts them."""
-    last = service.workers - 1
-    nodes = f"{cluster_name(job)}-w[0-{last}]" if last else f"{cluster_name(job)}-w0"
-    count = service.worker_gpus
-    files = f"{GPU_LINKS}[0-{count - 1}]" if count > 1 else f"{GPU_LINKS}0"
-    line = f"NodeName={nodes} Name=gpu File={files}\n" if count else ""
+    files = _numbered(GPU_LINKS, service.worker_gpus)
+    line = f"NodeName={_node_range(job, service)} Name=gpu File={files}\n" if service.worker_gpus else ""
     return "AutoDetect=off\n" + line
 
 
