@@ -113,11 +113,13 @@ MIDDLEWARE = [
     "apps.core.middleware.RefuseNulMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
-    "django.contrib.sessions.middleware.SessionMiddleware",
+    # Django's session, CSRF, auth and message middlewares, passed by a bearer-token API call, which uses
+    # none of them (apps.core.portal_middleware).
+    "apps.core.portal_middleware.PortalSessionMiddleware",
     "django.middleware.common.CommonMiddleware",
-    "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
+    "apps.core.portal_middleware.PortalCsrfMiddleware",
+    "apps.core.portal_middleware.PortalAuthenticationMiddleware",
+    "apps.core.portal_middleware.PortalMessageMiddleware",
     "apps.audit.middleware.RefusedUseAudit",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "apps.core.middleware.PortalContentSecurityPolicy",
