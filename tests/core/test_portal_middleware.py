@@ -15,7 +15,9 @@ from django.conf import settings
 from django.contrib.sessions.middleware import SessionMiddleware
 from django.http import HttpRequest
 from django.test import Client, RequestFactory, override_settings
+from django.urls import URLResolver, get_resolver
 from django_tenants.utils import schema_context
+from rest_framework.views import APIView
 
 from apps.core.portal_middleware import bearer_api_call
 from tests.world import HOST_A, HOST_B, World
@@ -153,6 +155,29 @@ def test_only_a_bearer_call_under_the_api_passes_them(
 ) -> None:
     headers = {"Authorization": authorization} if authorization is not None else {}
     assert bearer_api_call(RequestFactory().get(path, headers=headers)) is passed
+
+
+def _routes(patterns: list[Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for pattern in patterns:
+        if isinstance(pattern, URLResolver):
+            yield from _routes(pattern.url_patterns, prefix + str(pattern.pattern))
+        else:
+            yield prefix + str(pattern.pattern), pattern.callback
+
+
+@pytest.mark.parametrize("urlconf", [settings.ROOT_URLCONF, settings.PUBLIC_SCHEMA_URLCONF])
+def test_every_view_under_the_api_is_drf_s(urlconf: str) -> None:
+    """What passing the portal's middlewares rests on: DRF authenticates each call under /api/v1/ (so a
+    bearer call never falls back to a session) and exempts it from CSRF."""
+    api = [
+        (route, view)
+        for route, view in _routes(get_resolver(urlconf).url_patterns)
+        if route.startswith("api/v1/")
+    ]
+    assert len(api) >= 10
+    for route, view in api:
+        assert issubclass(getattr(view, "cls", type(None)), APIView), route
+        assert getattr(view, "csrf_exempt", False), route
 
 
 def test_a_bearer_call_makes_no_session_and_a_page_does(
