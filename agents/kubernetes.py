@@ -472,16 +472,17 @@ class Api:
         """Delete the object; one already gone is no error."""
         from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
 
-        call: Callable[..., Any] = {
-            "Job": self.batch.delete_namespaced_job,
-            "JobSet": self._delete_custom("JobSet"),
-            "PyTorchJob": self._delete_custom("PyTorchJob"),
-            clusters.K3K_KIND: self._delete_custom(clusters.K3K_KIND),
-            "Pod": self.core.delete_namespaced_pod,
-            "Secret": self.core.delete_namespaced_secret,
-            "Service": self.core.delete_namespaced_service,
-            "NetworkPolicy": self.networking.delete_namespaced_network_policy,
-        }[kind]
+        call: Callable[..., Any] = (
+            self._delete_custom(kind)
+            if kind in CUSTOM_OBJECTS
+            else {
+                "Job": self.batch.delete_namespaced_job,
+                "Pod": self.core.delete_namespaced_pod,
+                "Secret": self.core.delete_namespaced_secret,
+                "Service": self.core.delete_namespaced_service,
+                "NetworkPolicy": self.networking.delete_namespaced_network_policy,
+            }[kind]
+        )
         options: dict[str, Any] = {"propagation_policy": propagation}
         if grace is not None:
             options["grace_period_seconds"] = grace
