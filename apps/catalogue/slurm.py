@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from tenants.models import Tenant
 
 IN_A_RUN = (TaskState.DISPATCHING, TaskState.RUNNING)
+# A worker's task not ended yet. Asked for by name, not as "not ended": the tasks' (state, pool) index
+# then finds the few live ones, where "not ended" would read every worker a cluster ever woke.
+NOT_ENDED = tuple(state for state in TaskState if state not in ENDED_STATES)
 
 
 @dataclass
@@ -75,7 +78,7 @@ def _live_workers(controller: Task) -> dict[str, ClusterWorker]:
     workers = ClusterWorker.objects.select_related("task").filter(
         controller=controller, controller_lease=controller.lease_id
     )
-    return {worker.node: worker for worker in workers.exclude(task__state__in=ENDED_STATES)}
+    return {worker.node: worker for worker in workers.filter(task__state__in=NOT_ENDED)}
 
 
 @transaction.atomic
@@ -168,9 +171,7 @@ def _end(tenant: Tenant, app: AppInstance, task: Task, why: str) -> None:
 def workers_end(*, tenant: Tenant, app: AppInstance, why: str) -> list[str]:
     """End every worker of the app's cluster (the app is stopping); the nodes whose task was ended."""
     ended = []
-    workers = (
-        ClusterWorker.objects.select_related("task").filter(app=app).exclude(task__state__in=ENDED_STATES)
-    )
+    workers = ClusterWorker.objects.select_related("task").filter(app=app, task__state__in=NOT_ENDED)
     for worker in workers:
         _end(tenant, app, worker.task, why)
         ended.append(worker.node)
@@ -182,8 +183,8 @@ def workers_sweep(*, tenant: Tenant) -> list[str]:
     """End the workers whose controller run is over: it failed, was preempted or lost its agent, or the
     app was started again since. The nodes whose task was ended."""
     ended = []
-    live = ClusterWorker.objects.select_related("task", "controller", "app__owner").exclude(
-        task__state__in=ENDED_STATES
+    live = ClusterWorker.objects.select_related("task", "controller", "app__owner").filter(
+        task__state__in=NOT_ENDED
     )
     for worker in live:
         controller = worker.controller
