@@ -75,6 +75,7 @@ CLUSTER_SWEEP_SECONDS = 60.0  # how often, while none runs, they are listed for 
 CLUSTER_ORPHAN_SECONDS = 60.0  # how long a cluster of no run is left (a start under way) before it goes
 WORKLOAD_READ_SECONDS = 2.0  # how often the JobSets (while one's Job is not seen) and PyTorchJobs are listed
 DISCOVERY_SECONDS = 300.0  # how long the answer "which workload APIs does the cluster serve" is kept
+LEASE_WRITE_SECONDS = 10.0  # how long a start waits for the run's lease to be on disk before it refuses
 APP_LOOK_SECONDS = 1.0  # how often the agent looks whether an app's pod runs
 LOG_TAIL_LINES = 3  # the last lines of a run's log kept for the reason of an app stopped from outside
 GPU_RESOURCE = re.compile(r"nvidia\.com/gpu|nvidia\.com/gpu\.shared|nvidia\.com/mig-[a-z0-9.+]+|amd\.com/gpu")
@@ -918,6 +919,10 @@ class Kubernetes:
     clusters_served: tuple[float, bool] = (0.0, False)
     minted: set[str] = field(default_factory=set)
     orphans: dict[str, float] = field(default_factory=dict)  # cluster of no run -> when first seen so
+    # Runs an earlier agent process took (their lease kept) but recorded no workload for: name -> task,
+    # until a pass has looked whether their workload exists (`_sweep_unmade`); and those being swept.
+    unmade: dict[str, str] = field(default_factory=dict)
+    sweeping: dict[str, asyncio.Event] = field(default_factory=dict)
 
     # What the agent loop asks ---------------------------------------------------------------------------
 
@@ -1014,8 +1019,12 @@ class Kubernetes:
         except pods.PodTemplateInvalid as error:
             raise Refused(str(error), permanent=True) from None
         name = manifests.job["metadata"]["name"]
+        self.unmade.pop(name, None)  # taken up again: what an earlier process made of it is kept or made
+        if name in self.sweeping:  # ... once a sweep of it under way is over
+            await self.sweeping[name].wait()
         if manifests.cluster is not None:
             await self._check_clusters_served()
+        await self._lease_written()
         try:
             await self._create(manifests)
         except ApiProblem as problem:
@@ -1165,7 +1174,14 @@ class Kubernetes:
 
     def adopt(self, report: Report) -> list[str]:
         """Follow the Jobs a previous agent process made: those in its state now, and, once the Jobs are
-        listed, those it labelled but did not live to record."""
+        listed, those it labelled but did not live to record. The runs it took but recorded no workload
+        for are looked at by the first pass (`_sweep_unmade`)."""
+        recorded = {record.task_id for record in self.state.jobs()}
+        self.unmade = {
+            pods.job_name(task, lease): task
+            for task, lease in self.state.leases().items()
+            if task not in recorded and not self.state.run_ended(task, lease)  # (ended: cleaned up)
+        }
         self._follow(report)
         return self.running()
 
@@ -1332,6 +1348,8 @@ class Kubernetes:
         """One pass over Klique's Jobs: read new log lines, report what changed, end what ended."""
         if self.reporter is None or {"Job", "Pod"} - self.synced:
             return
+        if self.unmade:
+            await self._sweep_unmade()
         records = self.state.jobs()
         await self._read_workloads(records)
         await self._read_admission(records)
@@ -1344,6 +1362,65 @@ class Kubernetes:
                 if record.task_id not in self.ending
             )
         )
+
+    async def _lease_written(self) -> None:
+        """Wait until the state holds the run's lease on disk (the agent commits its state once per turn),
+        so that an agent killed while it makes the run finds the run in its state and sweeps what it made
+        (`adopt`, `_sweep_unmade`). Refused, not for good, where the state cannot be written now."""
+        if not self.state.uncommitted:
+            return
+        before, deadline = self.state.commits, time.monotonic() + LEASE_WRITE_SECONDS
+        tries = 0
+        while self.state.commits == before:
+            if time.monotonic() > deadline:
+                raise Refused(
+                    f"the agent's state could not be written in {LEASE_WRITE_SECONDS:.0f} s, so nothing of "
+                    "the run was made; offer it again later",
+                    permanent=False,
+                )
+            await asyncio.sleep(0 if tries < 20 else 0.005)  # the commit is the loop's next turn
+            tries += 1
+
+    async def _sweep_unmade(self) -> None:
+        """Delete what a run of an earlier agent process left without its workload: a Secret (the run's
+        variables and secrets), a Service, an app's or a Slurm controller's objects, made before the
+        workload that would have owned them by an agent killed before it made it. A run whose workload
+        exists (a Job, JobSet or PyTorchJob of its name: adopted, or its controller's Job not made yet) is
+        left alone, as is one that a start takes up again (`start`: the same names, made anew or kept).
+        By name, each: the agent's Role may delete Secrets but not list them. Where the workloads cannot
+        be listed now, the next pass tries again."""
+        made: set[str] = {record.job_id for record in self.state.jobs()} | set(self.seen_jobs)
+        try:
+            for kind, (group, version, plural) in pods.CUSTOM_WORKLOADS.items():
+                served = await self._call(
+                    self.api.serves, f"{group}/{version}", plural, verb="discover", resource="API groups"
+                )
+                if served:
+                    made |= set(
+                        await self._call(
+                            self.api.custom_workloads, kind, verb="list", resource=f"{plural}.{group}"
+                        )
+                    )
+        except ApiProblem as problem:
+            self._trouble(str(problem))
+            return
+        while self.unmade:
+            name, task = self.unmade.popitem()
+            if name in made:
+                continue
+            logger.warning("task %s: its run %s was left without its workload; what it made goes", task, name)
+            done = self.sweeping[name] = asyncio.Event()
+            try:
+                for kind, item in _made_beside(name):
+                    try:
+                        await self._call(
+                            self.api.delete, kind, item, verb="delete", resource=kind.lower() + "s"
+                        )
+                    except ApiProblem as problem:
+                        logger.warning("%s %s was not deleted: %s", kind, item, problem)
+            finally:
+                del self.sweeping[name]
+                done.set()
 
     async def _read_workloads(self, records: list[JobRecord]) -> None:
         """List the JobSets whose Job is not seen yet and the PyTorchJobs (whose state is their own): one
@@ -1901,6 +1978,21 @@ class Kubernetes:
                         sock.shutdown(socket.SHUT_RDWR)
         for worker in self.workers:
             worker.cancel()
+
+
+def _made_beside(name: str) -> list[tuple[str, str]]:
+    """Every object a run named `name` may have beside its workload, whatever the run was (an app, a
+    clustering service): its Secret and Service, an app's key Secret and NetworkPolicy, a Slurm
+    controller's Secret and Service. (A K3k Cluster of no run is swept apart: `_sweep_clusters`.)"""
+    app = pods.app_objects_name(name)
+    return [
+        ("Secret", name),
+        ("Service", name),
+        ("Secret", app),
+        ("NetworkPolicy", app),
+        ("Secret", clusters.slurm_secret(name)),
+        ("Service", clusters.slurm_controller(name)),
+    ]
 
 
 def _service_of(record: JobRecord) -> clusters.ClusterService | None:

@@ -82,6 +82,7 @@ class State:
         self._runs: dict[str, RunRecord] | None = None  # the runs table, as committed or being committed
         self._opened: Callable[[], None] | None = None  # told when a grouped transaction begins
         self._lost = False  # a grouped transaction was rolled back by SQLite, not committed
+        self.commits = 0  # grouped transactions written through so far
 
     @property
     def db(self) -> sqlite3.Connection:
@@ -117,6 +118,7 @@ class State:
                     raise
                 self._runs = None
                 raise StateLost(f"the agent's state could not be written: {error}") from error
+            self.commits += 1
         if lost:
             self.rollback()  # nor keep what changed since, in a transaction of its own
             raise StateLost("the agent's state could not be written: SQLite rolled back a change")
@@ -234,6 +236,12 @@ class State:
     def lease_begin(self, task_id: str, lease_id: str, attempt: int) -> None:
         """The run this agent holds of the task from now on: its reports name this lease, numbered from 1."""
         self._write("INSERT OR REPLACE INTO leases VALUES (?, ?, ?)", (task_id, lease_id, attempt))
+
+    def leases(self) -> dict[str, str]:
+        """Every task's lease held here: task -> lease."""
+        return {
+            str(task): str(lease) for task, lease in self.db.execute("SELECT task_id, lease_id FROM leases")
+        }
 
     def lease(self, task_id: str) -> str:
         """The lease of the task's run here ("" for none)."""

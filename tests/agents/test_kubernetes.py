@@ -6,6 +6,7 @@ refusals in words an administrator can act on."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import threading
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client
 
 from agents.backend import Refused
 from agents.kubernetes import Api, Kubernetes, KubeSettings, explain, log_lines, what_is_seen
@@ -460,6 +462,155 @@ def test_a_job_made_by_an_agent_killed_before_it_recorded_it_is_adopted(
 
     recorder = asyncio.run(scenario())
     assert recorder.of("result")[0]["exit_code"] == 0
+
+
+def secrets_and_services(cluster: Cluster) -> set[str]:
+    core = client.CoreV1Api(cluster.api())
+    secrets = json.loads(core.list_namespaced_secret(NAMESPACE, _preload_content=False).data)["items"]
+    services = json.loads(core.list_namespaced_service(NAMESPACE, _preload_content=False).data)["items"]
+    return {f"{kind}/{item['metadata']['name']}"
+            for kind, items in (("Secret", secrets), ("Service", services)) for item in items}  # fmt: skip
+
+
+def half_made(cluster: Cluster, tmp_path: Path, task: dict[str, Any], *, job: bool = False) -> str:
+    """What an agent killed while it made the run left: its lease in the state, its Secret and Service,
+    and its Job where `job`. The run's name."""
+    first = backend(cluster, tmp_path)
+    begin(first, task)
+    manifests = pods.render(first.settings.template_for(""), task, first.settings.cluster, tenant="acme")
+    first.api.create(manifests.secret)
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": manifests.job["metadata"]["name"]},
+               "spec": {"ports": [{"port": 8000}]}}  # fmt: skip
+    first.api.create(service)
+    if job:
+        first.api.create(manifests.job)
+    return str(manifests.job["metadata"]["name"])
+
+
+def test_what_an_agent_killed_before_it_made_the_job_left_is_deleted_by_the_next(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Its Secret holds the run's secrets: nothing would own it, and the Role may not list Secrets."""
+    name = half_made(cluster, tmp_path, assignment("half"))
+    assert {f"Secret/{name}", f"Service/{name}"} <= secrets_and_services(cluster)
+
+    async def scenario() -> None:
+        kube = backend(cluster, tmp_path)
+        assert kube.adopt(Recorder(kube.state)) == []
+        await until(lambda: kube.synced == {"Job", "Pod"})
+        await kube.look()
+        assert not kube.unmade
+        await kube.stop_all(0)
+
+    asyncio.run(scenario())
+    assert not {f"Secret/{name}", f"Service/{name}"} & secrets_and_services(cluster)
+    assert not cluster.requests("POST", rf"/apis/batch/v1/namespaces/{NAMESPACE}/jobs")
+
+
+def test_a_run_assigned_again_before_the_sweep_is_made_whole_and_kept(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    task = assignment("again")
+    name = half_made(cluster, tmp_path, task)
+
+    async def scenario() -> None:
+        kube, kubelet = backend(cluster, tmp_path), Kubelet(cluster)
+        recorder = Recorder(kube.state)
+        kube.adopt(recorder)
+        await kube.start(task, recorder)  # the plane assigns the run again: its Secret is refreshed, kept
+        await until(lambda: kube.synced == {"Job", "Pod"})
+        await kube.look()
+        assert f"Secret/{name}" in secrets_and_services(cluster)
+        (pod,) = await asyncio.to_thread(kubelet.make_pods, name)
+        await asyncio.to_thread(kubelet.run, pod)
+        await asyncio.to_thread(kubelet.end, pod, 0)
+        await asyncio.to_thread(kubelet.job_ended, name, True)
+        await until(lambda: recorder.of("result"))
+        await kube.stop_all(0)
+
+    asyncio.run(scenario())
+    assert len(cluster.requests("POST", rf"/apis/batch/v1/namespaces/{NAMESPACE}/jobs")) == 1
+
+
+def test_a_run_whose_job_was_made_keeps_what_it_made(cluster: Cluster, tmp_path: Path) -> None:
+    name = half_made(cluster, tmp_path, assignment("whole"), job=True)
+
+    async def scenario() -> None:
+        kube = backend(cluster, tmp_path)
+        kube.adopt(Recorder(kube.state))
+        await until(lambda: kube.running() == ["whole"])
+        await kube.look()
+        await kube.stop_all(0)
+
+    asyncio.run(scenario())
+    assert {f"Secret/{name}", f"Service/{name}"} <= secrets_and_services(cluster)
+    assert not cluster.requests("DELETE", rf"/api/v1/namespaces/{NAMESPACE}/secrets/.*")
+
+
+def test_a_run_of_another_lease_left_half_made_goes_and_the_new_run_is_made(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The plane gave the task to this agent again under a new lease: the old run's objects are swept."""
+    old = half_made(cluster, tmp_path, assignment("moved"))
+    task = assignment("moved", lease_id="lease-new")
+
+    async def scenario() -> str:
+        kube = backend(cluster, tmp_path)
+        recorder = Recorder(kube.state)
+        kube.adopt(recorder)
+        begin(kube, task)
+        await kube.start(task, recorder)
+        await until(lambda: kube.synced == {"Job", "Pod"})
+        await kube.look()
+        await kube.stop_all(0)
+        return str(kube.state.jobs()[0].job_id)
+
+    new = asyncio.run(scenario())
+    assert new != old
+    left = secrets_and_services(cluster)
+    assert f"Secret/{new}" in left
+    assert not {f"Secret/{old}", f"Service/{old}"} & left
+
+
+def test_nothing_of_a_run_is_made_before_its_lease_is_on_disk(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent commits its state once per turn: a start waits for the commit that holds the run's
+    lease, and where none comes it refuses (not for good) having made nothing."""
+    monkeypatch.setattr("agents.kubernetes.LEASE_WRITE_SECONDS", 0.3)
+    committed: list[int] = []
+
+    async def scenario(commit: bool) -> None:
+        kube = backend(cluster, tmp_path)
+        loop = asyncio.get_running_loop()
+
+        def write() -> None:
+            kube.state.commit()
+            committed.append(kube.state.commits)
+
+        def opened() -> None:  # as the agent's loop does: commit on its next turn
+            if commit:
+                loop.call_soon(write)
+
+        kube.state.group_commits(opened)
+        task = assignment("disk" if commit else "nodisk")
+        begin(kube, task)
+        if commit:
+            await kube.start(task, Recorder(kube.state))
+            assert committed
+            assert kube.state.lease("disk") == "lease-disk"
+        else:
+            with pytest.raises(Refused) as refused:
+                await kube.start(task, Recorder(kube.state))
+            assert not refused.value.permanent
+            assert "could not be written" in str(refused.value)
+        kube.state.group_commits(None)
+        await kube.stop_all(0)
+
+    asyncio.run(scenario(commit=False))
+    assert not cluster.requests("POST", rf"/api/v1/namespaces/{NAMESPACE}/secrets")
+    asyncio.run(scenario(commit=True))
+    assert len(cluster.requests("POST", rf"/api/v1/namespaces/{NAMESPACE}/secrets")) == 1
 
 
 @pytest.mark.parametrize("cut", ["dropped", "gone"])
