@@ -434,6 +434,15 @@ def test_a_restarted_agent_adopts_its_job_and_reads_each_line_once(cluster: Clus
     assert len(cluster.requests("POST", rf"/apis/batch/v1/namespaces/{NAMESPACE}/jobs")) == 1
 
 
+async def succeeds(kubelet: Kubelet, name: str, recorder: Recorder) -> None:
+    """The Job's one pod runs and exits 0, the Job succeeds, and the agent reports the result."""
+    (pod,) = await asyncio.to_thread(kubelet.make_pods, name)
+    await asyncio.to_thread(kubelet.run, pod)
+    await asyncio.to_thread(kubelet.end, pod, 0)
+    await asyncio.to_thread(kubelet.job_ended, name, True)
+    await until(lambda: recorder.of("result"))
+
+
 def test_a_job_made_by_an_agent_killed_before_it_recorded_it_is_adopted(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -451,12 +460,7 @@ def test_a_job_made_by_an_agent_killed_before_it_recorded_it_is_adopted(
         recorder = Recorder(kube.state)
         kube.adopt(recorder)
         await until(lambda: kube.running() == ["orphan"])
-        name = manifests.job["metadata"]["name"]
-        (pod,) = await asyncio.to_thread(kubelet.make_pods, name)
-        await asyncio.to_thread(kubelet.run, pod)
-        await asyncio.to_thread(kubelet.end, pod, 0)
-        await asyncio.to_thread(kubelet.job_ended, name, True)
-        await until(lambda: recorder.of("result"))
+        await succeeds(kubelet, manifests.job["metadata"]["name"], recorder)
         await kube.stop_all(0)
         return recorder
 
@@ -521,11 +525,7 @@ def test_a_run_assigned_again_before_the_sweep_is_made_whole_and_kept(
         await until(lambda: kube.synced == {"Job", "Pod"})
         await kube.look()
         assert f"Secret/{name}" in secrets_and_services(cluster)
-        (pod,) = await asyncio.to_thread(kubelet.make_pods, name)
-        await asyncio.to_thread(kubelet.run, pod)
-        await asyncio.to_thread(kubelet.end, pod, 0)
-        await asyncio.to_thread(kubelet.job_ended, name, True)
-        await until(lambda: recorder.of("result"))
+        await succeeds(kubelet, name, recorder)
         await kube.stop_all(0)
 
     asyncio.run(scenario())
