@@ -581,7 +581,7 @@ def test_nothing_of_a_run_is_made_before_its_lease_is_on_disk(
     committed: list[int] = []
 
     async def scenario(commit: bool) -> None:
-        kube = backend(cluster, tmp_path)
+        kube = backend(cluster, tmp_path, State(tmp_path / f"{commit}.sqlite"))
         loop = asyncio.get_running_loop()
 
         def write() -> None:
@@ -604,6 +604,7 @@ def test_nothing_of_a_run_is_made_before_its_lease_is_on_disk(
                 await kube.start(task, Recorder(kube.state))
             assert not refused.value.permanent
             assert "could not be written" in str(refused.value)
+            kube.state.rollback()  # the transaction that never came to be written
         kube.state.group_commits(None)
         await kube.stop_all(0)
 
