@@ -156,19 +156,30 @@ def on_this_machine(text: str, folder: Path, port: int, spool: Path, **more: str
         f"SlurmdLogFile={folder / 'slurmd-%n.log'}",
         "AccountingStorageType=accounting_storage/none",
         "SlurmctldDebug=verbose",
+        "SlurmdDebug=verbose",
     ]
     return "\n".join(lines) + "\n"
 
 
-def until(check: Any, what: str, timeout: float, log: Path) -> Any:
+def until(check: Any, what: str, timeout: float, log: Path, state: Any = None) -> Any:
+    """Wait for `check` to hold; past `timeout`, fail saying what the logs (and `state`, the cluster's
+    state as Slurm tells it, where given) said."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = check()
         if found:
             return found
         time.sleep(0.5)
-    said = log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)"
-    raise AssertionError(f"{what}: not seen in {timeout:.0f} s; slurmctld's log ends:\n{said}")
+    seen = f"--- what Slurm says:\n{state()}\n" if state is not None else ""
+    raise AssertionError(f"{what}: not seen in {timeout:.0f} s\n{seen}{logs(log.parent)}")
+
+
+def logs(folder: Path) -> str:
+    """The ends of slurmctld's log and of each worker's (its slurmd's own and its output), to say why."""
+    said = []
+    for path in sorted(folder.glob("*.log")):
+        said.append(f"--- {path.name} ends:\n{path.read_text(errors='replace')[-3000:]}")
+    return "\n".join(said) or "(no log)"
 
 
 @dataclass
@@ -190,6 +201,10 @@ class Controller:
             check=False,
         )
         return done.stdout + done.stderr
+
+    def state(self) -> str:
+        """The nodes and jobs as slurmctld has them."""
+        return self.scontrol("show", "nodes") + self.scontrol("show", "jobs")
 
     def reconcile(self) -> None:
         self.reconciler = subprocess.Popen(
@@ -273,11 +288,23 @@ def test_slurm_wakes_a_node_through_klique_runs_a_job_on_it_and_gives_it_back(
         assert submitted.returncode == 0, submitted.stderr
 
         # Slurm runs Klique's resume program for the node; the plane starts its slurmd; the job runs there.
-        until(lambda: any("resume" in body for _, body in plane.asked), "the resume program", 90, log)
+        until(
+            lambda: any("resume" in body for _, body in plane.asked),
+            "the resume program",
+            90,
+            log,
+            here.state,
+        )
         path, body = next((path, body) for path, body in plane.asked if "resume" in body)
         assert path == f"/agents/v1/tasks/{TASK}/slurm/"
         assert body == {"resume": NODE, "token": f"Bearer {TOKEN}"}
-        until(lambda: output.exists() and "ran on" in output.read_text(), "the job's output", 120, log)
+        until(
+            lambda: output.exists() and "ran on" in output.read_text(),
+            "the job's output",
+            120,
+            log,
+            here.state,
+        )
         assert output.read_text().split() == ["ran", "on", NODE, "with", "GPUs", "0"]  # its one GPU, bound
         assert submitted.stdout.strip().isdigit()
 
@@ -289,7 +316,7 @@ def test_slurm_wakes_a_node_through_klique_runs_a_job_on_it_and_gives_it_back(
         def asked(action: str) -> list[dict[str, Any]]:
             return [body for _, body in plane.asked if action in body]
 
-        until(lambda: asked("suspend"), "the reconciler powering the node down", 90, log)
+        until(lambda: asked("suspend"), "the reconciler powering the node down", 90, log, here.state)
         assert asked("suspend")[0] == {"suspend": NODE, "token": f"Bearer {TOKEN}"}
         second = tmp_path / "second.out"
         script = "echo again on $SLURMD_NODENAME"
@@ -299,14 +326,18 @@ def test_slurm_wakes_a_node_through_klique_runs_a_job_on_it_and_gives_it_back(
         )  # fmt: skip
         assert again.returncode == 0, again.stderr
         until(
-            lambda: second.exists() and "again on" in second.read_text(), "the second job's output", 120, log
+            lambda: second.exists() and "again on" in second.read_text(),
+            "the second job's output",
+            120,
+            log,
+            here.state,
         )
         assert len(asked("resume")) == 2
         woken = asked("resume")[1]["resume"]  # w0 again, or w1 while w0 powers down: woken by Klique
         assert second.read_text().split() == ["again", "on", woken]
 
         # Idle for its SuspendTime, the node is given back through the suspend program.
-        until(lambda: len(asked("suspend")) == 2, "the suspend program", 120, log)
+        until(lambda: len(asked("suspend")) == 2, "the suspend program", 120, log, here.state)
         assert asked("suspend")[1]["suspend"] == woken
         assert plane.workers == {}
         said = here.reconciled()
