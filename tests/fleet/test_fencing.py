@@ -271,6 +271,7 @@ def test_an_expired_lease_whose_run_reports_after_all_is_the_tasks_run_again(fle
     task, task_runs, _ = rows(fleet["task"])
     assert (task.state, task.attempts) == (TaskState.RUNNING, 1)
     assert [run.outcome for run in task_runs] == [""]
+    assert task.spec == {"command": ["true"]}  # adopted as it was: its spec saved back whole, not as text
 
 
 def test_an_abort_is_asked_for_until_the_agent_lets_the_run_go_and_its_gpus_wait_for_that(
