@@ -272,6 +272,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 100,
     "EXCEPTION_HANDLER": "apps.core.api_errors.exception_handler",
+    "DEFAULT_CONTENT_NEGOTIATION_CLASS": "apps.core.negotiation.ContentNegotiation",
     "DEFAULT_PARSER_CLASSES": [
         "apps.core.parsers.JSONParser",  # refuses NUL characters, which PostgreSQL's text cannot hold
         "apps.core.parsers.FormParser",
