@@ -2,7 +2,12 @@
 millisecond for a join), which on the request path costs more than PostgreSQL's answer. Each reader
 selects every concrete column of its models and builds them as the ORM does (`Model.from_db`, each value
 first converted by its field's and the backend's converters: a JSONField's text parsed), so what callers
-get is the same objects."""
+get is the same objects.
+
+A model whose instances `Model.__init__` builds by plain assignment (no `__init__` or `from_db` of its own,
+no field descriptor that does more than store the value, no pre_init or post_init receiver anywhere) is
+built without it: the same instance, its values and its state as `from_db` leaves them, for half
+the cost (three per API call: the tenant, the token and its user)."""
 
 from __future__ import annotations
 
@@ -11,6 +16,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from django.db import DEFAULT_DB_ALIAS, connections, models
+from django.db.models.base import ModelState
+from django.db.models.fields.related_descriptors import ForeignKeyDeferredAttribute
+from django.db.models.query_utils import DeferredAttribute
+from django.db.models.signals import post_init, pre_init
 
 M = TypeVar("M", bound=models.Model)
 
@@ -46,6 +55,19 @@ def width(model: type[models.Model]) -> int:
     return len(_attnames(model))
 
 
+# What a field's attribute may be for an instance to be built by assignment: Django's deferred attribute
+# (it stores nothing) and a foreign key's (on a new instance, it only stores the value).
+_PLAIN_ATTRIBUTES = (DeferredAttribute, ForeignKeyDeferredAttribute)
+
+
+@functools.cache
+def _plain(model: type[models.Model]) -> bool:
+    """Whether `Model.__init__` builds `model`'s instances by assigning each field's value, no more."""
+    from_db = model.from_db.__func__  # type: ignore[attr-defined]
+    own = model.__init__ is not models.Model.__init__ or from_db is not models.Model.from_db.__func__  # type: ignore[attr-defined]
+    return not own and all(type(model.__dict__.get(name)) in _PLAIN_ATTRIBUTES for name in _attnames(model))
+
+
 def build(model: type[M], values: tuple[Any, ...] | list[Any]) -> M:
     """The model instance for one row's values of `columns(model, ...)`."""
     names = _attnames(model)
@@ -59,4 +81,10 @@ def build(model: type[M], values: tuple[Any, ...] | list[Any]) -> M:
         for place, converters, column in converted:
             for converter in converters:
                 values[place] = converter(values[place], column, connection)
-    return model.from_db(DEFAULT_DB_ALIAS, names, list(values))
+    if not _plain(model) or pre_init.receivers or post_init.receivers:
+        return model.from_db(DEFAULT_DB_ALIAS, names, list(values))
+    instance = model.__new__(model)
+    state = instance._state = ModelState()
+    state.adding, state.db = False, DEFAULT_DB_ALIAS
+    instance.__dict__.update(zip(names, values, strict=True))
+    return instance
