@@ -533,12 +533,7 @@ def test_the_run_is_on_disk_before_its_runner_is_forked_and_not_started_where_it
         bare = backend(tmp_path)
         bare.starter = Looking()
         loop = asyncio.get_running_loop()
-
-        def opened() -> None:  # as the agent's loop does: commit on its next turn
-            if commit:
-                loop.call_soon(bare.state.commit)
-
-        bare.state.group_commits(opened)
+        bare.state.group_commits(lambda: loop.call_soon(bare.state.commit) if commit else None)
         recorder = Recorder(bare.state)
         task = assignment(f"t-{commit}", UNITS_PER_GPU, [sys.executable, "-c", "print('ran')"])
         if commit:
