@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
-import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,8 +40,8 @@ from agents.backend import (
     upload_outputs,
     with_log_end,
 )
-from agents.runner import pid_path, reason_path
-from agents.state import RunRecord, State, written
+from agents.runner import reason_path
+from agents.state import RunRecord, State
 from agents.tunnel import Upstream
 from protocol import environment as task_environment
 from protocol import images
@@ -53,10 +50,6 @@ from protocol.units import UNITS_PER_GPU
 
 MAX_LINE = 64 * 1024  # longer lines go out in pieces of this many characters, never dropped
 POLL_SECONDS = 0.2
-STARTING = 0  # a run's pid while its runner is being started
-RUNNER_PID_SECONDS = 2.0  # how long a restarted agent waits for the pid of a runner forked as it was killed
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["BareMetal", "MigDevice", "Refused", "Report", "Upload", "detect_gpus", "split_lines"]
 
@@ -320,18 +313,9 @@ class BareMetal:
             directory / "spec.json",
         )
         spec_path.write_text(json.dumps(assignment.get("spec") or {}))
-        outputs = [str(pattern) for pattern in (assignment.get("spec") or {}).get("outputs", [])]
-        # The run is in the state, on disk, before its runner exists: an agent killed from here on finds it
-        # after a restart, and takes the runner back by the pid it wrote, or knows none was started (adopt).
-        record = RunRecord(task_id, STARTING, str(log_path), str(exit_path), 0, devices, units, outputs, mig)
-        self._hold(devices, units, +1)
-        self.state.add_run(record)
-        if not await written(self.state):
-            self._forget(record)
-            raise Refused(
-                "the agent's state could not be written, so the task was not started; offer it again later",
-                permanent=False,
-            )
+        for stale in (exit_path, Path(reason_path(str(exit_path)))):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
         try:
             pid = await self.starter.start(
                 {
@@ -346,16 +330,14 @@ class BareMetal:
                 }
             )
         except OSError as error:
-            self._forget(record)
             raise Refused(f"This host could not start the task's runner: {error}") from None
-        self.state.add_run(dataclasses.replace(record, pid=pid))
+        self._hold(devices, units, +1)
+        outputs = [str(pattern) for pattern in (assignment.get("spec") or {}).get("outputs", [])]
+        self.state.add_run(
+            RunRecord(task_id, pid, str(log_path), str(exit_path), 0, devices, units, outputs, mig)
+        )
         await report(task_id, "status", {"state": "running", "devices": devices}, None)
         self._follow(task_id, report)
-
-    def _forget(self, run: RunRecord) -> None:
-        """A run that was not started after all: its devices free, its record gone."""
-        self._hold(run.devices, run.units, -1)
-        self.state.remove_run(run.task_id)
 
     def _runner_environment(
         self, task_id: str, units: int, devices: list[int], mig: list[str]
@@ -379,33 +361,12 @@ class BareMetal:
         return environment
 
     def adopt(self, report: Report) -> list[str]:
-        """Take back the runs a previous agent process left; returns their task ids. A run it was starting
-        when it was killed is taken back by the pid its runner wrote; one whose runner never started is
-        forgotten (the plane was not told it started, and offers it again)."""
-        runs = [run for run in map(self._started, self.state.runs()) if run is not None]
+        """Take back the runs a previous agent process left; returns their task ids."""
+        runs = self.state.runs()
         for run in runs:
             self._hold(run.devices, run.units, +1)
             self._follow(run.task_id, report)
         return [run.task_id for run in runs]
-
-    def _started(self, run: RunRecord) -> RunRecord | None:
-        """The run with its runner's pid; None where no runner of it was started."""
-        if run.pid != STARTING:
-            return run
-        written_pid = Path(pid_path(run.exit_path))
-        deadline = time.monotonic() + RUNNER_PID_SECONDS  # a runner forked as its agent was killed
-        while not written_pid.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        try:
-            pid = int(written_pid.read_text())
-        except (FileNotFoundError, ValueError):
-            logger.warning("task %s: its runner was never started (the agent stopped first)", run.task_id)
-            self.state.remove_run(run.task_id)
-            self.state.lease_end(run.task_id)
-            return None
-        started = dataclasses.replace(run, pid=pid)
-        self.state.add_run(started)
-        return started
 
     def _follow(self, task_id: str, report: Report) -> None:
         follower = asyncio.create_task(self._tail(task_id, report))
@@ -470,9 +431,6 @@ class BareMetal:
     async def stop(self, task_id: str, grace_seconds: float) -> None:
         """SIGTERM the task's process group, then SIGKILL it after the grace period."""
         run = self.state.run(task_id)
-        while run is not None and run.pid == STARTING:  # its start records the pid, or forgets the run
-            await asyncio.sleep(POLL_SECONDS / 2)
-            run = self.state.run(task_id)
         if run is None or self._finished(run) is not None:
             return
         self.stopping.add(task_id)

@@ -41,7 +41,7 @@ from agents.backend import Refused, Report, Upload, free_port, upload_outputs, w
 from agents.baremetal import split_lines
 from agents.leadership import Conflict, Leadership
 from agents.relay import NodeRelay, new_key
-from agents.state import WRITE_SECONDS, JobRecord, LogCursor, State, written
+from agents.state import JobRecord, LogCursor, State
 from protocol import apps as protocol_apps
 from protocol import clusters, pods
 from protocol import environment as task_environment
@@ -75,7 +75,7 @@ CLUSTER_SWEEP_SECONDS = 60.0  # how often, while none runs, they are listed for 
 CLUSTER_ORPHAN_SECONDS = 60.0  # how long a cluster of no run is left (a start under way) before it goes
 WORKLOAD_READ_SECONDS = 2.0  # how often the JobSets (while one's Job is not seen) and PyTorchJobs are listed
 DISCOVERY_SECONDS = 300.0  # how long the answer "which workload APIs does the cluster serve" is kept
-LEASE_WRITE_SECONDS = WRITE_SECONDS  # how long a start waits for the run's lease to be on disk
+LEASE_WRITE_SECONDS = 10.0  # how long a start waits for the run's lease to be on disk before it refuses
 APP_LOOK_SECONDS = 1.0  # how often the agent looks whether an app's pod runs
 LOG_TAIL_LINES = 3  # the last lines of a run's log kept for the reason of an app stopped from outside
 GPU_RESOURCE = re.compile(r"nvidia\.com/gpu|nvidia\.com/gpu\.shared|nvidia\.com/mig-[a-z0-9.+]+|amd\.com/gpu")
@@ -1364,15 +1364,22 @@ class Kubernetes:
         )
 
     async def _lease_written(self) -> None:
-        """Wait until the state holds the run's lease on disk (agents.state.written), so that an agent killed
-        while it makes the run finds the run in its state and sweeps what it made (`adopt`,
-        `_sweep_unmade`). Refused, not for good, where the state cannot be written now."""
-        if not await written(self.state, LEASE_WRITE_SECONDS):
-            raise Refused(
-                f"the agent's state could not be written in {LEASE_WRITE_SECONDS:.0f} s, so nothing of "
-                "the run was made; offer it again later",
-                permanent=False,
-            )
+        """Wait until the state holds the run's lease on disk (the agent commits its state once per turn),
+        so that an agent killed while it makes the run finds the run in its state and sweeps what it made
+        (`adopt`, `_sweep_unmade`). Refused, not for good, where the state cannot be written now."""
+        if not self.state.uncommitted:
+            return
+        before, deadline = self.state.commits, time.monotonic() + LEASE_WRITE_SECONDS
+        tries = 0
+        while self.state.commits == before:
+            if time.monotonic() > deadline:
+                raise Refused(
+                    f"the agent's state could not be written in {LEASE_WRITE_SECONDS:.0f} s, so nothing of "
+                    "the run was made; offer it again later",
+                    permanent=False,
+                )
+            await asyncio.sleep(0 if tries < 20 else 0.005)  # the commit is the loop's next turn
+            tries += 1
 
     async def _sweep_unmade(self) -> None:
         """Delete what a run of an earlier agent process left without its workload: a Secret (the run's

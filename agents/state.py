@@ -15,11 +15,9 @@ before anything that depends on it is sent; see agents.main.Agent._flush.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import sqlite3
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -409,24 +407,3 @@ class State:
         return {
             (task, lease) for task, lease in self.db.execute("SELECT DISTINCT task_id, lease_id FROM reports")
         }
-
-
-WRITE_SECONDS = 10.0  # how long a start waits for what it recorded to be on disk before it refuses
-
-
-async def written(state: State, seconds: float | None = None) -> bool:
-    """Wait until what `state` holds now is on disk (a running agent commits its state once per turn of its
-    loop); False where no commit came within `seconds` (WRITE_SECONDS where None). A backend records a run
-    (its lease, what it is about to make) and waits for this before it makes anything, so that an agent
-    killed while it makes the run finds the run in its state after a restart, and takes back or clears
-    what it made."""
-    if not state.uncommitted:
-        return True
-    before, tries = state.commits, 0
-    deadline = time.monotonic() + (WRITE_SECONDS if seconds is None else seconds)
-    while state.commits == before:
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0 if tries < 20 else 0.005)  # the commit is the loop's next turn
-        tries += 1
-    return True

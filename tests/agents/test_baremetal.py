@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import sqlite3
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from agents.baremetal import MAX_LINE, BareMetal, Refused, Starter, split_lines
+from agents.baremetal import MAX_LINE, BareMetal, Refused, split_lines
 from agents.main import Agent, Backoff, websocket_address
 from agents.state import Position, State
 from protocol import messages
@@ -447,150 +445,3 @@ def test_a_run_without_a_lease_learns_it_from_the_welcome(tmp_path: Path) -> Non
         "lease-2",
         2.0,
     )
-
-
-class KilledAfterFork:
-    """The zygote's starter, with the agent killed at one point of a start: before it asks for the fork
-    (`forked` False), or after the fork, before the runner's pid reached it (`forked` True)."""
-
-    def __init__(self, forked: bool) -> None:
-        self.forked, self.real = forked, Starter()
-
-    async def start(self, request: dict[str, Any]) -> int:
-        if self.forked:
-            await self.real.start(request)
-        raise asyncio.CancelledError  # the agent is gone here: nothing after this point runs
-
-    def close(self) -> None:
-        self.real.close()
-
-
-ONCE = (  # marks that it ran, then prints three lines over 0.6 s
-    "import sys, time\nopen(sys.argv[1], 'a').write('ran\\n')\n"
-    "for i in range(3):\n    print(f'line {i}', flush=True)\n    time.sleep(0.2)\n"
-)
-
-
-@pytest.mark.parametrize("forked", [False, True])
-def test_an_agent_killed_while_it_starts_a_run_leaves_it_taken_back_or_not_started(
-    tmp_path: Path, forked: bool
-) -> None:
-    """The run is on disk before its runner exists. Killed before the fork: the next agent forgets the run
-    (no runner, nothing held: the plane offers it again). Killed after: the next agent takes the runner
-    back by the pid it wrote, reads every line once and reports the end; the task ran once."""
-    ran = tmp_path / "ran"
-
-    async def killed_agent() -> None:
-        bare = backend(tmp_path)
-        bare.starter = KilledAfterFork(forked)  # type: ignore[assignment]
-        bare.state.lease_begin("t", "l", 1)
-        with pytest.raises(asyncio.CancelledError):
-            await bare.start(
-                assignment("t", UNITS_PER_GPU, [sys.executable, "-c", ONCE, str(ran)]), Recorder(bare.state)
-            )
-        bare.starter.close()
-
-    async def next_agent() -> tuple[list[str], Recorder, BareMetal]:
-        bare = backend(tmp_path)
-        recorder = Recorder(bare.state)
-        adopted = bare.adopt(recorder)
-        if adopted:
-            await asyncio.wait_for(recorder.finished.wait(), timeout=30)
-        return adopted, recorder, bare
-
-    asyncio.run(killed_agent())
-    adopted, recorder, bare = asyncio.run(next_agent())
-    if not forked:
-        assert adopted == []
-        assert (bare.running(), bare.state.lease("t"), bare.used) == ([], "", {})
-        assert not ran.exists()
-        return
-    assert adopted == ["t"]
-    assert recorder.lines() == ["line 0", "line 1", "line 2"]
-    assert recorder.reports[-1] == (
-        "result",
-        {"exit_code": 0, "stopped": False, "outputs": [], "outputs_failed": []},
-    )
-    assert ran.read_text() == "ran\n"  # once
-    assert (bare.running(), bare.used) == ([], {0: 0})
-
-
-def test_the_run_is_on_disk_before_its_runner_is_forked_and_not_started_where_it_cannot_be(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The agent commits its state once per turn: the fork waits for the commit that holds the run; where
-    none comes, the start is refused (not for good), with nothing forked and its GPU free."""
-    monkeypatch.setattr("agents.state.WRITE_SECONDS", 0.3)
-    seen_on_disk: list[list[tuple[str, int]]] = []
-
-    class Looking(Starter):
-        async def start(self, request: dict[str, Any]) -> int:
-            with sqlite3.connect(tmp_path / "work" / "agent.sqlite") as reader:  # as a restart would read it
-                seen_on_disk.append(reader.execute("SELECT task_id, pid FROM runs").fetchall())
-            return await super().start(request)
-
-    async def scenario(commit: bool) -> None:
-        bare = backend(tmp_path)
-        bare.starter = Looking()
-        loop = asyncio.get_running_loop()
-        bare.state.group_commits(lambda: loop.call_soon(bare.state.commit) if commit else None)
-        recorder = Recorder(bare.state)
-        task = assignment(f"t-{commit}", UNITS_PER_GPU, [sys.executable, "-c", "print('ran')"])
-        if commit:
-            await bare.start(task, recorder)
-            await asyncio.wait_for(recorder.finished.wait(), timeout=30)
-            assert recorder.lines() == ["ran"]
-        else:
-            with pytest.raises(Refused) as refused:
-                await bare.start(task, recorder)
-            assert not refused.value.permanent
-            assert "could not be written" in str(refused.value)
-            assert (bare.running(), bare.used) == ([], {0: 0})
-            bare.state.rollback()
-        bare.state.group_commits(None)
-        bare.starter.close()
-
-    asyncio.run(scenario(commit=False))
-    assert seen_on_disk == []  # nothing forked
-    asyncio.run(scenario(commit=True))
-    assert seen_on_disk == [[("t-True", 0)]]  # recorded, its pid not known yet
-
-
-def test_a_stop_asked_while_the_run_starts_waits_for_its_pid(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A stop that comes while the runner is being forked signals the runner's group once its pid is
-    known, never the group of a pid not known yet (0: the agent's own)."""
-    signalled: list[tuple[int, int]] = []
-    real_killpg = os.killpg
-
-    def killpg(pid: int, number: int) -> None:
-        assert pid > 0, "a process group signalled before the run's pid was known"
-        signalled.append((pid, number))
-        real_killpg(pid, number)
-
-    monkeypatch.setattr(os, "killpg", killpg)
-
-    class Slow(Starter):
-        async def start(self, request: dict[str, Any]) -> int:
-            await asyncio.sleep(0.3)
-            return await super().start(request)
-
-    async def scenario() -> Recorder:
-        bare = backend(tmp_path)
-        bare.starter = Slow()
-        recorder = Recorder(bare.state)
-        sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
-        starting = asyncio.create_task(bare.start(assignment("t", UNITS_PER_GPU, sleeper), recorder))
-        await asyncio.sleep(0.1)
-        assert bare.state.run("t") is not None  # recorded, its runner not forked yet
-        await bare.stop("t", grace_seconds=5)
-        await starting
-        await asyncio.wait_for(recorder.finished.wait(), timeout=30)
-        bare.starter.close()
-        return recorder
-
-    recorder = asyncio.run(scenario())
-    assert signalled
-    assert signalled[0][1] == signal.SIGTERM
-    assert recorder.reports[-1][1]["stopped"] is True
