@@ -48,6 +48,18 @@ def entry(code_server: str, folder: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def answers_the_trust_prompt(page: Any) -> None:
+    """Trusts the folder whenever VS Code asks. The shipped entry keeps VS Code's workspace trust on (the
+    project's shared files may be written by others), so a fresh workbench asks once whether to trust
+    `/work`. It asks a second or two after the workbench shows, and the modal takes every click meanwhile;
+    the handler answers it before any later action, whenever it came."""
+    asking = "Do you trust the authors of the files in this folder?"
+    prompt = page.locator(".monaco-dialog-box", has_text=asking)
+    page.add_locator_handler(
+        prompt, lambda: prompt.get_by_role("button", name="Yes, I trust the authors").click(), times=1
+    )
+
+
 def test_code_server_opens_a_file_of_its_folder_through_its_route(
     code_server: str, chromium: Any, rack_demo: RackDemo, tmp_path: Path
 ) -> None:
@@ -93,6 +105,7 @@ def test_the_shipped_code_server_entry_runs_in_its_own_image_through_its_route(
     script, run by the bare-metal agent in a podman container; its workbench, through the route in
     Chromium, lists the task's folder at /work (the run's output log is there) and opens a file of it."""
     app, page, portal = launched_on_the_rack(rack_demo, chromium, "code-server")
+    answers_the_trust_prompt(page)
     page.goto(f"{portal}/apps/{app['id']}/")
     page.wait_for_selector(".monaco-workbench", timeout=120_000)
     assert page.url.startswith(app["url"])
