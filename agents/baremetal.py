@@ -7,8 +7,11 @@ KLIQUE_GPU_MEMORY_FRACTION for frameworks that cap their memory.
 Each task runs under `agents.runner` (forked by `agents.zygote`, which has the runner loaded: a fork costs
 far less than a fresh interpreter), which writes its output and exit code to files in the task's folder,
 so a task outlives a crash of its agent: the restarted agent adopts the runs recorded in its state
-and reads each log on from where it stopped. Abort and preempt send SIGTERM to the whole process group,
-wait the grace period, then SIGKILL.
+and reads each log on from where it stopped. The state is committed once per turn of the agent's loop, so
+a run is also written to a file of its own (RUNS) before its runner is forked, and the runner writes its
+pid first: an agent killed between the fork and the commit leaves a runner its successor takes back by
+that pid, or a record with no runner, which it forgets (the plane was never told the run started).
+Abort and preempt send SIGTERM to the whole process group, wait the grace period, then SIGKILL.
 
 A task whose spec names an `image` runs in a container of the host's engine (agents.containers): the
 runner starts it in the foreground, so everything above holds for it too, and the agent removes the
@@ -20,13 +23,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +45,7 @@ from agents.backend import (
     upload_outputs,
     with_log_end,
 )
-from agents.runner import reason_path
+from agents.runner import pid_path, reason_path
 from agents.state import RunRecord, State
 from agents.tunnel import Upstream
 from protocol import environment as task_environment
@@ -50,6 +55,10 @@ from protocol.units import UNITS_PER_GPU
 
 MAX_LINE = 64 * 1024  # longer lines go out in pieces of this many characters, never dropped
 POLL_SECONDS = 0.2
+RUNS = "runs"  # WORK_DIR/RUNS/TASK.json: a run's record, written before its runner is forked
+RUNNER_PID_SECONDS = 5.0  # after its record is written, how long a runner may take to write its pid
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["BareMetal", "MigDevice", "Refused", "Report", "Upload", "detect_gpus", "split_lines"]
 
@@ -313,9 +322,21 @@ class BareMetal:
             directory / "spec.json",
         )
         spec_path.write_text(json.dumps(assignment.get("spec") or {}))
-        for stale in (exit_path, Path(reason_path(str(exit_path)))):
+        for stale in (exit_path, Path(reason_path(str(exit_path))), Path(pid_path(str(exit_path)))):
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
+        outputs = [str(pattern) for pattern in (assignment.get("spec") or {}).get("outputs", [])]
+        record = RunRecord(task_id, 0, str(log_path), str(exit_path), 0, devices, units, outputs, mig)
+        try:
+            self._write_record(
+                record, str(assignment.get("lease_id") or ""), int(assignment.get("attempt") or 1)
+            )
+        except OSError as error:  # a full disk: nothing is forked, the task waits for another try
+            with contextlib.suppress(OSError):
+                self._record_path(task_id).unlink(missing_ok=True)
+            raise Refused(
+                f"This host could not record the task's run ({error}); it is offered again."
+            ) from None
         try:
             pid = await self.starter.start(
                 {
@@ -330,14 +351,23 @@ class BareMetal:
                 }
             )
         except OSError as error:
+            self._record_path(task_id).unlink(missing_ok=True)
             raise Refused(f"This host could not start the task's runner: {error}") from None
         self._hold(devices, units, +1)
-        outputs = [str(pattern) for pattern in (assignment.get("spec") or {}).get("outputs", [])]
-        self.state.add_run(
-            RunRecord(task_id, pid, str(log_path), str(exit_path), 0, devices, units, outputs, mig)
-        )
+        self.state.add_run(replace(record, pid=pid))
         await report(task_id, "status", {"state": "running", "devices": devices}, None)
         self._follow(task_id, report)
+
+    def _record_path(self, task_id: str) -> Path:
+        return self.work_dir / RUNS / f"{task_id}.json"
+
+    def _write_record(self, run: RunRecord, lease_id: str, attempt: int) -> None:
+        """The run, its lease and attempt, in a file of its own before its runner is forked. A plain write:
+        a runner outlives only its agent, never its host, so a record that reached the kernel is enough. A
+        record cut short by a kill means no runner was forked (the fork comes after it)."""
+        path = self._record_path(run.task_id)
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({**asdict(run), "lease_id": lease_id, "attempt": attempt}))
 
     def _runner_environment(
         self, task_id: str, units: int, devices: list[int], mig: list[str]
@@ -361,15 +391,60 @@ class BareMetal:
         return environment
 
     def adopt(self, report: Report) -> list[str]:
-        """Take back the runs a previous agent process left; returns their task ids."""
+        """Take back the runs a previous agent process left; returns their task ids. Besides the runs in
+        its state, those it forked a runner for and was killed before it committed: their records name
+        them, and their runners' pids (_unrecorded)."""
+        recovered = self._unrecorded()
         runs = self.state.runs()
         for run in runs:
             self._hold(run.devices, run.units, +1)
-            self._follow(run.task_id, report)
+            self._follow(run.task_id, report, announce=run.task_id in recovered)
         return [run.task_id for run in runs]
 
-    def _follow(self, task_id: str, report: Report) -> None:
-        follower = asyncio.create_task(self._tail(task_id, report))
+    def _unrecorded(self) -> set[str]:
+        """Put into the state the runs whose records it lacks, where their runners were forked (each wrote
+        its pid); forget the others, with their leases. Returns the task ids put in."""
+        recovered: set[str] = set()
+        folder = self.work_dir / RUNS
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            task_id = path.stem
+            if self.state.run(task_id) is not None:
+                continue
+            try:
+                written = json.loads(path.read_text())
+                lease_id, attempt = str(written.pop("lease_id")), int(written.pop("attempt"))
+                run = RunRecord(**written)
+            except (OSError, ValueError, TypeError, KeyError):
+                run = None  # cut short: it was being written when the agent was killed, before any fork
+            pid = self._runner_pid(run, path) if run is not None else None
+            if run is None or pid is None:
+                logger.warning("task %s: its runner was never started (its agent stopped first)", task_id)
+                path.unlink(missing_ok=True)
+                if run is not None and self.state.lease(task_id) == lease_id:
+                    self.state.lease_end(task_id)
+                continue
+            if self.state.lease(task_id) != lease_id:
+                self.state.lease_begin(task_id, lease_id, attempt)
+            self.state.add_run(replace(run, pid=pid))
+            recovered.add(task_id)
+        return recovered
+
+    @staticmethod
+    def _runner_pid(run: RunRecord, record: Path) -> int | None:
+        """The pid the run's runner wrote, waiting for it while a runner forked as the last agent was
+        killed may still be starting; None where no runner was forked."""
+        written = Path(pid_path(run.exit_path))
+        with contextlib.suppress(OSError):
+            deadline = record.stat().st_mtime + RUNNER_PID_SECONDS
+            while not written.exists() and time.time() < deadline:
+                time.sleep(0.05)
+        try:
+            return int(written.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _follow(self, task_id: str, report: Report, announce: bool = False) -> None:
+        follower = asyncio.create_task(self._tail(task_id, report, announce))
         self.followers.add(follower)
         follower.add_done_callback(self.followers.discard)
 
@@ -383,7 +458,11 @@ class BareMetal:
         # one does not linger as a zombie that answers signal 0).
         return None if _alive(run.pid) else -signal.SIGKILL
 
-    async def _tail(self, task_id: str, report: Report) -> None:
+    async def _tail(self, task_id: str, report: Report, announce: bool = False) -> None:
+        """Report the run's output as it comes, then its end. `announce`: first say it runs, for a run
+        whose start was never reported (its agent was killed before it committed the report)."""
+        if announce and (started := self.state.run(task_id)) is not None:
+            await report(task_id, "status", {"state": "running", "devices": started.devices}, None)
         while True:
             run = self.state.run(task_id)
             if run is None:
@@ -410,6 +489,7 @@ class BareMetal:
                     await asyncio.to_thread(self._remove_container, run)
                 uploaded, failed = await self._upload_outputs(run, report)
                 self._hold(run.devices, run.units, -1)
+                self._record_path(task_id).unlink(missing_ok=True)  # before the state forgets the run
                 self.state.remove_run(task_id)
                 result: dict[str, Any] = {
                     "exit_code": code,

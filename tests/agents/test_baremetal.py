@@ -4,14 +4,17 @@ once, exit codes, stopping, and the outbox."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from agents.baremetal import MAX_LINE, BareMetal, Refused, split_lines
+from agents.baremetal import MAX_LINE, RUNS, BareMetal, Refused, Starter, split_lines
 from agents.main import Agent, Backoff, websocket_address
 from agents.state import Position, State
 from protocol import messages
@@ -98,6 +101,7 @@ def test_a_run_outlives_its_agent_and_the_next_agent_reads_on(tmp_path: Path) ->
     after = asyncio.run(next_agent())
     assert 0 < len(before) < 6
     assert before + after.lines() == [f"line {i}" for i in range(6)]
+    assert "status" not in [kind for kind, _ in after.reports]  # its start was reported, and committed
     assert after.reports[-1] == (
         "result",
         {"exit_code": 0, "stopped": False, "outputs": [], "outputs_failed": []},
@@ -445,3 +449,165 @@ def test_a_run_without_a_lease_learns_it_from_the_welcome(tmp_path: Path) -> Non
         "lease-2",
         2.0,
     )
+
+
+class KilledWhileStarting:
+    """The zygote's starter with the agent killed during a start, before it committed the run: `when`
+    "before" the fork was asked for; "after" it (the runner's pid never reached the agent); or "late": the
+    request was in the zygote's pipe, and the fork comes half a second after the agent died."""
+
+    def __init__(self, when: str) -> None:
+        self.when, self.real = when, Starter()
+        self.forking: threading.Thread | None = None
+
+    async def start(self, request: dict[str, Any]) -> int:
+        if self.when == "after":
+            await self.real.start(request)
+        elif self.when == "late":
+            line = (json.dumps(request) + "\n").encode()
+
+            def fork_late() -> None:
+                time.sleep(0.5)
+                self.real._start(line)
+
+            self.forking = threading.Thread(target=fork_late)
+            self.forking.start()
+        raise asyncio.CancelledError  # the agent is gone here: nothing after this point runs
+
+    def close(self) -> None:
+        if self.forking is not None:
+            self.forking.join()
+        self.real.close()
+
+
+ONCE = (  # marks that it ran, then prints three lines over 0.6 s
+    "import sys, time\nopen(sys.argv[1], 'a').write('ran\\n')\n"
+    "for i in range(3):\n    print(f'line {i}', flush=True)\n    time.sleep(0.2)\n"
+)
+
+
+def killed_while_starting(tmp_path: Path, when: str, ran: Path) -> None:
+    """An agent that commits its state once per turn (here: never) is killed while it starts task t under
+    lease l: what it left uncommitted is lost, as a killed process's transaction is."""
+
+    async def scenario() -> None:
+        bare = backend(tmp_path)
+        bare.starter = KilledWhileStarting(when)  # type: ignore[assignment]
+        bare.state.group_commits(lambda: None)
+        bare.state.lease_begin("t", "l", 2)
+        task = {**assignment("t", UNITS_PER_GPU, [sys.executable, "-c", ONCE, str(ran)]), "attempt": 2}
+        with pytest.raises(asyncio.CancelledError):
+            await bare.start(task, Recorder(bare.state))
+        bare.state.rollback()
+        bare.state.db.close()
+        if when != "late":  # a late fork is the next agent's to wait for
+            bare.starter.close()
+        else:
+            threading.Thread(target=bare.starter.close).start()
+
+    asyncio.run(scenario())
+
+
+def next_agent(tmp_path: Path) -> tuple[list[str], Recorder, BareMetal]:
+    async def scenario() -> tuple[list[str], Recorder, BareMetal]:
+        bare = backend(tmp_path)
+        recorder = Recorder(bare.state)
+        adopted = bare.adopt(recorder)
+        if adopted:
+            await asyncio.wait_for(recorder.finished.wait(), timeout=30)
+        return adopted, recorder, bare
+
+    return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("when", ["after", "late"])
+def test_a_runner_forked_as_its_agent_was_killed_is_taken_back_and_runs_once(
+    tmp_path: Path, when: str
+) -> None:
+    """Its run never reached the state, but its record did before the fork: the next agent takes the
+    runner back by the pid it wrote (waiting for a fork still on its way), under the run's lease, says it
+    runs (that report was lost with the rest), reads every line once and reports the end."""
+    ran = tmp_path / "ran"
+    killed_while_starting(tmp_path, when, ran)
+    adopted, recorder, bare = next_agent(tmp_path)
+    assert adopted == ["t"]
+    assert recorder.reports[0] == ("status", {"state": "running", "devices": [0]})
+    assert recorder.lines() == ["line 0", "line 1", "line 2"]
+    assert recorder.reports[-1] == (
+        "result",
+        {"exit_code": 0, "stopped": False, "outputs": [], "outputs_failed": []},
+    )
+    assert [(m["lease_id"], m["seq"]) for m in bare.state.pending()][:1] == [("l", 1)]  # its lease's reports
+    assert ran.read_text() == "ran\n"  # once
+    assert (bare.running(), bare.used) == ([], {0: 0})
+    assert list((tmp_path / "work" / RUNS).iterdir()) == []  # its record went with it
+
+
+@pytest.mark.parametrize("record", ["whole", "cut short", "not JSON"])
+def test_a_run_whose_runner_was_never_forked_is_forgotten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, record: str
+) -> None:
+    """Killed before the fork (or while it wrote the record, which comes before the fork): no runner, so
+    the next agent holds nothing of the task (the plane was never told it started, and offers it again),
+    its GPU is free, and its record is gone."""
+    monkeypatch.setattr("agents.baremetal.RUNNER_PID_SECONDS", 0.5)
+    ran = tmp_path / "ran"
+    killed_while_starting(tmp_path, "before", ran)
+    written = tmp_path / "work" / RUNS / "t.json"
+    assert json.loads(written.read_text())["lease_id"] == "l"
+    if record == "cut short":
+        written.write_text(written.read_text()[:40])
+    elif record == "not JSON":
+        written.write_bytes(b"\x00\xff")
+    adopted, _, bare = next_agent(tmp_path)
+    assert adopted == []
+    assert (bare.running(), bare.state.lease("t"), bare.used) == ([], "", {})
+    assert not ran.exists()
+    assert not written.exists()
+
+
+def test_a_record_of_a_run_in_the_state_is_read_from_the_state(tmp_path: Path) -> None:
+    """A run committed to the state is taken back from it, whatever its record says, and not announced
+    again; its record goes when it ends."""
+    ran = tmp_path / "ran"
+
+    async def first() -> None:
+        bare = backend(tmp_path)
+        bare.state.lease_begin("t", "l", 1)
+        await bare.start(
+            assignment("t", UNITS_PER_GPU, [sys.executable, "-c", ONCE, str(ran)]), Recorder(bare.state)
+        )
+        for follower in list(bare.followers):
+            follower.cancel()
+        (tmp_path / "work" / RUNS / "t.json").write_text("{}")  # a record no agent could read
+        bare.starter.close()
+
+    asyncio.run(first())
+    adopted, recorder, _ = next_agent(tmp_path)
+    assert adopted == ["t"]
+    assert "status" not in [kind for kind, _ in recorder.reports]
+    assert recorder.lines() == ["line 0", "line 1", "line 2"]
+    assert ran.read_text() == "ran\n"
+    assert not (tmp_path / "work" / RUNS / "t.json").exists()
+
+
+def test_a_run_that_cannot_be_recorded_is_refused_for_now_and_not_started(tmp_path: Path) -> None:
+    """Where the record cannot be written (a full disk; here its folder is a file), nothing is forked: the
+    start is refused for now (the task waits for another try), and its GPU is free."""
+    ran = tmp_path / "ran"
+    bare = backend(tmp_path)
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / RUNS).write_text("in the way")
+
+    async def scenario() -> None:
+        with pytest.raises(Refused) as refused:
+            await bare.start(
+                assignment("t", UNITS_PER_GPU, [sys.executable, "-c", ONCE, str(ran)]), Recorder(bare.state)
+            )
+        assert not refused.value.permanent
+        assert "could not record the task's run" in str(refused.value)
+
+    asyncio.run(scenario())
+    bare.starter.close()
+    time.sleep(0.5)
+    assert (bare.running(), bare.used, ran.exists()) == ([], {}, False)
