@@ -7,10 +7,9 @@ KLIQUE_GPU_MEMORY_FRACTION for frameworks that cap their memory.
 Each task runs under `agents.runner` (forked by `agents.zygote`, which has the runner loaded: a fork costs
 far less than a fresh interpreter), which writes its output and exit code to files in the task's folder,
 so a task outlives a crash of its agent: the restarted agent adopts the runs recorded in its state
-and reads each log on from where it stopped. The state is committed once per turn of the agent's loop, so
-a run is also written to a file of its own (RUNS) before its runner is forked, and the runner writes its
-pid first: an agent killed between the fork and the commit leaves a runner its successor takes back by
-that pid, or a record with no runner, which it forgets (the plane was never told the run started).
+and reads each log on from where it stopped. A run's record is on disk before its runner is forked, with
+the runner's pid noted by the zygote (agents.records): an agent killed before it committed a run it had
+started leaves a runner its successor takes back by that pid.
 Abort and preempt send SIGTERM to the whole process group, wait the grace period, then SIGKILL.
 
 A task whose spec names an `image` runs in a container of the host's engine (agents.containers): the
@@ -30,8 +29,7 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +43,8 @@ from agents.backend import (
     upload_outputs,
     with_log_end,
 )
-from agents.runner import pid_path, reason_path
+from agents.records import FOLDER, Records
+from agents.runner import reason_path
 from agents.state import RunRecord, State
 from agents.tunnel import Upstream
 from protocol import environment as task_environment
@@ -55,8 +54,6 @@ from protocol.units import UNITS_PER_GPU
 
 MAX_LINE = 64 * 1024  # longer lines go out in pieces of this many characters, never dropped
 POLL_SECONDS = 0.2
-RUNS = "runs"  # WORK_DIR/RUNS/TASK.json: a run's record, written before its runner is forked
-RUNNER_PID_SECONDS = 5.0  # after its record is written, how long a runner may take to write its pid
 
 logger = logging.getLogger(__name__)
 
@@ -249,6 +246,10 @@ class BareMetal:
     starter: Starter = field(default_factory=Starter)
     stopping: set[str] = field(default_factory=set)
     followers: set[asyncio.Task[None]] = field(default_factory=set)  # kept so they are not collected mid-run
+    records: Records = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.records = Records(self.work_dir / FOLDER)
 
     def inventory(self) -> dict[str, Any]:
         slices = [
@@ -322,18 +323,16 @@ class BareMetal:
             directory / "spec.json",
         )
         spec_path.write_text(json.dumps(assignment.get("spec") or {}))
-        for stale in (exit_path, Path(reason_path(str(exit_path))), Path(pid_path(str(exit_path)))):
+        for stale in (exit_path, Path(reason_path(str(exit_path)))):
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
         outputs = [str(pattern) for pattern in (assignment.get("spec") or {}).get("outputs", [])]
         record = RunRecord(task_id, 0, str(log_path), str(exit_path), 0, devices, units, outputs, mig)
         try:
-            self._write_record(
+            slot = self.records.write(
                 record, str(assignment.get("lease_id") or ""), int(assignment.get("attempt") or 1)
             )
         except OSError as error:  # a full disk: nothing is forked, the task waits for another try
-            with contextlib.suppress(OSError):
-                self._record_path(task_id).unlink(missing_ok=True)
             raise Refused(
                 f"This host could not record the task's run ({error}); it is offered again."
             ) from None
@@ -348,26 +347,16 @@ class BareMetal:
                     "cache": str(self.work_dir / "environments"),
                     "command": command,
                     "variables": task_variables,
+                    "record": str(slot),
                 }
             )
         except OSError as error:
-            self._record_path(task_id).unlink(missing_ok=True)
+            self.records.clear(task_id)
             raise Refused(f"This host could not start the task's runner: {error}") from None
         self._hold(devices, units, +1)
         self.state.add_run(replace(record, pid=pid))
         await report(task_id, "status", {"state": "running", "devices": devices}, None)
         self._follow(task_id, report)
-
-    def _record_path(self, task_id: str) -> Path:
-        return self.work_dir / RUNS / f"{task_id}.json"
-
-    def _write_record(self, run: RunRecord, lease_id: str, attempt: int) -> None:
-        """The run, its lease and attempt, in a file of its own before its runner is forked. A plain write:
-        a runner outlives only its agent, never its host, so a record that reached the kernel is enough. A
-        record cut short by a kill means no runner was forked (the fork comes after it)."""
-        path = self._record_path(run.task_id)
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps({**asdict(run), "lease_id": lease_id, "attempt": attempt}))
 
     def _runner_environment(
         self, task_id: str, units: int, devices: list[int], mig: list[str]
@@ -402,46 +391,24 @@ class BareMetal:
         return [run.task_id for run in runs]
 
     def _unrecorded(self) -> set[str]:
-        """Put into the state the runs whose records it lacks, where their runners were forked (each wrote
-        its pid); forget the others, with their leases. Returns the task ids put in."""
+        """Put into the state the runs of records it lacks, where the zygote noted a runner's pid; forget
+        the others, with their leases. Returns the task ids put in."""
         recovered: set[str] = set()
-        folder = self.work_dir / RUNS
-        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-            task_id = path.stem
+        for found in self.records.read():
+            task_id = found.run.task_id
             if self.state.run(task_id) is not None:
-                continue
-            try:
-                written = json.loads(path.read_text())
-                lease_id, attempt = str(written.pop("lease_id")), int(written.pop("attempt"))
-                run = RunRecord(**written)
-            except (OSError, ValueError, TypeError, KeyError):
-                run = None  # cut short: it was being written when the agent was killed, before any fork
-            pid = self._runner_pid(run, path) if run is not None else None
-            if run is None or pid is None:
+                continue  # committed: the state has it (its record is emptied when it ends)
+            if not found.forked:
                 logger.warning("task %s: its runner was never started (its agent stopped first)", task_id)
-                path.unlink(missing_ok=True)
-                if run is not None and self.state.lease(task_id) == lease_id:
+                self.records.clear(task_id)
+                if self.state.lease(task_id) == found.lease_id:
                     self.state.lease_end(task_id)
                 continue
-            if self.state.lease(task_id) != lease_id:
-                self.state.lease_begin(task_id, lease_id, attempt)
-            self.state.add_run(replace(run, pid=pid))
+            if self.state.lease(task_id) != found.lease_id:
+                self.state.lease_begin(task_id, found.lease_id, found.attempt)
+            self.state.add_run(found.run)
             recovered.add(task_id)
         return recovered
-
-    @staticmethod
-    def _runner_pid(run: RunRecord, record: Path) -> int | None:
-        """The pid the run's runner wrote, waiting for it while a runner forked as the last agent was
-        killed may still be starting; None where no runner was forked."""
-        written = Path(pid_path(run.exit_path))
-        with contextlib.suppress(OSError):
-            deadline = record.stat().st_mtime + RUNNER_PID_SECONDS
-            while not written.exists() and time.time() < deadline:
-                time.sleep(0.05)
-        try:
-            return int(written.read_text())
-        except (OSError, ValueError):
-            return None
 
     def _follow(self, task_id: str, report: Report, announce: bool = False) -> None:
         follower = asyncio.create_task(self._tail(task_id, report, announce))
@@ -489,7 +456,7 @@ class BareMetal:
                     await asyncio.to_thread(self._remove_container, run)
                 uploaded, failed = await self._upload_outputs(run, report)
                 self._hold(run.devices, run.units, -1)
-                self._record_path(task_id).unlink(missing_ok=True)  # before the state forgets the run
+                self.records.clear(task_id)  # before the state forgets the run
                 self.state.remove_run(task_id)
                 result: dict[str, Any] = {
                     "exit_code": code,

@@ -20,7 +20,6 @@ pull).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -69,9 +68,7 @@ def run(
 ) -> None:
     """Build the task's environment, run its command with its output appended to `log_path`, and write
     its exit code to `exit_path` last (whole or not at all). Used by main() and by agents.zygote's forks;
-    the process's own environment is the base of the command's. Its pid goes to `pid_path` first."""
-    with contextlib.suppress(OSError):  # a full disk: the task runs, untraced only if its agent dies now
-        _write_whole(pid_path(exit_path), str(os.getpid()))
+    the process's own environment is the base of the command's."""
     with open(log_path, "ab", buffering=0) as log:
         code, reason = _run(
             log_path=log_path, spec_path=spec_path, cache=cache, command=command, log=log,
@@ -80,12 +77,6 @@ def run(
     if reason:  # before the exit code: whoever sees the code finds the reason already there
         _write_whole(reason_path(exit_path), reason)
     _write_whole(exit_path, str(code))
-
-
-def pid_path(exit_path: str) -> str:
-    """Where the runner writes its pid (its process group's too: it leads a session) as it starts, so that
-    an agent killed while it started the run finds the runner (agents.baremetal.BareMetal.adopt)."""
-    return f"{exit_path}.pid"
 
 
 def reason_path(exit_path: str) -> str:

@@ -7,9 +7,10 @@ interpreter, then the runner's imports); a fork of this process costs about one.
 of JSON on stdin:
 
     {"cwd": ..., "env": {...}, "log": ..., "exit": ..., "spec": ..., "cache": ..., "command": [...],
-     "variables": {...}}
+     "variables": {...}, "record": ...}
 
 and is answered with one line: the forked runner's pid, or `error <why>` when it could not be forked. The
+pid is first appended to the run's `record` (agents.records), where the request names one. The
 fork starts a session of its own (its pid is its process group, which the agent signals), takes `env` as
 its whole environment and runs agents.runner.run: the same runner, with the same files, as `python -m
 agents.runner`, so a task outlives its agent in the same way. The task's variables (secrets among them)
@@ -18,7 +19,7 @@ arrive through the pipe, in memory, and reach only the task's command.
 This process stays single-threaded (a fork of a threaded process is unsafe) and reaps its children as
 they end, so that an ended runner never lingers as a zombie that looks alive. It exits when its stdin
 closes: when the agent that started it is gone. The runners it forked keep running then, reparented (each
-is in a session of its own), and the next agent adopts them from its state as before.
+is in a session of its own), and the next agent adopts them from its state or their records.
 """
 
 from __future__ import annotations
@@ -76,6 +77,14 @@ def _runner(request: dict[str, Any]) -> None:
         os._exit(code)  # no exit handlers, no flushing of buffers the fork shares with the zygote
 
 
+def _note(record: object, pid: int) -> None:
+    """The runner's pid, after the run's record (agents.records), before the agent hears of it: an agent
+    killed before it committed the run finds the runner by it."""
+    if isinstance(record, str):
+        with contextlib.suppress(OSError), open(record, "ab") as handle:
+            handle.write(f"{pid}\n".encode())
+
+
 def serve(requests: BinaryIO, replies: BinaryIO) -> None:
     signal.signal(signal.SIGCHLD, _reap)  # the one handler the forks reset; the rest stay as Python set them
     for line in iter(requests.readline, b""):
@@ -87,6 +96,7 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> None:
         else:
             if pid == 0:
                 _runner(request)
+            _note(request.get("record"), pid)
             replies.write(f"{pid}\n".encode())
         with contextlib.suppress(BrokenPipeError):
             replies.flush()

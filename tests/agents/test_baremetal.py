@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from agents.baremetal import MAX_LINE, RUNS, BareMetal, Refused, Starter, split_lines
+from agents.baremetal import MAX_LINE, BareMetal, Refused, Starter, split_lines
 from agents.main import Agent, Backoff, websocket_address
+from agents.records import FOLDER
 from agents.state import Position, State
 from protocol import messages
 from protocol.units import UNITS_PER_GPU
@@ -540,7 +541,7 @@ def test_a_runner_forked_as_its_agent_was_killed_is_taken_back_and_runs_once(
     assert [(m["lease_id"], m["seq"]) for m in bare.state.pending()][:1] == [("l", 1)]  # its lease's reports
     assert ran.read_text() == "ran\n"  # once
     assert (bare.running(), bare.used) == ([], {0: 0})
-    assert list((tmp_path / "work" / RUNS).iterdir()) == []  # its record went with it
+    assert [slot.read_bytes() for slot in (tmp_path / "work" / FOLDER).iterdir()] == [b""]  # its record too
 
 
 @pytest.mark.parametrize("record", ["whole", "cut short", "not JSON"])
@@ -550,25 +551,27 @@ def test_a_run_whose_runner_was_never_forked_is_forgotten(
     """Killed before the fork (or while it wrote the record, which comes before the fork): no runner, so
     the next agent holds nothing of the task (the plane was never told it started, and offers it again),
     its GPU is free, and its record is gone."""
-    monkeypatch.setattr("agents.baremetal.RUNNER_PID_SECONDS", 0.5)
+    monkeypatch.setattr("agents.records.FORK_SECONDS", 0.5)
     ran = tmp_path / "ran"
     killed_while_starting(tmp_path, "before", ran)
-    written = tmp_path / "work" / RUNS / "t.json"
-    assert json.loads(written.read_text())["lease_id"] == "l"
+    written = tmp_path / "work" / FOLDER / "0"
+    line = written.read_bytes()
+    assert (json.loads(line)["lease_id"], line.count(b"\n")) == ("l", 1)  # whole, and no pid noted
     if record == "cut short":
-        written.write_text(written.read_text()[:40])
+        written.write_bytes(line[:40])
     elif record == "not JSON":
-        written.write_bytes(b"\x00\xff")
+        written.write_bytes(b"\x00\xff\n")
     adopted, _, bare = next_agent(tmp_path)
     assert adopted == []
     assert (bare.running(), bare.state.lease("t"), bare.used) == ([], "", {})
     assert not ran.exists()
-    assert not written.exists()
+    assert written.read_bytes() == b""  # emptied, and the next start takes it
+    assert bare.records.free == [written]
 
 
 def test_a_record_of_a_run_in_the_state_is_read_from_the_state(tmp_path: Path) -> None:
-    """A run committed to the state is taken back from it, whatever its record says, and not announced
-    again; its record goes when it ends."""
+    """A run committed to the state is taken back from it and not announced again; its record's slot is
+    emptied when it ends, and taken by the next start."""
     ran = tmp_path / "ran"
 
     async def first() -> None:
@@ -579,16 +582,16 @@ def test_a_record_of_a_run_in_the_state_is_read_from_the_state(tmp_path: Path) -
         )
         for follower in list(bare.followers):
             follower.cancel()
-        (tmp_path / "work" / RUNS / "t.json").write_text("{}")  # a record no agent could read
         bare.starter.close()
 
     asyncio.run(first())
-    adopted, recorder, _ = next_agent(tmp_path)
+    adopted, recorder, bare = next_agent(tmp_path)
     assert adopted == ["t"]
     assert "status" not in [kind for kind, _ in recorder.reports]
     assert recorder.lines() == ["line 0", "line 1", "line 2"]
     assert ran.read_text() == "ran\n"
-    assert not (tmp_path / "work" / RUNS / "t.json").exists()
+    assert (tmp_path / "work" / FOLDER / "0").read_bytes() == b""
+    assert bare.records.free == [tmp_path / "work" / FOLDER / "0"]
 
 
 def test_a_run_that_cannot_be_recorded_is_refused_for_now_and_not_started(tmp_path: Path) -> None:
@@ -597,7 +600,7 @@ def test_a_run_that_cannot_be_recorded_is_refused_for_now_and_not_started(tmp_pa
     ran = tmp_path / "ran"
     bare = backend(tmp_path)
     (tmp_path / "work").mkdir()
-    (tmp_path / "work" / RUNS).write_text("in the way")
+    (tmp_path / "work" / FOLDER).write_text("in the way")
 
     async def scenario() -> None:
         with pytest.raises(Refused) as refused:
