@@ -20,14 +20,16 @@ import logging
 import os
 import pwd
 import shutil
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from agents.backend import Refused, Report, Upload, refuse_declared_volumes, with_log_end
 from agents.hpc.apps import ADDRESS_FILE, AddressInvalid, ports
 from agents.hpc.cluster import (
+    COMMAND_SECONDS,
     OUTPUT_TAIL_LINES,
     TRANSIENT,
     ClusterUnavailable,
@@ -43,6 +45,7 @@ from agents.hpc.cluster import (
 from agents.hpc.lsf import Lsf
 from agents.hpc.pbs import Pbs
 from agents.hpc.slurm import Slurm
+from agents.hpc.submissions import Found, Submission, Submissions
 from agents.relay import NodeRelay, new_key
 from agents.state import JobRecord, State
 from protocol import environment as task_environment
@@ -75,6 +78,12 @@ class Batch:
     poller: asyncio.Task[None] | None = None
     reporter: Report | None = None
     reasons: dict[str, str] = field(default_factory=dict)  # task -> why the agent stopped its run
+    submissions: Submissions = field(init=False)
+    unanswered: dict[str, Found] = field(default_factory=dict)  # task -> a submission a killed agent left
+    stop_on_answer: set[str] = field(default_factory=set)  # unanswered tasks the plane asked to stop
+
+    def __post_init__(self) -> None:
+        self.submissions = Submissions(Path(self.state.path).parent / "submissions")
 
     @property
     def name(self) -> str:
@@ -93,7 +102,8 @@ class Batch:
         return found.as_dict() if found else {}
 
     def running(self) -> list[str]:
-        return sorted(job.task_id for job in self.state.jobs())
+        """The tasks whose jobs this agent follows, and those whose submissions' answers it waits for."""
+        return sorted({job.task_id for job in self.state.jobs()} | set(self.unanswered))
 
     def queue(self) -> list[dict[str, Any]]:
         """The cluster's view of Klique's jobs, as last polled: for the pool's queue in the API."""
@@ -178,18 +188,20 @@ class Batch:
         stdin: bytes | None = None,
         environment: Mapping[str, str] | None = None,
         account: str | None = None,
+        output: BinaryIO | None = None,
         /,
     ) -> Completed:
         """A cluster command (the dialects' queries, signals, cancels): the agent's minimal environment
         unless one is given, as the agent itself unless an account is."""
-        return await self.run(argv, stdin, environment or agent_environment(self.settings.path), account)
+        environment = environment or agent_environment(self.settings.path)
+        return await self.run(argv, stdin, environment, account, output)
 
     async def start(self, assignment: dict[str, Any], report: Report) -> None:
         """Submit the task's job as the user's account, or raise Refused with the reason."""
         self._ensure_poller(report)
         task_id = str(assignment["task_id"])
-        if self._job(task_id) is not None:
-            return  # a repeated assignment of a task whose job is already in the cluster
+        if self._job(task_id) is not None or task_id in self.unanswered:
+            return  # a repeated assignment of a task whose job is already in the cluster (or may be)
         refuse_declared_volumes(assignment, self.name.upper())
         account = self.account_for(str(assignment.get("user") or ""))
         if not assignment.get("task_token"):
@@ -208,24 +220,77 @@ class Batch:
         submit = self.dialect.submit(script_path, context)
         stdin = script.encode() if self.dialect.script_on_stdin else None
         environment = self.submission_environment(account, assignment.get("secrets") or {})
-        submitted = await self.run(submit, stdin, environment, account)
+        recorded = Submission(
+            task_id, str(folder), account, json.dumps(app) if app else "",
+            str(assignment.get("lease_id") or ""), int(assignment.get("attempt") or 1),
+        )  # fmt: skip
+        try:
+            output = self.submissions.begin(recorded)
+        except OSError as error:  # a full disk: nothing is submitted, the task waits for another try
+            raise Refused(f"This agent could not record the task's submission ({error}).") from None
+        with output:
+            submitted = await self.run(submit, stdin, environment, account, output)
         if submitted.returncode:
+            self.submissions.end(task_id)
             message = submitted.message
             raise Refused(f"{submit[0]}: {message}", permanent=not TRANSIENT.search(message))
         try:
             job = self.dialect.job_id(submitted.stdout)
         except ValueError as error:
+            self.submissions.end(task_id)
             raise Refused(str(error)) from None
-        self.state.add_job(JobRecord(task_id, job, str(folder), account, app=json.dumps(app) if app else ""))
+        self.state.add_job(JobRecord(task_id, job, str(folder), account, app=recorded.app))
         logger.info("task %s is %s job %s of %s", task_id, self.name, job, account)
         await report(task_id, "status", {"state": "pending", "reason": "submitted", "job_id": job}, None)
 
     # Following ---------------------------------------------------------------------------------------
 
     def adopt(self, report: Report) -> list[str]:
-        """Follow the jobs a previous agent process submitted, by their job ids."""
+        """Follow the jobs a previous agent process submitted, by their job ids: those in its state, and
+        those of submissions it was killed in the middle of (agents.hpc.submissions), which are held under
+        their leases until their commands' answers are read (_answered)."""
         self._ensure_poller(report)
+        for found in self.submissions.found():
+            task_id = found.submission.task_id
+            if self._job(task_id) is not None:
+                continue  # committed: the state has it
+            if self.state.lease(task_id) != found.submission.lease_id:
+                self.state.lease_begin(task_id, found.submission.lease_id, found.submission.attempt)
+            self.unanswered[task_id] = found
         return self.running()
+
+    async def _answered(self) -> None:
+        """Each submission a killed agent left: its job followed once its command's answer names it; or,
+        where no answer came within the command's time limit, forgotten with its lease (it was never
+        submitted, or its submission failed: the plane, told nothing of it, offers the task again)."""
+        for task_id, found in list(self.unanswered.items()):
+            output = self.submissions.output(task_id)
+            try:
+                job = self.dialect.job_id(output)
+            except ValueError:
+                if time.time() < found.recorded_at + COMMAND_SECONDS:
+                    continue  # the command may still be running, its agent gone
+                del self.unanswered[task_id]
+                self.stop_on_answer.discard(task_id)
+                logger.warning("task %s: its submission was never answered; it is forgotten", task_id)
+                self.submissions.end(task_id)
+                if self.state.lease(task_id) == found.submission.lease_id:
+                    self.state.lease_end(task_id)
+                continue
+            del self.unanswered[task_id]
+            submission = found.submission
+            self.state.add_job(
+                JobRecord(task_id, job, submission.folder, submission.account, app=submission.app)
+            )
+            logger.info(
+                "task %s is %s job %s of %s (taken back)", task_id, self.name, job, submission.account
+            )
+            if self.reporter is not None:
+                body = {"state": "pending", "reason": "submitted", "job_id": job}
+                await self.reporter(task_id, "status", body, None)
+            if task_id in self.stop_on_answer:
+                self.stop_on_answer.discard(task_id)
+                await self.stop(task_id, 0.0)
 
     def _ensure_poller(self, report: Report) -> None:
         self.reporter = report
@@ -242,6 +307,8 @@ class Batch:
 
     async def poll(self) -> None:
         """One batched look at the cluster: report what changed for each of Klique's jobs."""
+        if self.unanswered:
+            await self._answered()
         jobs = self.state.jobs()
         if not jobs or self.reporter is None:
             self.polled = {}
@@ -303,6 +370,7 @@ class Batch:
         if reason := self.reasons.pop(job.task_id, ""):
             result["reason"] = reason
         await self.reporter(job.task_id, "result", result, None)
+        self.submissions.end(job.task_id)  # before the state forgets the job
         self.state.remove_job(job.task_id)
         self.polled.pop(job.task_id, None)
         with contextlib.suppress(FileNotFoundError):
@@ -368,6 +436,8 @@ class Batch:
         """SIGTERM through the cluster, then cancel after the grace period (at once for a waiting job)."""
         job = self._job(task_id)
         if job is None:
+            if task_id in self.unanswered:
+                self.stop_on_answer.add(task_id)  # its job, if the cluster took it, is cancelled then
             return
         self.state.job_stopping(task_id)
         waiting = job.last.startswith("pending") or not job.last

@@ -15,7 +15,7 @@ import stat
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import agents.node
 from protocol.scripts import ScriptSettings, node_script
@@ -75,7 +75,9 @@ def count_of(value: object) -> int | None:
 
 class Execute(Protocol):
     """Runs a cluster command: an argument list, its stdin, the environment the agent built for it (None:
-    the agent's minimal one) and the Linux account it runs as (None: the agent's own)."""
+    the agent's minimal one), the Linux account it runs as (None: the agent's own) and where its output
+    goes (None: a pipe; a file for a submission, whose answer must outlive the agent: agents.hpc.submissions).
+    The output is in the Completed either way."""
 
     def __call__(
         self,
@@ -83,6 +85,7 @@ class Execute(Protocol):
         stdin: bytes | None,
         environment: Mapping[str, str] | None,
         account: str | None = None,
+        output: BinaryIO | None = None,
         /,
     ) -> Awaitable[Completed]: ...
 
@@ -120,9 +123,11 @@ async def execute(
     stdin: bytes | None = None,
     environment: Mapping[str, str] | None = None,
     account: str | None = None,
+    output: BinaryIO | None = None,
     /,
 ) -> Completed:
-    """Run a cluster command (an argument list, never a shell) by its absolute path, with a time limit."""
+    """Run a cluster command (an argument list, never a shell) by its absolute path, with a time limit;
+    its output to `output` where given (a file, read back once the command has ended)."""
     environment = dict(environment) if environment is not None else agent_environment()
     found = program(argv[0], environment.get("PATH", SYSTEM_PATH))
     if found is None:
@@ -132,7 +137,7 @@ async def execute(
             found,
             *argv[1:],
             stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE if output is None else output,
             stderr=asyncio.subprocess.PIPE,
             env=environment,
             cwd="/",  # never the agent's folder, which the account cannot read
@@ -152,7 +157,12 @@ async def execute(
         # the event loop still runs, not collected after it has closed.
         await _end(process, CANCELLED_PATIENCE_SECONDS)
         raise
+    if output is not None:
+        out = os.pread(output.fileno(), MAX_OUTPUT, 0)
     return Completed(process.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace"))
+
+
+MAX_OUTPUT = 1 << 20  # what is read back of a command's output file
 
 
 CANCELLED_PATIENCE_SECONDS = 5.0

@@ -8,6 +8,7 @@ import asyncio
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 
@@ -77,6 +78,7 @@ def cluster(scheduler: str, answer: Completed, tmp_path: Path) -> tuple[Batch, l
         stdin: bytes | None,
         environment: Mapping[str, str] | None,
         account: str | None = None,
+        output: BinaryIO | None = None,
         /,
     ) -> Completed:
         asked.append(list(argv))

@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pytest
 from django_tenants.utils import schema_context
@@ -192,10 +192,14 @@ class Recorded:
         stdin: bytes | None,
         environment: Mapping[str, str] | None,
         account: str | None = None,
+        output: BinaryIO | None = None,
         /,
     ) -> Completed:
         self.calls.append((list(argv), dict(environment or {}), account))
-        return Completed(0, "4242\n", "") if argv[0] == "sbatch" else Completed(0, "", "")
+        answer = Completed(0, "4242\n", "") if argv[0] == "sbatch" else Completed(0, "", "")
+        if output is not None:
+            output.write(answer.stdout.encode())
+        return answer
 
 
 def _slurm(tmp_path: Path, cluster: Recorded) -> Batch:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pytest
 from rest_framework.test import APIClient
@@ -207,6 +207,7 @@ def test_a_batch_agent_refuses_a_task_that_declares_volumes_before_it_submits_an
         stdin: bytes | None,
         environment: Mapping[str, str] | None,
         account: str | None = None,
+        output: BinaryIO | None = None,
         /,
     ) -> Completed:
         commands.append(list(argv))
