@@ -37,10 +37,10 @@ class Submission:
 
 @dataclass(frozen=True)
 class Found:
-    """A submission read back by a restarted agent: what its command printed, and when it was recorded."""
+    """A submission read back by a restarted agent, and when it was recorded (its command's answer is read
+    on each look: `output`)."""
 
     submission: Submission
-    output: str
     recorded_at: float  # seconds since the epoch
 
 
@@ -81,7 +81,7 @@ class Submissions:
             if submission.task_id != task_id:
                 self.end(task_id)
                 continue
-            found.append(Found(submission, self.output(task_id), recorded_at))
+            found.append(Found(submission, recorded_at))
         return found
 
     def output(self, task_id: str) -> str:
